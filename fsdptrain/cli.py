@@ -1,0 +1,129 @@
+"""The ``fsdptrain`` command line: parse, compose, validate, hand off.
+
+Thin by design: typer parses, hydra's compose API builds the config from ``conf/`` and the overrides, one validation
+pass checks it, and the work is handed to the ranks (``--nproc`` local processes through torch's elastic launcher, or
+this process under torchrun). Importing this module does not import torch, so ``--help`` is instant.
+
+Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, bad value, missing file).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from omegaconf import DictConfig, OmegaConf
+
+from fsdptrain.compose import compose_config
+from fsdptrain.config import ConfigError, validate_world
+
+USAGE_ERROR = 2
+
+app = typer.Typer(
+    name="fsdptrain",
+    help="RL post-training (PPO/GRPO) for causal LMs on PyTorch FSDP2, with packed sequences and metrics that mean "
+    "the same under any packing, micro-batching and parallel layout.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    epilog="Examples:  fsdptrain train  |  fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5  |  "
+    "fsdptrain check-metrics --nproc 2  |  fsdptrain train --cfg",
+)
+
+OVERRIDES = typer.Argument(None, help="Hydra overrides, e.g. loss.agg_mode=token-sum trainer.steps=5 algorithm=grpo")
+CONFIG_DIR = typer.Option(None, "--config-dir", help="Folder of your own configs (ours stay on the search path).")
+CONFIG_NAME = typer.Option("config", "--config-name", help="Primary config name in the config folder.")
+PRINT_CFG = typer.Option(False, "--cfg", help="Print the resolved config as YAML and exit.")
+NPROC = typer.Option(1, "--nproc", min=1, help="Local processes to launch (refused under torchrun).")
+
+
+def _fail_usage(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(USAGE_ERROR)
+
+
+def _run_dir(cfg: DictConfig) -> Path:
+    if cfg.trainer.run_dir is not None:
+        return Path(cfg.trainer.run_dir)
+    name = cfg.trainer.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / name
+
+
+def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
+              print_cfg: bool, nproc: int) -> None:
+    from fsdptrain.launch import torchrun_world_size, under_torchrun
+
+    if nproc != 1 and under_torchrun():
+        _fail_usage(f"--nproc {nproc} was given under torchrun: torchrun already started the ranks; drop --nproc")
+    try:
+        cfg = compose_config(overrides or [], config_dir=config_dir, config_name=config_name)
+        world_size = torchrun_world_size() if under_torchrun() else nproc
+        validate_world(cfg, world_size)
+    except ConfigError as err:
+        _fail_usage(str(err))
+    if print_cfg:
+        typer.echo(OmegaConf.to_yaml(cfg), nl=False)
+        raise typer.Exit(0)
+    run_dir = str(_run_dir(cfg))
+    if under_torchrun():
+        from fsdptrain.worker import exit_process, run_rank
+
+        exit_process(run_rank(command, cfg, run_dir))
+    with tempfile.TemporaryDirectory(prefix="fsdptrain-") as tmp:
+        config_path = Path(tmp) / "config.yaml"
+        OmegaConf.save(cfg, config_path)
+        worker_args = [command, str(config_path), run_dir]
+        if nproc == 1:
+            import subprocess
+
+            code = subprocess.call([sys.executable, "-m", "fsdptrain.worker", *worker_args])
+        else:
+            from fsdptrain.launch import launch_local
+
+            code = launch_local(nproc, worker_args)
+    raise typer.Exit(code)
+
+
+@app.command(
+    context_settings={"ignore_unknown_options": True},
+    short_help="Train with PPO or GRPO. e.g. fsdptrain train algorithm=grpo trainer.steps=5",
+)
+def train(
+    overrides: Optional[List[str]] = OVERRIDES,
+    config_dir: Optional[str] = CONFIG_DIR,
+    config_name: str = CONFIG_NAME,
+    print_cfg: bool = PRINT_CFG,
+    nproc: int = NPROC,
+) -> None:
+    """Train a policy (and a value model for PPO) with PPO or GRPO.
+
+    Example: fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5
+    """
+    _dispatch("train", overrides, config_dir, config_name, print_cfg, nproc)
+
+
+@app.command(
+    "check-metrics",
+    context_settings={"ignore_unknown_options": True},
+    short_help="Prove metrics are layout-invariant. e.g. fsdptrain check-metrics loss.agg_mode=token-sum --nproc 2",
+)
+def check_metrics(
+    overrides: Optional[List[str]] = OVERRIDES,
+    config_dir: Optional[str] = CONFIG_DIR,
+    config_name: str = CONFIG_NAME,
+    print_cfg: bool = PRINT_CFG,
+    nproc: int = NPROC,
+) -> None:
+    """Prove that loss, gradients and metrics are the same packed or unpacked, under any micro-batching and dp size.
+
+    Example: fsdptrain check-metrics loss.agg_mode=seq-mean-token-sum --nproc 2
+    """
+    _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,96 @@
+"""Compose and validate a config through hydra's compose API, turning every user mistake into one-line ConfigError.
+
+No ``@hydra.main``, no edits of ``sys.argv``: the CLI hands the overrides over as a list. The packaged ``conf/`` is the
+primary config directory; with ``--config-dir`` the user's folder is primary and ours stays on the search path, so a
+user's config can list ``config_schema`` and our presets (``model: tiny``, ``algorithm: grpo``) in its defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdptrain.config import SCHEMA_GROUPS, ConfigError, register_schemas, validate
+
+PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _omegaconf_message(err: OmegaConfBaseException) -> str:
+    full_key = getattr(err, "full_key", None)
+    msg = getattr(err, "msg", None) or _first_line(str(err))
+    if "not in" in msg and full_key:
+        group = full_key.split(".")[0]
+        schema = SCHEMA_GROUPS.get(group)
+        if schema is not None and "." in full_key:
+            valid = ", ".join(f.name for f in dataclasses.fields(schema))
+            return f"unknown config key '{full_key}'; valid keys in '{group}': {valid}"
+        return f"unknown config key '{full_key}'; valid top-level keys: {', '.join(SCHEMA_GROUPS)}"
+    return f"{full_key}: {_first_line(msg)}" if full_key else _first_line(msg)
+
+
+def _hydra_message(err: HydraException) -> str:
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        return _omegaconf_message(cause)
+    text = str(err)
+    if isinstance(err, MissingConfigException):
+        options = getattr(err, "options", None)
+        head = _first_line(text)
+        return f"{head}; available: {', '.join(options)}" if options else head
+    if isinstance(err, OverrideParseException):
+        lines = [line for line in text.strip().splitlines() if line and not line.startswith("See ")]
+        return "; ".join(lines[:2])
+    return _first_line(text)
+
+
+def _check_no_extra_keys(cfg: DictConfig) -> None:
+    """Reject keys added with ``+key=value`` that the schema does not know (they would be silently ignored)."""
+    for group, value in cfg.items():
+        if group not in SCHEMA_GROUPS:
+            raise ConfigError(f"unknown config key '{group}'; valid top-level keys: {', '.join(SCHEMA_GROUPS)}")
+        known = [f.name for f in dataclasses.fields(SCHEMA_GROUPS[group])]
+        for key in value.keys():
+            if key not in known:
+                raise ConfigError(f"unknown config key '{group}.{key}'; valid keys in '{group}': {', '.join(known)}")
+
+
+def compose_config(
+    overrides: Sequence[str] = (),
+    *,
+    config_dir: Optional[str] = None,
+    config_name: str = "config",
+) -> DictConfig:
+    """Compose ``config_name`` with ``overrides`` and validate it; raise ConfigError with one line on any mistake."""
+    register_schemas()
+    overrides = list(overrides)
+    if config_dir is None:
+        primary = PACKAGE_CONF_DIR
+    else:
+        primary = Path(config_dir).expanduser().resolve()
+        if not primary.is_dir():
+            raise ConfigError(f"--config-dir {config_dir!r} is not a directory")
+        overrides = [f"hydra.searchpath=[file://{PACKAGE_CONF_DIR}]"] + overrides
+    try:
+        with initialize_config_dir(config_dir=str(primary), version_base=None):
+            cfg = compose(config_name=config_name, overrides=overrides)
+        OmegaConf.resolve(cfg)
+        _check_no_extra_keys(cfg)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+    except HydraException as err:
+        raise ConfigError(_hydra_message(err)) from None
+    except OmegaConfBaseException as err:
+        raise ConfigError(_omegaconf_message(err)) from None
+    if missing:
+        raise ConfigError(f"missing required value: {missing[0]} (set it with {missing[0]}=...)")
+    validate(cfg)
+    return cfg

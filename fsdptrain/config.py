@@ -1,0 +1,374 @@
+"""Typed configuration schema, registered with hydra's ConfigStore, and its one validation pass.
+
+Every group of ``conf/`` has a dataclass here; each field carries a one-line attribute docstring (the string literal
+right below it), which ``docs/configuration.md`` mirrors and a test keeps in step. Choices are plain strings (an Enum
+would reject the hyphenated names users type, such as ``token-sum``) and are checked by :func:`validate` right after
+composition, together with the rules that span fields. Nothing here imports torch: the CLI validates in the parent
+process before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ALGORITHM_NAMES = ("ppo", "grpo")
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "cosine")
+DATA_SOURCES = ("task", "jsonl")
+TASKS = ("copy_digits", "reverse_digits", "sort_digits")
+DEVICES = ("auto", "cpu", "cuda")
+RESUME_MODES = ("never", "auto")
+VALUE_INITS = ("policy", "seed")
+MODEL_ARCHS = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local Hugging Face model folder (weights + config + tokenizer); null builds the tiny model below from its config."""
+    arch: str = "llama"
+    """Architecture of the config-built model when `path` is null."""
+    hidden_size: int = 64
+    """Hidden width of the config-built model."""
+    num_layers: int = 2
+    """Decoder layers of the config-built model."""
+    num_heads: int = 4
+    """Attention heads of the config-built model."""
+    num_kv_heads: int = 2
+    """Key/value heads of the config-built model (grouped-query attention when below num_heads)."""
+    intermediate_size: int = 128
+    """MLP width of the config-built model."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the output projection (config-built model)."""
+    attn_backend: str = "auto"
+    """Packed attention for training forwards: auto, flash_attn, torch_varlen or sdpa_segments (generation uses sdpa)."""
+    value_init: str = "policy"
+    """Where the value model's backbone starts: policy (copy of the policy's weights) or seed (fresh init)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"
+    """Preset name, for the record: ppo or grpo."""
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae (needs the value model), grpo or rloo (group baselines, no value model)."""
+    use_critic: bool = True
+    """Train a value model (PPO). GAE requires it."""
+    gamma: float = 1.0
+    """Discount for GAE."""
+    lam: float = 1.0
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages with mean and variance taken over the whole global batch."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's standard deviation (false gives Dr. GRPO's mean-only baseline)."""
+    ppo_epochs: int = 1
+    """Passes over each step's experience."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_ratio_high."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip bound for negative advantages (> 1); null turns dual-clip off."""
+    seq_level_ratio: bool = False
+    """Use the sequence-level importance ratio (GSPO) instead of the per-token one."""
+    cliprange_value: float = 0.2
+    """Value clipping range around the old values."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the policy loss."""
+    use_kl_loss: bool = False
+    """Add a KL penalty to a frozen reference policy to the loss (builds the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3 (low variance)."""
+    kl_in_reward_coef: float = 0.0
+    """Per-token KL penalty subtracted from the reward (0 turns it off; needs the reference model)."""
+
+
+@dataclass
+class LossConfig:
+    agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean."""
+    loss_scale_factor: Optional[float] = None
+    """Constant divisor of seq-mean-token-sum-norm; null uses the configured maximum response length."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the fused output projection (bounds the logits held at once)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "task"
+    """Where experience comes from: task (built-in task, the policy generates) or jsonl (offline rollouts)."""
+    task: str = "copy_digits"
+    """Built-in task when source=task."""
+    path: Optional[str] = None
+    """JSONL file of offline rollouts when source=jsonl."""
+    max_response_length: Optional[int] = None
+    """Declared maximum response length of offline rollouts (required for source=jsonl)."""
+    skip_bad_rows: bool = False
+    """Offline data: skip and count malformed rows instead of stopping with an error."""
+    num_eval_prompts: int = 32
+    """Held-out prompts for the greedy evaluation reward."""
+    seed: int = 1234
+    """Seed of the task's prompt stream."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16
+    """Prompts per training step, across all ranks."""
+    n: int = 4
+    """Samples per prompt (a group; never split across ranks)."""
+    max_new_tokens: int = 16
+    """Largest response length generated."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs in training use the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 50
+    """Number of training steps."""
+    seed: int = 0
+    """Seed for model init and sampling."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per epoch: the step's prompt groups are split into this many mini-batches."""
+    token_budget: int = 2048
+    """Most tokens in one packed micro-batch on one rank."""
+    lr: float = 1.0e-3
+    """Policy learning rate."""
+    critic_lr: float = 1.0e-3
+    """Value model learning rate."""
+    lr_schedule: str = "constant"
+    """Learning-rate schedule after warmup: constant or cosine."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of the peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Policy gradient-norm clip (0 turns clipping off; the norm is still logged)."""
+    critic_grad_clip: float = 1.0
+    """Value model gradient-norm clip (0 turns clipping off)."""
+    max_nonfinite_in_a_row: int = 3
+    """Stop the run after this many consecutive steps skipped for a non-finite gradient norm."""
+    grad_norm_warn_factor: float = 10.0
+    """Warn when the pre-clip grad norm stays above this factor times the clip threshold for 5 steps."""
+    eval_every: int = 10
+    """Greedy evaluation every this many steps (0 turns it off)."""
+    run_name: Optional[str] = None
+    """Run name; null uses a timestamp. Naming it keeps the run directory stable across invocations."""
+    run_dir: Optional[str] = None
+    """Run directory; null means runs/<run_name> under the current directory."""
+    resume: str = "never"
+    """Resume: never, or auto (newest complete checkpoint in the run directory)."""
+    device: str = "auto"
+    """Device: auto (cuda when available), cpu or cuda."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """HSDP replica groups (1 = plain FSDP)."""
+    dp_shard: str = "auto"
+    """Ranks each replica shards over; auto = world size / dp_replicate."""
+    param_dtype: str = "float32"
+    """Dtype of unsharded parameters in forward/backward (MixedPrecisionPolicy)."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter (MixedPrecisionPolicy)."""
+    reshard_after_forward: bool = True
+    """Free unsharded parameters after each layer's forward (trades memory for an all-gather in backward)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU (GPU runs only)."""
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    tensorboard: bool = False
+    """Also write TensorBoard events when tensorboard is installed."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0 turns periodic checkpoints off)."""
+    keep: int = 2
+    """Keep this many newest checkpoints."""
+
+
+@dataclass
+class CheckConfig:
+    rtol: float = 1.0e-5
+    """check-metrics: relative tolerance of every comparison."""
+    atol: float = 1.0e-6
+    """check-metrics: absolute tolerance of every comparison."""
+    simulated_dp: int = 2
+    """check-metrics: data-parallel size simulated in one process."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+
+
+SCHEMA_GROUPS = {
+    "model": ModelConfig,
+    "algorithm": AlgorithmConfig,
+    "loss": LossConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "parallel": ParallelConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+    "check": CheckConfig,
+}
+
+
+def register_schemas() -> None:
+    """Register the root schema; ``conf/config.yaml`` lists it first, so every YAML preset and override merged on top
+    of it is type-checked (an unknown key or a wrong type fails composition)."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+class ConfigError(ValueError):
+    """A user's configuration mistake: the CLI prints its one-line message and exits 2."""
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.arch": MODEL_ARCHS,
+    "model.attn_backend": ATTN_BACKENDS,
+    "model.value_init": VALUE_INITS,
+    "algorithm.name": ALGORITHM_NAMES,
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "algorithm.kl_estimator": KL_ESTIMATORS,
+    "loss.agg_mode": AGG_MODES,
+    "data.source": DATA_SOURCES,
+    "data.task": TASKS,
+    "trainer.lr_schedule": LR_SCHEDULES,
+    "trainer.resume": RESUME_MODES,
+    "trainer.device": DEVICES,
+    "parallel.param_dtype": DTYPES,
+    "parallel.reduce_dtype": DTYPES,
+}
+
+_POSITIVE_INTS = (
+    "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size",
+    "algorithm.ppo_epochs", "loss.logprob_chunk_size", "rollout.prompts_per_step", "rollout.n",
+    "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
+    "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
+)
+_NON_NEGATIVE = (
+    "trainer.warmup_steps", "trainer.weight_decay", "trainer.grad_clip", "trainer.critic_grad_clip",
+    "trainer.eval_every", "checkpoint.every", "algorithm.entropy_coef", "algorithm.kl_loss_coef",
+    "algorithm.kl_in_reward_coef", "algorithm.cliprange_value", "algorithm.clip_ratio_low",
+    "algorithm.clip_ratio_high", "data.num_eval_prompts", "check.rtol", "check.atol",
+)
+_POSITIVE_FLOATS = ("trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor")
+
+
+def _get(cfg: DictConfig, dotted: str) -> Any:
+    return OmegaConf.select(cfg, dotted, throw_on_missing=True)
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    for key, choices in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not a valid choice; choose one of: {', '.join(choices)}")
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    for key in _POSITIVE_INTS:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be a positive integer")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
+    for key in _POSITIVE_FLOATS:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    top_p = cfg.rollout.top_p
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"rollout.top_p={top_p} must be in (0, 1]")
+    if not 0 <= cfg.trainer.min_lr_ratio <= 1:
+        raise ConfigError(f"trainer.min_lr_ratio={cfg.trainer.min_lr_ratio} must be in [0, 1]")
+    dp_shard = cfg.parallel.dp_shard
+    if dp_shard != "auto" and not (str(dp_shard).isdigit() and int(dp_shard) >= 1):
+        raise ConfigError(f"parallel.dp_shard={dp_shard!r} must be 'auto' or a positive integer")
+
+
+def _check_cross_fields(cfg: DictConfig) -> None:
+    alg = cfg.algorithm
+    if alg.adv_estimator == "gae" and not alg.use_critic:
+        raise ConfigError("algorithm.adv_estimator=gae needs a value model: set algorithm.use_critic=true "
+                          "or choose algorithm.adv_estimator=grpo or rloo")
+    if alg.adv_estimator in ("grpo", "rloo") and cfg.data.source == "task" and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares samples of one prompt: "
+                          f"rollout.n={cfg.rollout.n} must be at least 2")
+    if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1:
+        raise ConfigError(f"algorithm.clip_ratio_c={alg.clip_ratio_c} must be > 1 (or null to turn dual-clip off)")
+    if cfg.model.num_heads % cfg.model.num_kv_heads != 0:
+        raise ConfigError(f"model.num_kv_heads={cfg.model.num_kv_heads} must divide "
+                          f"model.num_heads={cfg.model.num_heads}")
+    if cfg.model.hidden_size % cfg.model.num_heads != 0:
+        raise ConfigError(f"model.num_heads={cfg.model.num_heads} must divide "
+                          f"model.hidden_size={cfg.model.hidden_size}")
+    factor = cfg.loss.loss_scale_factor
+    if factor is not None and not factor > 0:
+        raise ConfigError(f"loss.loss_scale_factor={factor} must be > 0 (or null for the max response length)")
+    if cfg.data.source == "jsonl":
+        if cfg.data.path is None:
+            raise ConfigError("data.source=jsonl needs data.path=<file.jsonl>")
+        if cfg.data.max_response_length is None or cfg.data.max_response_length < 1:
+            raise ConfigError("data.source=jsonl needs data.max_response_length=<declared maximum response tokens>")
+    if cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
+        raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
+                          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check every choice, range and cross-field rule of a composed config; raise :class:`ConfigError` on the first."""
+    _check_choices(cfg)
+    _check_ranges(cfg)
+    _check_cross_fields(cfg)
+
+
+def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
+    """The mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` processes, or a ConfigError naming the mismatch."""
+    replicate = cfg.parallel.dp_replicate
+    shard = cfg.parallel.dp_shard
+    if shard == "auto":
+        if world_size % replicate != 0:
+            raise ConfigError(f"parallel.dp_replicate={replicate} must divide the world size {world_size}")
+        return replicate, world_size // replicate
+    shard = int(shard)
+    if replicate * shard != world_size:
+        raise ConfigError(f"parallel.dp_replicate={replicate} x parallel.dp_shard={shard} = {replicate * shard} "
+                          f"does not match the world size {world_size}")
+    return replicate, shard
