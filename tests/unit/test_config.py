@@ -9,6 +9,7 @@ import pytest
 
 from fsdptrain.compose import PACKAGE_CONF_DIR, compose_config
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, validate_world
+from fsdptrain.schema_docs import field_docs, render_configuration_md
 
 REQUIRED_OVERRIDES = {
     ("model", "local"): ["model.path=/some/hf/folder"],
@@ -44,24 +45,16 @@ def test_preset_without_its_required_value_is_a_usage_error():
 
 
 def test_every_schema_field_has_a_docstring():
-    import ast
-    import inspect
-
-    import fsdptrain.config as config_module
-
-    tree = ast.parse(inspect.getsource(config_module))
-    documented: dict[str, set[str]] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            names = set()
-            for prev, nxt in zip(node.body, node.body[1:]):
-                if (isinstance(prev, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                        and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-                    names.add(prev.target.id)
-            documented[node.name] = names
+    docs = field_docs()
     for schema in SCHEMA_GROUPS.values():
         fields = {f.name for f in dataclasses.fields(schema)}
-        assert fields == documented[schema.__name__], schema.__name__
+        assert fields == set(docs[schema.__name__]), schema.__name__
+        assert all(docs[schema.__name__].values()), schema.__name__
+
+
+def test_configuration_doc_matches_the_schema():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert doc == render_configuration_md(), "docs/configuration.md is stale: run python scripts/gen_config_docs.py"
 
 
 @pytest.mark.parametrize(
