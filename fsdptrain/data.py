@@ -1,0 +1,126 @@
+"""Experience sources: the bundled task's prompt stream, and offline rollouts read from JSONL.
+
+Everything is stored and rewarded as text, so any tokenizer works. Prompt groups carry a global index: mini-batch
+membership and the rank that owns a group follow from it, never from the world size.
+
+Offline JSONL rows: ``{"prompt": str, "response": str, "reward": float}`` and optionally ``"group"`` (any JSON
+scalar; rows sharing it are samples of one prompt), ``"truncated"`` (bool; otherwise EOS is appended to the response)
+and ``"behaviour_logprobs"`` (one float per response token, EOS included; then used as the old log-probs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from fsdptrain.config import ConfigError
+from fsdptrain.rollout import Rollout
+from fsdptrain.tasks import TASKS, Task
+
+
+class DataError(ConfigError):
+    """A bad input file: the message names the file and line; the CLI prints it and exits 2."""
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt of a step, sampled ``n`` times; ``index`` is its global index within the step."""
+
+    index: int
+    text: str
+    answer: list[str]
+
+
+def task_prompts(task: Task, *, seed: int, step: int, num_prompts: int, stream: str = "train") -> list[PromptGroup]:
+    """The ``num_prompts`` prompts of ``step``: a pure function of (seed, stream, step), the same on every rank."""
+    rng = random.Random(f"{stream}:{seed}:{step}")
+    groups = []
+    for index in range(num_prompts):
+        text, answer = task.make_prompt(rng)
+        groups.append(PromptGroup(index=index, text=text, answer=answer))
+    return groups
+
+
+def get_task(name: str) -> Task:
+    return TASKS[name]
+
+
+def _row_error(path: Path, line_no: int, message: str) -> DataError:
+    return DataError(f"{path}:{line_no}: {message}")
+
+
+def _parse_row(row: object, path: Path, line_no: int) -> dict:
+    if not isinstance(row, dict):
+        raise _row_error(path, line_no, "expected a JSON object with prompt, response and reward")
+    for key, kind in (("prompt", str), ("response", str)):
+        if not isinstance(row.get(key), kind):
+            raise _row_error(path, line_no, f"'{key}' must be a string")
+    reward = row.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise _row_error(path, line_no, f"'reward' must be a finite number, got {reward!r}")
+    logprobs = row.get("behaviour_logprobs")
+    if logprobs is not None and not (
+        isinstance(logprobs, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs)
+    ):
+        raise _row_error(path, line_no, "'behaviour_logprobs' must be a list of numbers")
+    return row
+
+
+def load_jsonl_rollouts(
+    path: str, tokenizer, *, max_response_length: int, skip_bad_rows: bool
+) -> tuple[list[Rollout], int]:
+    """Read offline rollouts; return them with their group indices assigned, and the number of skipped rows.
+
+    A malformed row raises :class:`DataError` naming ``file:line`` unless ``skip_bad_rows``, in which case it is
+    counted and skipped. A response longer than ``max_response_length`` tokens is a bad row too.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"data.path={path!r}: no such file")
+    rollouts: list[Rollout] = []
+    group_index: dict[object, int] = {}
+    skipped = 0
+    with file.open() as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    row = _parse_row(json.loads(line), file, line_no)
+                except json.JSONDecodeError as err:
+                    raise _row_error(file, line_no, f"invalid JSON ({err.msg})") from None
+                rollouts.append(_tokenize_row(row, tokenizer, file, line_no, max_response_length, group_index))
+            except DataError:
+                if not skip_bad_rows:
+                    raise
+                skipped += 1
+    if not rollouts:
+        raise DataError(f"{file}: no usable rows")
+    return rollouts, skipped
+
+
+def _tokenize_row(row: dict, tokenizer, file: Path, line_no: int, max_response_length: int,
+                  group_index: dict[object, int]) -> Rollout:
+    prompt_ids = tokenizer(row["prompt"])["input_ids"]
+    response_ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+    truncated = bool(row.get("truncated", False))
+    if not truncated:
+        response_ids = response_ids + [tokenizer.eos_token_id]
+    if not response_ids or not prompt_ids:
+        raise _row_error(file, line_no, "empty prompt or response")
+    if len(response_ids) > max_response_length:
+        raise _row_error(file, line_no, f"response has {len(response_ids)} tokens, more than "
+                                        f"data.max_response_length={max_response_length}")
+    logprobs: Optional[list[float]] = row.get("behaviour_logprobs")
+    if logprobs is not None and len(logprobs) != len(response_ids):
+        raise _row_error(file, line_no, f"'behaviour_logprobs' has {len(logprobs)} entries for "
+                                        f"{len(response_ids)} response tokens (EOS included)")
+    key = row.get("group", f"__row{line_no}")
+    group = group_index.setdefault(json.dumps(key), len(group_index))
+    return Rollout(prompt_ids=list(prompt_ids), response_ids=list(response_ids), reward=float(row["reward"]),
+                   group=group, truncated=truncated, behaviour_logprobs=logprobs,
+                   prompt_text=row["prompt"], response_text=row["response"])

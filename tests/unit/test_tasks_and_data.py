@@ -1,0 +1,95 @@
+"""The bundled tokenizer, the tasks' rewards, the prompt stream and the offline JSONL reader."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from fsdptrain.data import DataError, load_jsonl_rollouts, task_prompts
+from fsdptrain.rollout import split_response
+from fsdptrain.tasks import TASKS, answer_from_prompt, reward
+from fsdptrain.tokenizer import TOKENIZER_PATH, build_tokenizer, load_bundled_tokenizer
+
+
+def test_shipped_tokenizer_matches_its_builder():
+    assert TOKENIZER_PATH.read_text() == build_tokenizer().to_str(pretty=True)
+
+
+def test_tokenizer_round_trips_task_text():
+    tok = load_bundled_tokenizer()
+    ids = tok("copy 3 8 1 =")["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == 6
+    assert tok.decode(ids, skip_special_tokens=True) == "copy 3 8 1 ="
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+
+
+def test_reward_is_positional_partial_credit():
+    # answer 3 8 1: "3 8 7" gets 2 of 3 right; "8 1" is shifted, so 0 of 3; extra words are ignored.
+    assert reward("3 8 7", ["3", "8", "1"]) == pytest.approx(2 / 3)
+    assert reward("8 1", ["3", "8", "1"]) == 0.0
+    assert reward("3 8 1 9 9", ["3", "8", "1"]) == 1.0
+    assert reward("", ["3", "8", "1"]) == 0.0
+
+
+def test_task_answers_depend_on_the_prompt():
+    rng = random.Random(0)
+    for task in TASKS.values():
+        text, answer = task.make_prompt(rng)
+        assert answer == answer_from_prompt(text, task)
+    assert TASKS["reverse_digits"].answer_of(["1", "2", "3"]) == ["3", "2", "1"]
+    assert TASKS["sort_digits"].answer_of(["3", "1", "2"]) == ["1", "2", "3"]
+
+
+def test_prompt_stream_is_a_pure_function_of_seed_and_step():
+    task = TASKS["copy_digits"]
+    a = task_prompts(task, seed=1, step=3, num_prompts=4)
+    assert a == task_prompts(task, seed=1, step=3, num_prompts=4)
+    assert a != task_prompts(task, seed=1, step=4, num_prompts=4)
+    assert [g.index for g in a] == [0, 1, 2, 3]
+
+
+def test_split_response_stops_at_first_eos_and_keeps_sampled_pads_of_truncated_rows():
+    assert split_response([5, 6, 2, 0, 0], eos_id=2) == ([5, 6, 2], False)
+    assert split_response([5, 0, 6], eos_id=2) == ([5, 0, 6], True)
+
+
+def _write(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+
+
+def test_jsonl_rollouts_group_and_eos(tmp_path):
+    tok = load_bundled_tokenizer()
+    path = tmp_path / "r.jsonl"
+    _write(path, [
+        {"prompt": "copy 1 2 3 =", "response": "1 2 3", "reward": 1.0, "group": "a"},
+        {"prompt": "copy 1 2 3 =", "response": "1 2", "reward": 0.5, "group": "a", "truncated": True},
+        {"prompt": "copy 4 4 4 =", "response": "4", "reward": 0.3, "behaviour_logprobs": [-0.1, -0.2]},
+    ])
+    rollouts, skipped = load_jsonl_rollouts(str(path), tok, max_response_length=8, skip_bad_rows=False)
+    assert skipped == 0
+    assert [r.group for r in rollouts] == [0, 0, 1]
+    assert rollouts[0].response_ids[-1] == tok.eos_token_id and len(rollouts[0].response_ids) == 4
+    assert rollouts[1].response_ids[-1] != tok.eos_token_id and rollouts[1].truncated
+    assert rollouts[2].behaviour_logprobs == [-0.1, -0.2]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("{not json", "invalid JSON"),
+        ({"prompt": "copy 1 =", "response": "1"}, "'reward' must be a finite number"),
+        ({"prompt": "copy 1 =", "response": "1", "reward": 1, "behaviour_logprobs": [0.0]}, "behaviour_logprobs"),
+        ({"prompt": "copy 1 =", "response": "1 1 1 1 1 1 1 1 1", "reward": 1}, "data.max_response_length=8"),
+    ],
+)
+def test_bad_row_names_file_and_line(tmp_path, bad, message):
+    tok = load_bundled_tokenizer()
+    path = tmp_path / "r.jsonl"
+    _write(path, [{"prompt": "copy 1 =", "response": "1", "reward": 1.0}, bad])
+    with pytest.raises(DataError) as excinfo:
+        load_jsonl_rollouts(str(path), tok, max_response_length=8, skip_bad_rows=False)
+    assert f"{path}:2:" in str(excinfo.value) and message in str(excinfo.value)
+    rollouts, skipped = load_jsonl_rollouts(str(path), tok, max_response_length=8, skip_bad_rows=True)
+    assert (len(rollouts), skipped) == (1, 1)
