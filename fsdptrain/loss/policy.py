@@ -1,0 +1,143 @@
+"""PPO / GRPO policy loss: clipped surrogate (asymmetric, dual-clip), GSPO sequence ratio, KL penalty, entropy.
+
+Tensors are per token in one of two layouts: padded `[B, T]` (a row is a sequence) or packed `[T]`/`[1, T]` with
+`cu_seqlens` (a segment is a sequence). Every term is aggregated with `agg_loss`, so the same mode and global
+normalizers apply to all of them.
+
+Departures: the log-ratio is clamped to [-20, 20] before `exp` for both the token and the sequence ratio (verl
+clamps the sequence one at 10 from above only); dual-clip is off unless `clip_ratio_c` is given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fsdptrain.loss.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
+from fsdptrain.metrics import Loss, Max, Mean, Metrics, Min
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_LOG_RATIO_CLAMP = 20.0
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled tokens, d = logp - ref_logp:
+
+    k1 = d;  k2 = d^2 / 2;  k3 = exp(-d) + d - 1 (unbiased, low variance, >= 0; d clamped to +-20 inside exp).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return torch.exp(-d) + d - 1.0
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum softmax(z) * z. Shape `[..., V] -> [...]`."""
+    probs = torch.softmax(logits, dim=-1)
+    # A -inf logit has probability 0 and contributes 0 (not 0 * -inf = NaN).
+    weighted = torch.where(probs > 0, probs * logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return torch.logsumexp(logits, dim=-1) - weighted.sum(dim=-1)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    norms: LossNormalizers,
+    agg_mode: str,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+    seq_level_ratio: bool = False,
+    cu_seqlens: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+) -> tuple[Tensor, Metrics]:
+    """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
+
+    Per token, with ratio r and advantage A:
+        pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        and for A < 0 with dual-clip: pg = min(pg, -A clip_ratio_c)
+    r = exp(logp - old_logp) per token; with `seq_level_ratio` (GSPO) r is, for every token of sequence i,
+        s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)],  s_i = exp(mean over i's valid tokens of (logp - old_logp)),
+    whose value is s_i and whose gradient is s_i * grad logp_t (use agg_mode seq-mean-token-mean for GSPO's
+    objective). Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are ignored,
+    NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
+
+    Metrics (token-weighted MEANs are over valid tokens):
+        pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the
+            mini-batch's value; kl_loss is before kl_coef; present iff `ref_logprobs` is given.
+        pg_clipfrac (MEAN): share of tokens where the clipped term won (-A clip(r) > -A r).
+        pg_clipfrac_lower (MEAN): share of tokens with A < 0 where dual-clip bound (always 0 without dual-clip).
+        ppo_kl (MEAN): old_logp - logp per token.
+        kl (MEAN): the KL estimator per token (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
+        probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX): the ratio r used in the loss.
+    Every name above is returned for every batch, empty or not, so rank schemas agree.
+    """
+    check_mode(agg_mode)
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_ratio_c}; use None to turn it off")
+    if ref_logprobs is None and kl_coef != 0.0:
+        raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef to 0")
+    if entropy is None and entropy_coef != 0.0:
+        raise ValueError("entropy_coef is set but entropy is None: pass the per-token entropy or set entropy_coef to 0")
+
+    layout = SeqLayout(logprobs.shape, cu_seqlens, logprobs.device)
+    valid = layout.valid(mask)
+    logp = masked(logprobs, valid)
+    old_logp = masked(old_logprobs, valid).detach()
+    adv = masked(advantages, valid).detach()
+
+    log_ratio = logp - old_logp
+    if seq_level_ratio:
+        seq_len = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
+        seq_log_ratio = layout.seq_sum(log_ratio.detach()) / seq_len
+        log_ratio = layout.broadcast(seq_log_ratio) + logp - logp.detach()
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg = torch.maximum(unclipped, clipped)
+    clipfrac = clipped > unclipped
+    if clip_ratio_c is not None:
+        dual = -adv * clip_ratio_c
+        lower = (adv < 0) & (pg > dual)
+        pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
+    else:
+        lower = torch.zeros_like(valid)
+
+    pg_loss = agg_loss_with(pg, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
+    loss = pg_loss
+    metrics = {
+        "pg_loss": Loss(pg_loss / norms.dp_size),
+        "pg_clipfrac": Mean.of(clipfrac.to(ratio.dtype), valid),
+        "pg_clipfrac_lower": Mean.of(lower.to(ratio.dtype), valid),
+        "ppo_kl": Mean.of(-(logp - old_logp), valid),
+        "probs_ratio_mean": Mean.of(ratio, valid),
+        "probs_ratio_min": Min.of(ratio, valid),
+        "probs_ratio_max": Max.of(ratio, valid),
+    }
+    if ref_logprobs is not None:
+        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator)
+        kl_loss = agg_loss_with(kl, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = Loss(kl_loss / norms.dp_size)
+        metrics["kl"] = Mean.of(kl, valid)
+    if entropy is not None:
+        ent = masked(entropy, valid)
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * agg_loss_with(ent, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
+        metrics["entropy"] = Mean.of(ent, valid)
+    return loss, Metrics(metrics)
