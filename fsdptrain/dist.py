@@ -1,0 +1,211 @@
+"""Process group, device mesh and the few collectives the trainer needs.
+
+Every run has a process group, even a single process started without torchrun: `init_distributed` then makes a real
+1-rank gloo group on a free local port. That keeps one code path for any world size (the model is always
+`fully_shard`ed over a DeviceMesh, gradients are always DTensors, the collectives below always run), so what the
+distributed tests check is what a single-process run executes. The collective helpers also accept being called
+with no group at all (world size 1, identity) so that pure single-process tools and tests can use them.
+
+Backends: gloo on the CPU; on CUDA a combined "cpu:gloo,cuda:nccl" group, so that CPU tensors (small bookkeeping
+scalars, gradients under CPU offload) and CUDA tensors can both be reduced. The small reductions here always run on
+CPU float64/int64 tensors, which keeps their results exact and independent of the device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DP_REPLICATE = "dp_replicate"
+DP_SHARD = "dp_shard"
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: global rank, world size, node-local rank and the torch device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or any launcher setting the same variables) started this process."""
+    return all(key in os.environ for key in _TORCHRUN_ENV)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
+    """Create the default process group from torchrun's environment, or a 1-rank group when there is none.
+
+    `device_type` is "cpu" (gloo) or "cuda" (nccl for CUDA tensors plus gloo for CPU tensors; the device is
+    cuda:LOCAL_RANK). Idempotent: a second call returns the existing group's info.
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device_type='cuda' but no CUDA device is visible; use device_type='cpu'")
+    if launched_by_torchrun():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        init_method = "env://"
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+
+
+def destroy_distributed() -> None:
+    """Destroy the default process group if there is one. Call it on the success path before `exit_process`."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """Flush stdout and stderr and leave with `os._exit(code)`, keeping the real exit code.
+
+    Processes that used gloo and fully_shard abort now and then in interpreter teardown, even after
+    `destroy_process_group` (platform notes: "terminate called without an active exception", exit -6); skipping
+    the teardown is what makes the exit code trustworthy. Nothing after this call runs (no atexit handlers).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe must not change the exit code
+            pass
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device mesh
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:
+    """Check a (dp_replicate, dp_shard) layout against the world size and return it with `dp_shard` resolved.
+
+    `dp_shard=None` means auto: world_size / dp_replicate. Pure function (no process group), so the CLI can reject
+    a bad layout in the parent before any rank starts. Raises ValueError with the fix in the message.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if not isinstance(dp_replicate, int) or dp_replicate < 1:
+        raise ValueError(f"parallel.dp_replicate must be a positive integer, got {dp_replicate!r}")
+    if dp_shard is None:
+        if world_size % dp_replicate != 0:
+            raise ValueError(
+                f"parallel.dp_replicate={dp_replicate} does not divide the world size {world_size}: "
+                f"choose a dp_replicate that divides {world_size}, or change the number of processes"
+            )
+        return dp_replicate, world_size // dp_replicate
+    if not isinstance(dp_shard, int) or dp_shard < 1:
+        raise ValueError(f"parallel.dp_shard must be a positive integer or null (auto), got {dp_shard!r}")
+    if dp_replicate * dp_shard != world_size:
+        raise ValueError(
+            f"parallel.dp_replicate x parallel.dp_shard = {dp_replicate} x {dp_shard} = {dp_replicate * dp_shard} "
+            f"but the world size is {world_size}: set parallel.dp_shard=null (auto = world size / dp_replicate) "
+            f"or launch {dp_replicate * dp_shard} processes"
+        )
+    return dp_replicate, dp_shard
+
+
+def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str) -> DeviceMesh:
+    """The data-parallel DeviceMesh: 1-D ("dp_shard",) for FSDP when dp_replicate == 1, else 2-D
+    ("dp_replicate", "dp_shard") for HSDP (parameters replicated across dim 0, sharded across dim 1).
+
+    Requires the default process group (`init_distributed`).
+    """
+    dp_replicate, dp_shard = validate_mesh_shape(dist.get_world_size(), dp_replicate, dp_shard)
+    if dp_replicate == 1:
+        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=(DP_SHARD,))
+    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+
+
+def dp_size(mesh: DeviceMesh) -> int:
+    """Number of data-parallel ranks: dp_replicate x dp_shard. FSDP2 averages gradients over exactly these ranks,
+    which is why the loss carries this factor (design.md section 3)."""
+    return mesh.size()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small collectives (world-wide, on CPU tensors)
+# ---------------------------------------------------------------------------------------------------------------
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_f64(values: torch.Tensor, op: str) -> torch.Tensor:
+    """All-reduce a flat float64 tensor over the whole world with op "sum", "min" or "max"; returns a new CPU
+    tensor (the input is not modified). With no process group this is the identity (world size 1)."""
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    assert values.dtype == torch.float64 and values.dim() == 1, (values.dtype, values.shape)
+    out = values.detach().to("cpu", copy=True)
+    if _world_size() > 1:
+        dist.all_reduce(out, op=_REDUCE_OPS[op])
+    return out
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """World-wide SUM of a flat float64 tensor (see `all_reduce_f64`)."""
+    return all_reduce_f64(values, "sum")
+
+
+def all_reduce_min(values: torch.Tensor) -> torch.Tensor:
+    """World-wide element-wise MIN of a flat float64 tensor (see `all_reduce_f64`)."""
+    return all_reduce_f64(values, "min")
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """World-wide element-wise MAX of a flat float64 tensor (see `all_reduce_f64`)."""
+    return all_reduce_f64(values, "max")
+
+
+def agree_max_int(value: int) -> int:
+    """The largest `value` over all ranks (e.g. so every rank runs the same number of micro-batches)."""
+    out = torch.tensor([int(value)], dtype=torch.int64)
+    if _world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
+
+
+def any_flag(flag: bool) -> bool:
+    """World-wide logical or: True on every rank when `flag` is True on at least one (non-finite skip, SIGTERM)."""
+    return agree_max_int(1 if flag else 0) == 1
