@@ -1,0 +1,383 @@
+"""Training checkpoints: atomic DCP folders, rotation, and resume at the same or another world size.
+
+A checkpoint is the folder `run_dir/checkpoints/step_{step:08d}`:
+
+    .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP): every model's and optimizer's sharded state, keyed
+                              "models/<name>/..." and "optimizers/<name>/..." (get_state_dict names, so DCP reshards
+                              them to any world size on load)
+    trainer_state.pt          rank 0: the schedulers' state dicts and `extra` (step, data position, counters, ...)
+    rng_rank{r}.pt            rank r: its own RNG states (torch CPU, CUDA when present, python `random`)
+    complete.json             rank 0, written last: {"format", "step", "world_size", "models", "optimizers", ...}
+
+Atomicity: everything is written into the sibling `.tmp_step_{step:08d}`; after a barrier (every rank has finished
+writing) rank 0 writes `complete.json` and renames the folder into place (a directory rename is atomic on POSIX).
+A crash at any moment therefore leaves either the old set of checkpoints or the old set plus a complete new one,
+never a partial folder under a `step_*` name. `latest_checkpoint` also requires the marker, as a second guard.
+Temp folders left by a crashed save are deleted by rank 0 at the next save or load.
+
+RNG at another world size: rank r restores `rng_rank{r}.pt` when the checkpoint has it; a rank beyond the saved
+world size seeds torch (CPU and CUDA) and python `random` with `derived_rng_seed(rank-0 torch state, r)` (the first
+8 bytes of sha256(rank 0's saved torch CPU RNG state bytes + b"rank<r>"), masked to 63 bits): deterministic for a
+given checkpoint and different per rank.
+
+Trust: DCP's `.metadata` is a pickle, so loading a checkpoint can run code. Resume only from checkpoints you (or
+your own runs) wrote. `trainer_state.pt` and `rng_rank*.pt` are read with `torch.load(weights_only=True)`, which is
+why `extra` must be plain data (see `save_checkpoint`). Hugging Face exports (fsdptrain.export) are safetensors.
+
+Not saved: numpy's global RNG and any generator object the caller owns (pass its state in `extra` as a tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+FORMAT_VERSION = 1
+CHECKPOINTS_DIR = "checkpoints"
+MARKER = "complete.json"
+TRAINER_STATE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp_"
+_PLAIN_SCALARS = (str, int, float, bool, type(None))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Folders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """The final folder of the checkpoint at `step`: run_dir/checkpoints/step_{step:08d}."""
+    return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:08d}"
+
+
+def _tmp_dir(final: Path) -> Path:
+    return final.with_name(_TMP_PREFIX + final.name)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """True when `path` is a `step_*` folder holding the completion marker (written last, before the rename)."""
+    path = Path(path)
+    return _STEP_DIR.match(path.name) is not None and (path / MARKER).is_file()
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint of the run, oldest step first. Temp and unmarked folders are ignored."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of the run (marker present), or None when there is none."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The completion marker of a checkpoint: step, world_size, the names of its models, optimizers, schedulers."""
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        raise ValueError(
+            f"{path} is not a complete checkpoint (no {MARKER}): it may be a save that crashed; "
+            f"resume from latest_checkpoint(run_dir) instead"
+        )
+    return json.loads(marker.read_text())
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, and every stale temp folder; return what was deleted.
+
+    Not collective: call it on one rank (save_checkpoint calls it on rank 0 after the rename).
+    """
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+    complete = complete_checkpoints(run_dir)
+    doomed = complete[:-keep] + remove_stale_temp_dirs(run_dir, dry_run=True)
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False) -> list[Path]:
+    """Delete the `.tmp_*` folders under run_dir/checkpoints (left by a save that crashed); return them.
+
+    Only safe while no save is in progress for this run (one run writes a run directory at a time).
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.iterdir() if p.name.startswith(_TMP_PREFIX))
+    if not dry_run:
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distributed helpers (a run without a process group is a world of one)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, write) -> None:
+    with open(path, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# State
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_names(models: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer]) -> None:
+    for mapping, what in ((models, "model"), (optimizers, "optimizer")):
+        for name in mapping:
+            if not isinstance(name, str) or not name or "/" in name or "." in name:
+                raise ValueError(f"{what} names must be non-empty strings without '/' or '.', got {name!r}")
+    unpaired = sorted(set(optimizers) - set(models))
+    if unpaired:
+        raise ValueError(
+            f"optimizers {unpaired} have no model of the same name: key each optimizer by the name of the model "
+            f"whose parameters it updates (models={sorted(models)})"
+        )
+
+
+def _sharded_state(models: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer]) -> dict[str, Any]:
+    """{"models": {name: model state}, "optimizers": {name: optimizer state}} with FQN keys and DTensor shards."""
+    state: dict[str, Any] = {"models": {}, "optimizers": {}}
+    for name, model in models.items():
+        if name in optimizers:
+            state["models"][name], state["optimizers"][name] = get_state_dict(model, optimizers[name])
+        else:
+            state["models"][name] = get_model_state_dict(model)
+    return state
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """`extra` must round-trip through torch.load(weights_only=True): plain containers, scalars and tensors."""
+    if isinstance(value, _PLAIN_SCALARS) or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, _PLAIN_SCALARS):
+                raise ValueError(f"extra{where} has a key of type {type(key).__name__}; use str or int keys")
+            _check_plain(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+        return
+    raise ValueError(
+        f"extra{where} is a {type(value).__name__}: checkpoint extras must be plain data (dict, list, tuple, str, "
+        f"int, float, bool, None, torch.Tensor) so that they load without unpickling code; convert it first"
+    )
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def derived_rng_seed(rank0_torch_state: torch.Tensor, rank: int) -> int:
+    """The seed of a rank that has no saved RNG state (resume at a larger world size): the first 8 bytes of
+    sha256(rank 0's saved torch CPU RNG state + b"rank<rank>"), little-endian, masked to 63 bits."""
+    digest = hashlib.sha256(rank0_torch_state.numpy().tobytes() + f"rank{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _restore_rng(path: Path, rank: int) -> None:
+    own = path / f"rng_rank{rank}.pt"
+    if own.is_file():
+        state = torch.load(own, weights_only=True)
+        torch.set_rng_state(state["torch"])
+        random.setstate(_as_python_random_state(state["python"]))
+        if "cuda" in state and torch.cuda.is_available():
+            cuda_states = state["cuda"]
+            # A resume on fewer or other devices: restore what lines up, by device index.
+            for index in range(min(len(cuda_states), torch.cuda.device_count())):
+                torch.cuda.set_rng_state(cuda_states[index], index)
+        return
+    rank0 = torch.load(path / "rng_rank0.pt", weights_only=True)
+    seed = derived_rng_seed(rank0["torch"], rank)
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    random.seed(seed)
+
+
+def _as_python_random_state(state: Any) -> tuple:
+    # random.setstate wants tuples all the way down; a round trip may hand back lists.
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    *,
+    models: Mapping[str, nn.Module],
+    optimizers: Mapping[str, Optimizer],
+    schedulers: Mapping[str, LRScheduler],
+    extra: Mapping[str, Any],
+    keep: int | None = None,
+) -> Path:
+    """Save a checkpoint of `step` atomically; return its final folder. Collective: every rank calls it.
+
+    models: name -> model (FSDP2-sharded or plain); optimizers: name -> the optimizer of the model with the same
+    name (a model may have none, e.g. a frozen reference); schedulers: name -> LR scheduler (state saved by rank 0,
+    identical on every rank). extra: plain data (dict/list/tuple/str/int/float/bool/None/tensor) such as the step,
+    the data position and the non-finite counters; rank 0's copy is saved and every rank gets it back from
+    `load_checkpoint`. The RNG states of every rank are captured here; the caller need not pass them.
+    keep: if given, rank 0 then deletes all but the newest `keep` complete checkpoints (and stale temp folders).
+    An existing checkpoint of the same step is replaced.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    _check_names(models, optimizers)
+    _check_plain(dict(extra), "")
+    rank, world_size = _rank(), _world_size()
+    final = checkpoint_dir(run_dir, step)
+    tmp = _tmp_dir(final)
+    if rank == 0:
+        remove_stale_temp_dirs(run_dir)
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    dcp.save(_sharded_state(models, optimizers), checkpoint_id=tmp)
+    _write_durably(tmp / f"rng_rank{rank}.pt", lambda f: torch.save(_rng_state(), f))
+    if rank == 0:
+        trainer_state = {
+            "schedulers": {name: sched.state_dict() for name, sched in schedulers.items()},
+            "extra": dict(extra),
+        }
+        _write_durably(tmp / TRAINER_STATE, lambda f: torch.save(trainer_state, f))
+    _barrier()  # every rank's files are on disk before the marker says so
+
+    if rank == 0:
+        marker = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": world_size,
+            "models": sorted(models),
+            "optimizers": sorted(optimizers),
+            "schedulers": sorted(schedulers),
+        }
+        _write_durably(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        _rename_into_place(tmp, final)
+        if keep is not None:
+            prune_checkpoints(run_dir, keep)
+    _barrier()  # no rank returns (or exits on SIGTERM) before the checkpoint is in place
+    return final
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    if final.exists():
+        # A directory rename cannot replace a non-empty directory: move the old one aside first (a crash between
+        # the two renames loses this step's checkpoint, never an older one; the aside folder is a temp folder).
+        aside = final.with_name(f"{_TMP_PREFIX}old_{final.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    *,
+    models: Mapping[str, nn.Module],
+    optimizers: Mapping[str, Optimizer],
+    schedulers: Mapping[str, LRScheduler],
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore models, optimizers, schedulers and (by default) this rank's RNG states in place from the complete
+    checkpoint at `path`; return the saved `extra`. Collective: every rank calls it.
+
+    The models and optimizers must be built exactly as for the save (same architecture, same names); the world size
+    may differ (DCP reshards the DTensor shards; RNG as in the module docstring). Rank 0 first deletes stale temp
+    folders of the run. Only load checkpoints you trust: DCP metadata is a pickle.
+    """
+    path = Path(path)
+    info = checkpoint_info(path)
+    _check_names(models, optimizers)
+    for kind, given in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
+        if sorted(given) != info[kind]:
+            raise ValueError(
+                f"checkpoint {path} holds {kind} {info[kind]} but {sorted(given)} were given: build the same "
+                f"{kind} as the run that saved it"
+            )
+    if _rank() == 0:
+        remove_stale_temp_dirs(path.parent.parent)
+
+    state = _sharded_state(models, optimizers)
+    dcp.load(state, checkpoint_id=path)
+    for name, model in models.items():
+        if name in optimizers:
+            set_state_dict(
+                model,
+                optimizers[name],
+                model_state_dict=state["models"][name],
+                optim_state_dict=state["optimizers"][name],
+            )
+        else:
+            set_model_state_dict(model, state["models"][name])
+
+    trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
+    for name, scheduler in schedulers.items():
+        scheduler.load_state_dict(trainer_state["schedulers"][name])
+    if restore_rng:
+        _restore_rng(path, _rank())
+    _barrier()
+    return trainer_state["extra"]

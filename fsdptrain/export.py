@@ -1,0 +1,58 @@
+"""Hugging Face export: a trained (FSDP2-sharded or plain) model as a `save_pretrained` folder of safetensors.
+
+The full state dict is gathered to rank 0's CPU (one parameter at a time, so host memory holds one copy of the
+weights), put into a plain copy of the model built on the meta device from the model's config (no random init, no
+second copy), and saved with `save_pretrained(safe_serialization=True)`, with the tokenizer when one is given. The
+folder loads back with `AutoModelForCausalLM.from_pretrained` (policy) or `AutoModelForTokenClassification` (critic)
+and holds no pickled code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel
+
+
+def unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
+    """The transformers class of `model`: fully_shard swaps in a subclass (FSDP<Name>) whose bases are FSDPModule and
+    the original class; this returns the original."""
+    for cls in type(model).__mro__:
+        if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
+            return cls
+    raise ValueError(f"{type(model).__name__} is not a transformers PreTrainedModel: cannot export it with "
+                     f"save_pretrained")
+
+
+def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = None) -> Path:
+    """Write `model` (FSDP2-sharded or plain) to `out_dir` as a Hugging Face folder: config.json, safetensors
+    weights and, when given, the tokenizer. Collective when a process group exists: every rank calls it; rank 0
+    writes. Returns `out_dir`.
+
+    Non-persistent buffers (RoPE inv_freq) are not saved; transformers recomputes them from the config on load.
+    """
+    out_dir = Path(out_dir)
+    cls = unsharded_class(model)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # cpu_offload: rank 0 receives the full tensors on the CPU, other ranks an empty dict (bounded memory).
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        with torch.device("meta"):
+            plain = cls._from_config(model.config, dtype=torch.float32)
+        # assign: the parameters become the gathered CPU tensors themselves; strict: every weight is accounted for.
+        plain.load_state_dict(full_state, strict=True, assign=True)
+        plain.tie_weights()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plain.save_pretrained(out_dir, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return out_dir
