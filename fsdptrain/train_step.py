@@ -1,0 +1,118 @@
+"""One PPO update of one model on one mini-batch: agree packs, global normalisers, micro-batches, clip, step.
+
+This is where the contracts of design sections 2 and 3 meet, in this order:
+
+1. the number of micro-batches is agreed world-wide (max over ranks) and this rank's packs are planned with it, so
+   every rank runs the same forwards and FSDP's collectives line up (a rank with less work runs empty packs);
+2. the mini-batch's global token and sequence counts are all-reduced once, before any forward;
+3. each micro-batch runs one packed forward and the fused loss with those global counts (``agg_loss`` applies the
+   dp-size factor), then backward; micro-batch losses are summed by backward, never averaged by their count;
+4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step;
+5. metrics merge by their kinds over micro-batches and then over ranks (:func:`reduce_metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from fsdptrain import dist
+from fsdptrain.loss.aggregate import LossNormalizers
+from fsdptrain.loss.packed import SeqTargets
+from fsdptrain.metrics import Diagnostic, Mean, Metrics, Schema, Sum, flatten, merge_all, unflatten
+from fsdptrain.optim import NonFiniteGuard, clip_grad_norm_
+from fsdptrain.packing import PackPlan, pack_sequences, plan_packs
+
+LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
+
+
+@dataclass
+class MiniBatch:
+    """This rank's share of one mini-batch: its sequences and their response-aligned targets."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    targets: list[SeqTargets]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts)
+
+    def lengths(self) -> list[int]:
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+
+def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
+    """This rank's packs under the budget, with as many packs as the busiest rank needs (collective)."""
+    plan = plan_packs(lengths, token_budget)
+    num_packs = dist.agree_max_int(plan.num_packs)
+    if num_packs != plan.num_packs:
+        plan = plan_packs(lengths, token_budget, min_packs=num_packs)
+    return plan
+
+
+def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float]) -> LossNormalizers:
+    """The mini-batch's global counts (collective): response tokens and sequences with at least one such token."""
+    local = torch.tensor([sum(len(r) for r in batch.responses), sum(1 for r in batch.responses if len(r) > 0)],
+                         dtype=torch.float64)
+    total = dist.all_reduce_sum(local)
+    return LossNormalizers(global_num_tokens=int(total[0]), global_num_seqs=int(total[1]), dp_size=dp_size,
+                           loss_scale_factor=loss_scale_factor)
+
+
+def reduce_metrics(metrics: Metrics) -> Metrics:
+    """Merge metrics over all ranks by their kinds (collective): SUM/MEAN/LOSS/DERIVED add, MIN/MAX take extrema."""
+    schema = Schema.of(metrics)
+    buffers = flatten(metrics, schema)
+    reduced = type(buffers)(dist.all_reduce_sum(buffers.sum), dist.all_reduce_min(buffers.min),
+                            dist.all_reduce_max(buffers.max))
+    return unflatten(reduced, schema)
+
+
+def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, norms: LossNormalizers,
+                         token_budget: int, device: torch.device) -> Metrics:
+    """Forward and backward every micro-batch of this rank's share of the mini-batch; return their merged metrics.
+
+    Collective (the pack count is agreed). The gradients accumulate in the model; the caller clips and steps.
+    """
+    plan = plan_agreed(batch.lengths(), token_budget)
+    collected = []
+    for pack in plan.packs:
+        packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
+        loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
+        loss.backward()
+        collected.append(metrics)
+    work = Metrics({
+        "fill_efficiency": Diagnostic(Mean(sum(plan.fill_efficiency), len(plan.fill_efficiency))),
+        "micro_batches": Diagnostic(Sum(plan.num_packs)),
+    })
+    return merge_all([*collected, work])
+
+
+@dataclass
+class StepOutcome:
+    grad_norm: float
+    skipped: bool
+
+
+def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
+    """Clip to the true global norm and step, or skip the step on every rank when the norm is not finite."""
+    grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
+    skipped = guard.should_skip(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(grad_norm=float(grad_norm), skipped=skipped)
+
+
+def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
+                        loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
+                        guard: NonFiniteGuard, device: torch.device) -> tuple[Metrics, StepOutcome]:
+    """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome."""
+    norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    metrics = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
+                                   token_budget=token_budget, device=device)
+    outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
+    return reduce_metrics(metrics), outcome

@@ -1,0 +1,185 @@
+"""Worker: the PPO train step on FSDP2 ranks against an independent single-process reference.
+
+The reference is the plain transformers model (same seed) on the whole global batch in the padded layout, with full
+logits, a plain log-softmax and the numerics' padded `agg_loss` (dp_size 1). The ranks run the product path: the
+sequences split unevenly over ranks, packed micro-batches under a small token budget (so at least two per rank),
+the fused chunked loss, global normalisers and FSDP2's mean over ranks. For every agg mode and every variant
+(plain, activation checkpointing, reshard_after_forward off, bf16 params with fp32 reduce) each rank writes the
+largest gradient and updated-weight differences, relative to the largest reference entry, to <out>/rank<r>.json.
+
+Legend: _BL padded [batch, length].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from fsdptrain import dist as fdist
+from fsdptrain.attention import call_counts, reset_call_counts, set_attention
+from fsdptrain.loss import AGG_MODES, LossNormalizers
+from fsdptrain.loss.packed import PolicyLossSettings, SeqTargets, ValueLossSettings, packed_policy_loss, packed_value_loss
+from fsdptrain.loss.policy import entropy_from_logits, policy_loss
+from fsdptrain.loss.value import value_loss
+from fsdptrain.models import build_full_model, build_policy, build_value_model, gather_full_grads, gather_full_state_dict
+from fsdptrain.optim import NonFiniteGuard, build_optimizer
+from fsdptrain.train_step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
+
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+
+VOCAB = 40
+CONFIG = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 128, "tie_word_embeddings": True}
+POLICY_SEED, VALUE_SEED = 5, 6
+NUM_SEQS = 7  # rank r of 2 gets the sequences i with i % 2 == r: 4 and 3
+TOKEN_BUDGET = 24
+LR = 1e-2
+LOSS_SCALE_FACTOR = 6.0
+SETTINGS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, seq_level_ratio=False, kl_coef=0.1,
+                kl_estimator="k3", entropy_coef=0.01, temperature=0.8, chunk_size=7, use_reference=True)
+
+
+def global_batch():
+    gen = torch.Generator().manual_seed(0)
+    prompts, responses, targets = [], [], []
+    for i in range(NUM_SEQS):
+        p = int(torch.randint(1, 6, (), generator=gen))
+        r = int(torch.randint(1, 9, (), generator=gen))
+        prompts.append(torch.randint(0, VOCAB, (p,), generator=gen).tolist())
+        responses.append(torch.randint(0, VOCAB, (r,), generator=gen).tolist())
+        targets.append(SeqTargets(
+            old_logprobs=-3.5 + 0.5 * torch.randn(r, generator=gen),
+            advantages=torch.randn(r, generator=gen),
+            ref_logprobs=-3.5 + 0.5 * torch.randn(r, generator=gen),
+            old_values=torch.randn(r, generator=gen),
+            returns=torch.randn(r, generator=gen),
+        ))
+    return prompts, responses, targets
+
+
+def padded(prompts, responses, targets):
+    """Right-padded [B, L] ids and attention mask; response-aligned targets at the positions that score them."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    attn = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width - 1, dtype=torch.bool)
+    fields = {name: torch.zeros(len(prompts), width - 1) for name in
+              ("old_logprobs", "advantages", "ref_logprobs", "old_values", "returns")}
+    for b, (p, r, t) in enumerate(zip(prompts, responses, targets)):
+        n = len(p) + len(r)
+        ids[b, :n] = torch.tensor(p + r)
+        attn[b, :n] = 1
+        mask[b, len(p) - 1: n - 1] = True
+        for name, store in fields.items():
+            store[b, len(p) - 1: n - 1] = getattr(t, name)
+    return ids, attn, mask, fields
+
+
+def reference_grads_and_weights(kind: str, mode: str, batch, norms_counts):
+    """The plain model on the whole padded batch: gradients, then the weights after one AdamW step."""
+    prompts, responses, targets = batch
+    model = build_full_model("policy" if kind == "policy" else "value", path=None, config=CONFIG,
+                             seed=POLICY_SEED if kind == "policy" else VALUE_SEED)
+    ids, attn, mask, f = padded(prompts, responses, targets)
+    norms = LossNormalizers(global_num_tokens=norms_counts[0], global_num_seqs=norms_counts[1], dp_size=1,
+                            loss_scale_factor=LOSS_SCALE_FACTOR)
+    out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    if kind == "policy":
+        logits = out[:, :-1].float() / SETTINGS["temperature"]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss, _ = policy_loss(logp, f["old_logprobs"], f["advantages"], mask, norms=norms, agg_mode=mode,
+                              clip_ratio_low=SETTINGS["clip_ratio_low"], clip_ratio_high=SETTINGS["clip_ratio_high"],
+                              clip_ratio_c=SETTINGS["clip_ratio_c"], ref_logprobs=f["ref_logprobs"],
+                              kl_coef=SETTINGS["kl_coef"], kl_estimator=SETTINGS["kl_estimator"],
+                              entropy=entropy_from_logits(logits), entropy_coef=SETTINGS["entropy_coef"])
+    else:
+        values = out[:, :-1, 0].float()
+        loss, _ = value_loss(values, f["old_values"], f["returns"], mask, norms=norms, agg_mode=mode,
+                             cliprange_value=0.2)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer = build_optimizer(model, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-3)
+    optimizer.step()
+    return grads, {n: v.detach().clone() for n, v in model.state_dict().items()}
+
+
+def worst_relative(got: dict, want: dict) -> float:
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))
+    scale = max(v.abs().max().item() for v in want.values())
+    return max((got[n].float() - want[n].float()).abs().max().item() for n in want) / scale
+
+
+def run_variant(kind: str, mode: str, variant: str, info, mesh, batch, references) -> dict:
+    prompts, responses, targets = batch
+    mine = [i for i in range(NUM_SEQS) if i % info.world_size == info.rank]
+    mini = MiniBatch([prompts[i] for i in mine], [responses[i] for i in mine], [targets[i] for i in mine])
+    options = dict(activation_checkpointing=variant == "checkpointing", reshard_after_forward=variant != "no_reshard",
+                   param_dtype=torch.bfloat16 if variant == "bf16" else torch.float32, reduce_dtype=torch.float32)
+    if kind == "policy":
+        model = build_policy(path=None, config=CONFIG, seed=POLICY_SEED, mesh=mesh, **options)
+        loss_fn, settings = packed_policy_loss, PolicyLossSettings(agg_mode=mode, **SETTINGS)
+    else:
+        model = build_value_model(path=None, config=CONFIG, seed=VALUE_SEED, mesh=mesh, **options)
+        loss_fn, settings = packed_value_loss, ValueLossSettings(agg_mode=mode, cliprange_value=0.2)
+    set_attention(model, "sdpa_segments")
+    norms = global_normalizers(mini, dp_size=fdist.dp_size(mesh), loss_scale_factor=LOSS_SCALE_FACTOR)
+    reset_call_counts()
+    forwards = {"n": 0}
+    model.register_forward_hook(lambda *_: forwards.__setitem__("n", forwards["n"] + 1))
+    accumulate_gradients(model, mini, loss_fn=loss_fn, settings=settings, norms=norms, token_budget=TOKEN_BUDGET,
+                         device=info.device)
+    grads = gather_full_grads(model)
+    optimizer = build_optimizer(model, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-3)
+    optimizer_step(model, optimizer, grad_clip=0.0, guard=NonFiniteGuard(3))
+    weights = gather_full_state_dict(model, rank0_only=False)
+    ref_grads, ref_weights = references[(kind, mode)]
+    return {
+        "grad_rel": worst_relative(grads, ref_grads),
+        "weight_rel": worst_relative(weights, ref_weights),
+        "forwards": forwards["n"],
+        "packed_calls": call_counts().get("sdpa_segments", 0),
+        "num_local_seqs": len(mine),
+        "norms": [norms.global_num_tokens, norms.global_num_seqs, norms.dp_size],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", default="plain")
+    parser.add_argument("--modes", default=",".join(AGG_MODES))
+    parser.add_argument("--replicate", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    info = fdist.init_distributed(device_type="cpu")
+    out = {"error": None, "results": {}}
+    code = 0
+    try:
+        mesh = fdist.build_mesh(dp_replicate=args.replicate, dp_shard=None, device_type="cpu")
+        batch = global_batch()
+        counts = (sum(len(r) for r in batch[1]), NUM_SEQS)
+        modes = args.modes.split(",")
+        references = {(kind, mode): reference_grads_and_weights(kind, mode, batch, counts)
+                      for kind in ("policy", "value") for mode in modes}
+        for variant in args.variants.split(","):
+            for kind in ("policy", "value"):
+                for mode in modes:
+                    out["results"][f"{variant}/{kind}/{mode}"] = run_variant(kind, mode, variant, info, mesh, batch,
+                                                                            references)
+    except Exception:  # the test reads the traceback from the JSON
+        out["error"] = traceback.format_exc()
+        code = 1
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{info.rank}.json").write_text(json.dumps(out))
+    fdist.destroy_distributed()
+    fdist.exit_process(code)
+
+
+if __name__ == "__main__":
+    main()
