@@ -9,7 +9,6 @@ Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, b
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -31,7 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     epilog="Examples:  fsdptrain train  |  fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5  |  "
-    "fsdptrain check-metrics --nproc 2  |  fsdptrain train --cfg",
+    "fsdptrain check-metrics --nproc 2  |  fsdptrain train --cfg  |  fsdptrain plot runs/NAME",
 )
 
 OVERRIDES = typer.Argument(None, help="Hydra overrides, e.g. loss.agg_mode=token-sum trainer.steps=5 algorithm=grpo")
@@ -69,22 +68,17 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         typer.echo(OmegaConf.to_yaml(cfg), nl=False)
         raise typer.Exit(0)
     run_dir = str(_run_dir(cfg))
-    if under_torchrun():
-        from fsdptrain.worker import exit_process, run_rank
+    if under_torchrun() or nproc == 1:
+        # This process is the (only) rank: signals reach the trainer directly, as they do under torchrun.
+        from fsdptrain import worker
 
-        exit_process(run_rank(command, cfg, run_dir))
+        worker.run_and_exit(command, cfg, run_dir)
+    from fsdptrain.launch import launch_local
+
     with tempfile.TemporaryDirectory(prefix="fsdptrain-") as tmp:
         config_path = Path(tmp) / "config.yaml"
         OmegaConf.save(cfg, config_path)
-        worker_args = [command, str(config_path), run_dir]
-        if nproc == 1:
-            import subprocess
-
-            code = subprocess.call([sys.executable, "-m", "fsdptrain.worker", *worker_args])
-        else:
-            from fsdptrain.launch import launch_local
-
-            code = launch_local(nproc, worker_args)
+        code = launch_local(nproc, [command, str(config_path), run_dir])
     raise typer.Exit(code)
 
 
@@ -123,6 +117,21 @@ def check_metrics(
     Example: fsdptrain check-metrics loss.agg_mode=seq-mean-token-sum --nproc 2
     """
     _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc)
+
+
+@app.command(short_help="Plot a run's metrics to a PNG. e.g. fsdptrain plot runs/my-run")
+def plot(
+    run_dir: Path = typer.Argument(..., help="Run directory holding metrics.jsonl."),
+    out: Optional[Path] = typer.Option(None, "--out", help="PNG path (default RUN_DIR/metrics.png)."),
+) -> None:
+    """Draw reward, eval reward, losses, grad norms, KL, entropy and response length to a PNG."""
+    from fsdptrain.plot import plot_run
+
+    try:
+        path = plot_run(run_dir, out)
+    except ValueError as err:  # a missing run, metrics file or matplotlib: the user's to fix
+        _fail_usage(str(err))
+    typer.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -360,7 +360,14 @@ def validate(cfg: DictConfig) -> None:
 
 
 def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
-    """The mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` processes, or a ConfigError naming the mismatch."""
+    """The mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` processes, or a ConfigError naming the mismatch.
+
+    Every rank also needs at least one prompt group to generate for (generation is collective under FSDP).
+    """
+    for key in ("rollout.prompts_per_step", "data.num_eval_prompts"):
+        if OmegaConf.select(cfg, key) < world_size:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be at least the number of ranks "
+                              f"({world_size}): every rank needs a prompt")
     replicate = cfg.parallel.dp_replicate
     shard = cfg.parallel.dp_shard
     if shard == "auto":

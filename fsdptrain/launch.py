@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 
@@ -27,8 +28,11 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
     """Run ``python -m fsdptrain.worker *worker_args`` on ``nproc`` local ranks; return the first failing rank's code.
 
     Uses torch's elastic launcher with a standalone c10d rendezvous on localhost (what ``torchrun --standalone`` does)
-    and no restarts: a rank that fails ends the run, and its exit code becomes the command's.
+    and no restarts: a rank that fails ends the run, and its exit code becomes the command's. Ctrl-C in a terminal
+    reaches every rank directly (one process group), and each rank stops cleanly at the next step boundary; so this
+    parent ignores SIGINT and leaves the ranks to finish, while SIGTERM still goes to the launcher, which passes it on.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -45,11 +49,17 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         elastic_launch(config, sys.executable)("-m", "fsdptrain.worker", *worker_args)
     except ChildFailedError as err:
         codes = [failure.exitcode for failure in err.failures.values()]
         positive = [code for code in codes if code > 0]
         return min(positive) if positive else 1
+    except SignalException as err:
+        return 128 + int(err.sigval)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0

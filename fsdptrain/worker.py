@@ -1,9 +1,9 @@
 """One rank's entry point: load the parent's resolved config, run the command, leave through one exit path.
 
 ``python -m fsdptrain.worker COMMAND CONFIG_YAML RUN_DIR`` is what the local launcher starts on every rank; under
-torchrun the CLI calls :func:`run_rank` in-process. Every rank leaves through :func:`exit_process`, which flushes and
-calls ``os._exit`` with the real exit code: processes that used gloo and ``fully_shard`` can abort in interpreter
-teardown otherwise (platform notes), turning a success into a crash.
+torchrun, or with a single process, the CLI calls :func:`run_and_exit` in-process. Every rank leaves through
+``exit_process``, which flushes and calls ``os._exit`` with the real exit code: processes that used gloo and
+``fully_shard`` can abort in interpreter teardown otherwise (platform notes), turning a success into a crash.
 """
 
 from __future__ import annotations
@@ -14,34 +14,52 @@ import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.dist import exit_process
+
 NOT_BUILT = "the {command} loop is not built yet: the config is valid, nothing was trained"
 
 
-def exit_process(code: int) -> None:
-    """Flush stdout/stderr and leave with ``code`` at once, skipping interpreter teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
-    """Run ``command`` ("train" or "check-metrics") on this rank; return its exit code."""
+    """Run ``command`` ("train" or "check-metrics") on this rank; return its exit code.
+
+    A user's mistake found only here (a bad data row, a model folder that does not load) is a usage error: rank 0
+    prints its one line and every rank returns 2.
+    """
+    from fsdptrain.config import ConfigError
+
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(f"fsdptrain {command}: " + NOT_BUILT.format(command=command), file=sys.stderr)
-    return 1
+    try:
+        if command == "train":
+            from fsdptrain.trainer import train
+
+            return train(cfg, run_dir)
+        if rank == 0:
+            print(f"fsdptrain {command}: " + NOT_BUILT.format(command=command), file=sys.stderr)
+        return 1
+    except ConfigError as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def run_and_exit(command: str, cfg: DictConfig, run_dir: str) -> None:
+    """Run this rank and leave through the one exit path, whatever happens (internal errors keep their traceback)."""
+    try:
+        code = run_rank(command, cfg, run_dir)
+    except KeyboardInterrupt:
+        print("interrupted: stopped at once, nothing saved", file=sys.stderr)
+        code = 130
+    except BaseException:  # an internal error: keep its traceback, then leave through the one exit path
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
 
 
 def main(argv: list[str]) -> None:
     command, config_path, run_dir = argv
     cfg = OmegaConf.load(config_path)
     assert isinstance(cfg, DictConfig)
-    try:
-        code = run_rank(command, cfg, run_dir)
-    except BaseException:  # an internal error: keep its traceback, then leave through the one exit path
-        traceback.print_exc()
-        code = 1
-    exit_process(code)
+    run_and_exit(command, cfg, run_dir)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -94,31 +96,53 @@ def test_nproc_refused_under_torchrun_environment(cli):
     assert "Traceback" not in result.stderr
 
 
+TINY = ["trainer.steps=1", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4",
+        "trainer.eval_every=0", "logging.progress=false"]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_under_real_torchrun_ranks_come_from_the_environment(tmp_path):
     # torchrun's own parser claims any "--nproc" on its command line (an ambiguous prefix of --nproc-per-node), so the
-    # refusal above is tested through the environment torchrun sets; here the ranks run the CLI for real.
+    # refusal above is tested through the environment torchrun sets; here two ranks run the CLI for real.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "--no-python", *cli_command(), "train"]
+               "--no-python", *cli_command(), "train", *TINY, "trainer.run_name=tr"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert sum(map(_is_not_built_line, result.stderr.splitlines())) == 1, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "2 rank(s)" in result.stdout
+    assert len(_metrics(tmp_path / "runs" / "tr")) == 1
 
 
-def _is_not_built_line(line: str) -> bool:
-    return "not built yet" in line
+def test_train_nproc_2_runs_both_ranks_and_exits_0(cli, tmp_path):
+    result = cli("train", "--nproc", "2", *TINY, "trainer.run_name=two", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("2 rank(s)") == 1  # rank 0 alone prints
+    assert len(_metrics(tmp_path / "runs" / "two")) == 1
 
 
-def test_train_reaches_not_built_line_and_exits_1(cli):
-    result = cli("train")
+def test_a_failing_rank_sets_the_exit_code(cli, tmp_path):
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import os
+        import fsdptrain.worker
+
+        def _rank1_fails(command, cfg, run_dir):
+            return 3 if os.environ.get("RANK") == "1" else 0
+
+        fsdptrain.worker.run_rank = _rank1_fails
+        """))
+    pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
+    result = cli("train", "--nproc", "2", env={"PYTHONPATH": pythonpath}, timeout=300)
+    assert result.returncode == 3, result.stderr
+
+
+def test_check_metrics_not_built_yet_exits_1(cli):
+    result = cli("check-metrics")
     assert result.returncode == 1
-    assert sum(map(_is_not_built_line, result.stderr.splitlines())) == 1
-    assert "Traceback" not in result.stderr
-
-
-def test_train_nproc_2_prints_not_built_once_and_passes_exit_code(cli):
-    result = cli("train", "--nproc", "2", timeout=300)
-    assert result.returncode == 1, result.stderr
-    assert sum(map(_is_not_built_line, result.stderr.splitlines())) == 1, result.stderr
+    assert "not built yet" in result.stderr
 
 
 def test_internal_error_keeps_traceback_and_exits_1(cli, tmp_path):
