@@ -23,7 +23,7 @@ ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
 DATA_SOURCES = ("task", "jsonl")
-TASKS = ("copy_digits", "reverse_digits", "sort_digits")
+TASKS = ("repeat_digit", "copy_digits", "reverse_digits", "sort_digits")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("never", "auto")
 VALUE_INITS = ("policy", "seed")
@@ -108,8 +108,8 @@ class LossConfig:
 class DataConfig:
     source: str = "task"
     """Where experience comes from: task (built-in task, the policy generates) or jsonl (offline rollouts)."""
-    task: str = "copy_digits"
-    """Built-in task when source=task."""
+    task: str = "repeat_digit"
+    """Built-in task when source=task: repeat_digit, copy_digits, reverse_digits or sort_digits."""
     path: Optional[str] = None
     """JSONL file of offline rollouts when source=jsonl."""
     max_response_length: Optional[int] = None
@@ -128,7 +128,7 @@ class RolloutConfig:
     """Prompts per training step, across all ranks."""
     n: int = 4
     """Samples per prompt (a group; never split across ranks)."""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 6
     """Largest response length generated."""
     temperature: float = 1.0
     """Sampling temperature (log-probs in training use the same temperature)."""
@@ -138,7 +138,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 50
+    steps: int = 100
     """Number of training steps."""
     seed: int = 0
     """Seed for model init and sampling."""
@@ -146,9 +146,9 @@ class TrainerConfig:
     """Optimizer steps per epoch: the step's prompt groups are split into this many mini-batches."""
     token_budget: int = 2048
     """Most tokens in one packed micro-batch on one rank."""
-    lr: float = 1.0e-3
+    lr: float = 3.0e-3
     """Policy learning rate."""
-    critic_lr: float = 1.0e-3
+    critic_lr: float = 3.0e-3
     """Value model learning rate."""
     lr_schedule: str = "constant"
     """Learning-rate schedule after warmup: constant or cosine."""
@@ -166,7 +166,7 @@ class TrainerConfig:
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm."""
     grad_norm_warn_factor: float = 10.0
     """Warn when the pre-clip grad norm stays above this factor times the clip threshold for 5 steps."""
-    eval_every: int = 10
+    eval_every: int = 25
     """Greedy evaluation every this many steps (0 turns it off)."""
     run_name: Optional[str] = None
     """Run name; null uses a timestamp. Naming it keeps the run directory stable across invocations."""
@@ -220,6 +220,12 @@ class CheckConfig:
     """check-metrics: absolute tolerance of every comparison."""
     simulated_dp: int = 2
     """check-metrics: data-parallel size simulated in one process."""
+    num_prompts: int = 4
+    """check-metrics: prompt groups in the checked mini-batch (at most rollout.prompts_per_step; >= the ranks)."""
+    masked_fixture: bool = True
+    """check-metrics: add a prompt-only sequence (no response token) so empty-extremum sentinels show."""
+    negative_values: bool = True
+    """check-metrics: shift the critic's outputs below zero for the check, so a 0.0 sentinel would win values_max."""
 
 
 @dataclass
@@ -282,6 +288,7 @@ _POSITIVE_INTS = (
     "algorithm.ppo_epochs", "loss.logprob_chunk_size", "rollout.prompts_per_step", "rollout.n",
     "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
+    "check.num_prompts",
 )
 _NON_NEGATIVE = (
     "trainer.warmup_steps", "trainer.weight_decay", "trainer.grad_clip", "trainer.critic_grad_clip",

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -28,9 +30,11 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
     """Run ``python -m fsdptrain.worker *worker_args`` on ``nproc`` local ranks; return the first failing rank's code.
 
     Uses torch's elastic launcher with a standalone c10d rendezvous on localhost (what ``torchrun --standalone`` does)
-    and no restarts: a rank that fails ends the run, and its exit code becomes the command's. Ctrl-C in a terminal
-    reaches every rank directly (one process group), and each rank stops cleanly at the next step boundary; so this
-    parent ignores SIGINT and leaves the ranks to finish, while SIGTERM still goes to the launcher, which passes it on.
+    and no restarts: a rank that fails ends the run, and its exit code becomes the command's. torch's launcher starts
+    each rank in its own session, so a terminal's Ctrl-C reaches only this parent: it forwards every SIGINT and
+    SIGTERM to the ranks (:func:`_forward_to_ranks`) and keeps waiting, so the ranks stop at the next step boundary
+    (a second Ctrl-C: at once) and their exit codes decide the command's (0 after a clean stop). The agent itself
+    handles only SIGHUP and SIGQUIT (it signals the ranks, waits briefly, then kills them).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -49,9 +53,9 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, _forward_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         elastic_launch(config, sys.executable)("-m", "fsdptrain.worker", *worker_args)
     except ChildFailedError as err:
@@ -60,6 +64,43 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
         return min(positive) if positive else 1
     except SignalException as err:
         return 128 + int(err.sigval)
+    except _StoppedBeforeStart as err:
+        return 128 + err.signum
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+class _StoppedBeforeStart(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _forward_to_ranks(signum: int, _frame) -> None:
+    """Pass SIGINT/SIGTERM on to the rank processes (this process's children); before any rank exists, stop now."""
+    pids = _child_pids()
+    if not pids:
+        raise _StoppedBeforeStart(signum)
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # a rank that has just exited
+            pass
+
+
+def _child_pids() -> list[int]:
+    """The pids of this process's children: from /proc on Linux, else (or without /proc's children files) from
+    ``pgrep -P``."""
+    files = list(Path(f"/proc/{os.getpid()}/task").glob("*/children"))
+    if files:
+        pids = []
+        for path in files:
+            try:
+                pids += [int(pid) for pid in path.read_text().split()]
+            except OSError:  # a thread that has just ended
+                pass
+        return pids
+    found = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]

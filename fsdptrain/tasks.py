@@ -15,16 +15,19 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class Task:
-    """A task: ``make_prompt(rng) -> (prompt_text, answer_words)`` and its number of answer words."""
+    """A task: prompts ``"<verb> d1 .. dk ="`` of ``num_digits`` random digits, and the answer words they ask for."""
 
     name: str
     num_digits: int
     answer_of: Callable[[list[str]], list[str]]
 
+    @property
+    def verb(self) -> str:
+        return self.name.split("_")[0]
+
     def make_prompt(self, rng: random.Random) -> tuple[str, list[str]]:
         digits = [str(rng.randrange(10)) for _ in range(self.num_digits)]
-        verb = self.name.split("_")[0]
-        return f"{verb} {' '.join(digits)} =", self.answer_of(digits)
+        return f"{self.verb} {' '.join(digits)} =", self.answer_of(digits)
 
 
 def reward(response_text: str, answer: list[str]) -> float:
@@ -35,6 +38,9 @@ def reward(response_text: str, answer: list[str]) -> float:
 
 
 TASKS: dict[str, Task] = {
+    # The default: one digit, said three times. A tiny model learns it from scratch in a few minutes of PPO on a CPU,
+    # and its reward still depends on the prompt (the right digit changes with it).
+    "repeat_digit": Task("repeat_digit", 1, lambda d: d * 3),
     "copy_digits": Task("copy_digits", 3, lambda d: list(d)),
     "reverse_digits": Task("reverse_digits", 3, lambda d: list(reversed(d))),
     "sort_digits": Task("sort_digits", 3, lambda d: sorted(d)),

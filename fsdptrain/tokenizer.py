@@ -10,11 +10,7 @@ from pathlib import Path
 
 TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "tokenizer" / "tokenizer.json"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-WORDS = (
-    [str(d) for d in range(10)]
-    + ["copy", "reverse", "sort", "=", "+", "-", "?", ":", ","]
-    + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-)
+WORDS = [str(d) for d in range(10)] + ["repeat", "copy", "reverse", "sort", "=", "+", "-", "?", ":", ","]
 
 
 def build_tokenizer():

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain import dist
 from fsdptrain.attention import generation_attention, resolve_backend, set_attention
 from fsdptrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdptrain.config import validate_world
+from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.data import get_task, load_jsonl_rollouts, task_prompts
 from fsdptrain.export import export_hf
 from fsdptrain.experience import critic_values, gae_targets, group_targets, policy_logprobs, token_rewards
@@ -526,7 +526,7 @@ def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
     models, optimizers, schedulers = _checkpoint_state(trainer)
     extra = {
         "step": done,
-        "data_position": done,
+        "data_position": done * trainer.cfg.rollout.prompts_per_step,  # prompt groups consumed
         "nonfinite": {"policy": [trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row],
                       "critic": [trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row]},
         "grad_norm_watch": [trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row],
@@ -545,6 +545,14 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
         return 0
     models, optimizers, schedulers = _checkpoint_state(trainer)
     extra = load_checkpoint(path, models=models, optimizers=optimizers, schedulers=schedulers)
+    per_step = trainer.cfg.rollout.prompts_per_step
+    if extra["data_position"] != extra["step"] * per_step:
+        raise ConfigError(
+            f"{path} consumed {extra['data_position']} prompt groups in {extra['step']} steps, which "
+            f"rollout.prompts_per_step={per_step} does not give: resume with the run's own rollout.prompts_per_step")
+    if extra["step"] > trainer.cfg.trainer.steps:
+        raise ConfigError(f"{path} is after step {extra['step']} but trainer.steps={trainer.cfg.trainer.steps}: "
+                          f"raise trainer.steps to continue this run")
     trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row = extra["nonfinite"]["policy"]
     trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row = extra["nonfinite"]["critic"]
     trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row = extra["grad_norm_watch"]
@@ -611,11 +619,13 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             if stopping or (every > 0 and done % every == 0 and done < cfg.trainer.steps):
                 path = save(trainer, run_path, done)
             if stopping:
-                log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with "
-                    f"trainer.run_name={run_path.name} trainer.resume=auto")
+                where = (f"trainer.run_dir={run_path}" if cfg.trainer.run_dir is not None else
+                         f"trainer.run_name={run_path.name}")
+                log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with {where} "
+                    "trainer.resume=auto")
                 dist.destroy_distributed()
                 return 0
-    if cfg.checkpoint.every > 0:
+    if cfg.checkpoint.every > 0 and start < cfg.trainer.steps:  # else the resumed checkpoint is this one
         save(trainer, run_path, cfg.trainer.steps)
     export(trainer, run_path)
     if info.is_main and history:

@@ -1,7 +1,7 @@
 """Build the bundled word-level tokenizer offline with the `tokenizers` library (no download).
 
 Run from the repository root: `python scripts/make_tokenizer.py` writes fsdptrain/assets/tokenizer/tokenizer.json.
-The vocabulary: four special tokens, the ten digits, the task verbs and a few symbols and letters, split on
+The vocabulary: four special tokens, the ten digits, the task verbs and a few symbols, split on
 whitespace, so every bundled task's text round-trips exactly.
 """
 

@@ -40,10 +40,12 @@ def test_task_answers_depend_on_the_prompt():
         assert answer == answer_from_prompt(text, task)
     assert TASKS["reverse_digits"].answer_of(["1", "2", "3"]) == ["3", "2", "1"]
     assert TASKS["sort_digits"].answer_of(["3", "1", "2"]) == ["1", "2", "3"]
+    assert TASKS["repeat_digit"].make_prompt(random.Random(0))[0] == "repeat 6 ="
+    assert TASKS["repeat_digit"].answer_of(["6"]) == ["6", "6", "6"]
 
 
 def test_prompt_stream_is_a_pure_function_of_seed_and_step():
-    task = TASKS["copy_digits"]
+    task = TASKS["repeat_digit"]
     a = task_prompts(task, seed=1, step=3, num_prompts=4)
     assert a == task_prompts(task, seed=1, step=3, num_prompts=4)
     assert a != task_prompts(task, seed=1, step=4, num_prompts=4)
