@@ -9,6 +9,7 @@ Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, b
 
 from __future__ import annotations
 
+import os
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,8 @@ from fsdptrain.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
 
 USAGE_ERROR = 2
+CHECK_JSON_ENV = "FSDPTRAIN_CHECK_JSON"
+"""Where check-metrics' ranks write ``--json``: set by the command, read by the ranks (fsdptrain.worker)."""
 
 app = typer.Typer(
     name="fsdptrain",
@@ -111,11 +114,18 @@ def check_metrics(
     config_name: str = CONFIG_NAME,
     print_cfg: bool = PRINT_CFG,
     nproc: int = NPROC,
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every result (per layout and metric) here."),
 ) -> None:
     """Prove that loss, gradients and metrics are the same packed or unpacked, under any micro-batching and dp size.
 
-    Example: fsdptrain check-metrics loss.agg_mode=seq-mean-token-sum --nproc 2
+    Example: fsdptrain check-metrics loss.agg_mode=seq-mean-token-sum --nproc 2 --json check.json
     """
+    # The ranks read the path from the environment (inherited by every launched rank); a stale value never leaks in.
+    os.environ.pop(CHECK_JSON_ENV, None)
+    if json_out is not None:
+        if not json_out.parent.is_dir():
+            _fail_usage(f"--json {json_out}: the folder {json_out.parent} does not exist; create it or choose another")
+        os.environ[CHECK_JSON_ENV] = str(json_out.resolve())
     _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc)
 
 

@@ -146,9 +146,9 @@ class TrainerConfig:
     """Optimizer steps per epoch: the step's prompt groups are split into this many mini-batches."""
     token_budget: int = 2048
     """Most tokens in one packed micro-batch on one rank."""
-    lr: float = 3.0e-3
+    lr: float = 5.0e-3
     """Policy learning rate."""
-    critic_lr: float = 3.0e-3
+    critic_lr: float = 5.0e-3
     """Value model learning rate."""
     lr_schedule: str = "constant"
     """Learning-rate schedule after warmup: constant or cosine."""

@@ -33,6 +33,11 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
             from fsdptrain.trainer import train
 
             return train(cfg, run_dir)
+        if command == "check-metrics":
+            from fsdptrain.check import check_metrics
+            from fsdptrain.cli import CHECK_JSON_ENV
+
+            return check_metrics(cfg, json_path=os.environ.get(CHECK_JSON_ENV))
         if rank == 0:
             print(f"fsdptrain {command}: " + NOT_BUILT.format(command=command), file=sys.stderr)
         return 1

@@ -139,12 +139,6 @@ def test_a_failing_rank_sets_the_exit_code(cli, tmp_path):
     assert result.returncode == 3, result.stderr
 
 
-def test_check_metrics_not_built_yet_exits_1(cli):
-    result = cli("check-metrics")
-    assert result.returncode == 1
-    assert "not built yet" in result.stderr
-
-
 def test_internal_error_keeps_traceback_and_exits_1(cli, tmp_path):
     patch_dir = tmp_path / "patch"
     patch_dir.mkdir()

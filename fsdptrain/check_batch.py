@@ -1,0 +1,166 @@
+"""check-metrics, part 1: the models and the one mini-batch of experience every layout is checked on.
+
+The mini-batch is made exactly as ``fsdptrain train`` makes its first one (the same :class:`~fsdptrain.trainer.Trainer`,
+experience source and collective experience passes), from the resolved config with two changes that only shrink it:
+``rollout.prompts_per_step`` is capped at ``check.num_prompts`` and the step has one mini-batch. Each rank keeps its
+own share (the product path's input) and also gathers the whole mini-batch, which every rank runs in the single-process
+layouts (all forwards of an FSDP model are collective, so every rank runs the same ones in lockstep).
+
+Two fixtures make sentinel bugs visible, both documented in docs/check-metrics.md:
+- ``check.masked_fixture``: a prompt-only sequence (no response token) joins the batch, on the last rank. A pack,
+  micro-batch or rank that holds only it has empty extrema; a merge that reports an empty MIN/MAX as 0.0 then wins.
+- ``check.negative_values``: a forward hook on the critic's value head subtracts a constant (the batch's largest value
+  plus 1, measured before the experience is made), so every value is <= -1 and a 0.0 sentinel would win
+  ``values_max``. (The policy's ratios are about 1 > 0, so ``probs_ratio_min`` already exposes a MIN sentinel.)
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed
+from omegaconf import DictConfig, OmegaConf
+
+from fsdptrain import dist
+from fsdptrain.config import ConfigError
+from fsdptrain.experience import critic_values
+from fsdptrain.loss.packed import SeqTargets
+from fsdptrain.rollout import Rollout
+from fsdptrain.train_step import MiniBatch
+from fsdptrain.trainer import Trainer
+
+VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN
+
+
+@dataclass(frozen=True)
+class RolloutFacts:
+    """What the step's rollout metrics are made of, for one sequence."""
+
+    reward: float
+    num_prompt_tokens: int
+    num_response_tokens: int
+    truncated: bool
+
+
+@dataclass
+class CheckBatch:
+    """The checked mini-batch: ``full`` (every rank, the same global order) and ``local`` (this rank's share).
+
+    ``rollouts``/``facts`` describe the real sequences (not the fixture): this rank's rollouts and every rank's facts.
+    ``on_policy`` is False when the rollouts carry behaviour log-probs. ``value_shift`` is the constant added to the
+    critic's outputs (None when not shifted).
+    """
+
+    full: MiniBatch
+    local: MiniBatch
+    rollouts: list[Rollout]
+    facts: list[RolloutFacts]
+    on_policy: bool
+    value_shift: Optional[float]
+    has_fixture: bool
+
+
+@dataclass
+class CheckSession:
+    """Everything the layouts need: the config actually checked, the trainer (models, settings) and the batch."""
+
+    cfg: DictConfig
+    trainer: Trainer
+    batch: CheckBatch
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.info.world_size
+
+
+def check_config(cfg: DictConfig, world_size: int) -> DictConfig:
+    """A copy of ``cfg`` whose step is the checked mini-batch: ``min(check.num_prompts, prompts_per_step)`` prompt
+    groups and one mini-batch. The caller's config is not modified."""
+    num_prompts = min(cfg.check.num_prompts, cfg.rollout.prompts_per_step)
+    if num_prompts < world_size:
+        raise ConfigError(f"check.num_prompts={cfg.check.num_prompts} must be at least the number of ranks "
+                          f"({world_size}): every rank needs a prompt group")
+    checked = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    checked.rollout.prompts_per_step = num_prompts
+    checked.trainer.mini_batches_per_step = 1
+    return checked
+
+
+def value_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The value model's head: its last ``nn.Linear`` with one output (transformers' token-classification score)."""
+    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1]
+    return heads[-1] if heads else None
+
+
+def shift_values_below_zero(trainer: Trainer, rollouts: list[Rollout]) -> Optional[float]:
+    """Add ``-(largest value over the global batch + VALUE_MARGIN)`` to the critic's outputs (collective).
+
+    Returns the shift, or None when the critic has no recognisable value head (then values keep both signs).
+    """
+    critic = trainer.models.critic
+    head = value_head(critic)
+    if head is None:
+        return None
+    values = critic_values(critic, rollouts, token_budget=trainer.cfg.trainer.token_budget, device=trainer.device)
+    local = max((float(v.max()) for v in values if v.numel()), default=-float("inf"))
+    largest = float(dist.all_reduce_max(torch.tensor([local], dtype=torch.float64))[0])
+    shift = -(largest + VALUE_MARGIN)
+    head.register_forward_hook(lambda _module, _inputs, output: output + shift)
+    return shift
+
+
+def _fixture(prompt_ids: list[int]) -> tuple[list[int], list[int], SeqTargets]:
+    """A prompt-only sequence: a real prompt, no response token, empty targets."""
+    empty = torch.zeros(0, dtype=torch.float32)
+    targets = SeqTargets(old_logprobs=empty, advantages=empty, ref_logprobs=empty, old_values=empty, returns=empty)
+    return list(prompt_ids), [], targets
+
+
+def _all_gather(obj) -> list:
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def make_batch(trainer: Trainer) -> CheckBatch:
+    """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch."""
+    cfg, info = trainer.cfg, trainer.info
+    rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
+                                       device=trainer.device)
+    shift = None
+    if trainer.models.critic is not None and cfg.check.negative_values:
+        shift = shift_values_below_zero(trainer, rollouts)
+    targets, facts = trainer.make_experience(rollouts)
+    (local,) = trainer.minibatches(rollouts, targets)
+    entries = [((r.group, k), p, resp, t) for k, (r, p, resp, t) in
+               enumerate(zip(rollouts, local.prompts, local.responses, local.targets))]
+    gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
+    full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
+    add_fixture = bool(cfg.check.masked_fixture)
+    if add_fixture:
+        prompt, response, target = _fixture(full.prompts[0])
+        full.prompts.append(prompt)
+        full.responses.append(response)
+        full.targets.append(target)
+        if info.rank == info.world_size - 1:
+            local.prompts.append(prompt)
+            local.responses.append(response)
+            local.targets.append(target)
+    mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated) for r in rollouts]
+    all_facts = [f for part in _all_gather(mine) for f in part]
+    return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts, on_policy=facts["on_policy"],
+                      value_shift=shift, has_fixture=add_fixture)
+
+
+def build_session(cfg: DictConfig, info: dist.DistInfo, mesh) -> CheckSession:
+    """The checked config, the models (as ``fsdptrain train`` builds them) and the batch (collective)."""
+    checked = check_config(cfg, info.world_size)
+    random.seed(checked.trainer.seed)
+    torch.manual_seed(checked.trainer.seed)
+    trainer = Trainer(checked, run_dir=None, info=info, mesh=mesh)
+    return CheckSession(cfg=checked, trainer=trainer, batch=make_batch(trainer))

@@ -1,0 +1,299 @@
+"""check-metrics, part 3: the layouts. The same mini-batch, forward and backward, no optimiser step.
+
+Legend: `_BL` padded `[B, L]`.
+
+Every layout but the last runs the WHOLE mini-batch on every rank, identically, so all ranks run the same forwards in
+lockstep and FSDP's mean over ranks of identical gradients changes nothing; these layouts therefore use the batch's
+own counts with dp_size 1, except the simulated data-parallel one:
+
+- ``per-sequence``: the product's per-sequence path (``per_sequence_*_loss``): one unpacked forward per sequence;
+- ``padded``: one ``[B, L]`` forward with an attention mask on sdpa and the padded ``agg_loss``;
+- ``packed budget=B``: the train step's ``accumulate_gradients`` with the configured token budget;
+- ``micro-batches=1``, ``=2``, ``=n (one sequence each)``: packs forced by ``plan_packs(min_packs=)`` or by hand;
+- ``simulated dp=N``: the sequences split round-robin into N shards; each shard runs its packs with the global counts
+  and dp_size N, the shards' gradients are averaged (what FSDP's reduce-scatter does) and their metrics reduced
+  like ranks (``flatten`` / SUM, MIN, MAX / ``unflatten``);
+- ``ranks=W``: the product path on the real ranks: each rank's own share, ``global_normalizers``,
+  ``dist.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
+  mesh's ranks.
+
+The loss a layout reports is the scalar whose gradient the model holds: micro-batch losses summed, then averaged over
+the (simulated or real) data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from fsdptrain import dist
+from fsdptrain.attention import generation_attention
+from fsdptrain.loss.aggregate import LossNormalizers
+from fsdptrain.loss.packed import PolicyLossSettings, ValueLossSettings
+from fsdptrain.loss.policy import entropy_from_logits, policy_loss
+from fsdptrain.loss.value import value_loss
+from fsdptrain.metrics import (
+    Metrics,
+    ReduceBuffers,
+    Schema,
+    close_minibatch,
+    comparable,
+    finalize,
+    flatten,
+    merge_all,
+    unflatten,
+)
+from fsdptrain.models import gather_full_grads
+from fsdptrain.packing import PaddedBatch, pack_sequences, pad_sequences, plan_packs
+from fsdptrain.train_step import MiniBatch, accumulate_gradients, global_normalizers, reduce_metrics
+
+Grads = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One trained model under check: the policy ("actor/") or the critic ("critic/") and its loss functions."""
+
+    prefix: str
+    model: torch.nn.Module
+    settings: PolicyLossSettings | ValueLossSettings
+    packed_loss: Callable
+    per_sequence_loss: Callable
+    padded_loss: Callable
+
+
+@dataclass
+class Context:
+    """What every layout gets: the batches, the full batch's normalisers (dp 1) and where to run."""
+
+    full: MiniBatch
+    local: MiniBatch
+    norms: LossNormalizers
+    token_budget: int
+    simulated_dp: int
+    mesh: object
+    device: torch.device
+
+
+@dataclass
+class Run:
+    """A layout's result for one model: the loss, the kinds and finalised values of its metrics, the gradient."""
+
+    loss: float
+    metrics: Metrics
+    grads: Grads
+
+    def values(self) -> dict[str, float]:
+        names = comparable(self.metrics)
+        return {name: value for name, value in finalize(close_minibatch(self.metrics)).items() if name in names}
+
+
+# ---- the padded layout ------------------------------------------------------------------------------------------
+
+
+def _padded(per_seq_R, batch: PaddedBatch, device) -> Tensor:
+    """Response-aligned values of each sequence at the padded positions that score them; 0 elsewhere. `[B, L]`."""
+    out_BL = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+    for b, values_R in enumerate(per_seq_R):
+        out_BL[b, batch.response_mask[b]] = values_R.reshape(-1).float()
+    return out_BL.to(device)
+
+
+def _padded_forward(model, batch: PaddedBatch, device) -> Tensor:
+    with generation_attention(model):
+        return model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                     use_cache=False).logits
+
+
+def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormalizers,
+                       settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
+    """The policy loss of the whole batch as one right-padded `[B, L]` forward (full logits, plain log-softmax)."""
+    device = next(model.parameters()).device
+    batch = pad_sequences(prompts, responses)
+    scaled_BLV = _padded_forward(model, batch, device).float() / settings.temperature
+    labels_BL = torch.where(batch.label_mask, batch.labels, torch.zeros_like(batch.labels)).to(device)
+    logprobs_BL = torch.log_softmax(scaled_BLV, dim=-1).gather(-1, labels_BL[..., None])[..., 0]
+    use_kl = settings.use_reference
+    return policy_loss(
+        logprobs_BL, _padded([t.old_logprobs for t in targets], batch, device),
+        _padded([t.advantages for t in targets], batch, device), batch.response_mask.to(device), norms=norms,
+        agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
+        clip_ratio_c=settings.clip_ratio_c, seq_level_ratio=settings.seq_level_ratio,
+        ref_logprobs=_padded([t.ref_logprobs for t in targets], batch, device) if use_kl else None,
+        kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
+        entropy=entropy_from_logits(scaled_BLV), entropy_coef=settings.entropy_coef,
+    )
+
+
+def padded_value_loss(model, prompts, responses, targets, *, norms: LossNormalizers,
+                      settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
+    """The value loss of the whole batch as one right-padded `[B, L]` forward."""
+    device = next(model.parameters()).device
+    batch = pad_sequences(prompts, responses)
+    values_BL = _padded_forward(model, batch, device)[..., 0].float()
+    return value_loss(values_BL, _padded([t.old_values for t in targets], batch, device),
+                      _padded([t.returns for t in targets], batch, device), batch.response_mask.to(device),
+                      norms=norms, agg_mode=settings.agg_mode, cliprange_value=settings.cliprange_value)
+
+
+# ---- running packs ------------------------------------------------------------------------------------------------
+
+
+def run_packs(part: Part, batch: MiniBatch, packs: list[list[int]], norms: LossNormalizers,
+              device) -> tuple[float, Metrics]:
+    """Forward and backward each pack (a micro-batch) in turn; the summed loss and the merged metrics."""
+    total, collected = 0.0, []
+    for pack in packs:
+        packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
+        loss, metrics = part.packed_loss(part.model, packed, [batch.targets[i] for i in pack], norms=norms,
+                                         settings=part.settings)
+        loss.backward()
+        total += float(loss.detach())
+        collected.append(metrics)
+    return total, merge_all(collected)
+
+
+def _fresh(part: Part) -> None:
+    part.model.zero_grad(set_to_none=True)
+
+
+def _recording(loss_fn: Callable, sink: list[float]) -> Callable:
+    def record(*args, **kwargs):
+        loss, metrics = loss_fn(*args, **kwargs)
+        sink.append(float(loss.detach()))
+        return loss, metrics
+
+    return record
+
+
+def _sub_batch(batch: MiniBatch, indices: list[int]) -> MiniBatch:
+    return MiniBatch([batch.prompts[i] for i in indices], [batch.responses[i] for i in indices],
+                     [batch.targets[i] for i in indices])
+
+
+def per_sequence(part: Part, ctx: Context) -> Run:
+    _fresh(part)
+    b = ctx.full
+    loss, metrics = part.per_sequence_loss(part.model, b.prompts, b.responses, b.targets, norms=ctx.norms,
+                                           settings=part.settings)
+    loss.backward()
+    return Run(float(loss.detach()), metrics, gather_full_grads(part.model))
+
+
+def padded(part: Part, ctx: Context) -> Run:
+    _fresh(part)
+    b = ctx.full
+    loss, metrics = part.padded_loss(part.model, b.prompts, b.responses, b.targets, norms=ctx.norms,
+                                     settings=part.settings)
+    loss.backward()
+    return Run(float(loss.detach()), metrics, gather_full_grads(part.model))
+
+
+def packed_with_budget(part: Part, ctx: Context) -> Run:
+    _fresh(part)
+    losses: list[float] = []
+    metrics = accumulate_gradients(part.model, ctx.full, loss_fn=_recording(part.packed_loss, losses),
+                                   settings=part.settings, norms=ctx.norms, token_budget=ctx.token_budget,
+                                   device=ctx.device)
+    return Run(sum(losses), metrics, gather_full_grads(part.model))
+
+
+def forced_packs(packs: list[list[int]]) -> Callable[[Part, Context], Run]:
+    def run(part: Part, ctx: Context) -> Run:
+        _fresh(part)
+        loss, metrics = run_packs(part, ctx.full, packs, ctx.norms, ctx.device)
+        return Run(loss, metrics, gather_full_grads(part.model))
+
+    return run
+
+
+def simulated_dp(part: Part, ctx: Context) -> Run:
+    """N shards in this process, each as one data-parallel rank would run it; FSDP's gradient mean done by hand."""
+    num_shards = ctx.simulated_dp
+    norms = dataclasses.replace(ctx.norms, dp_size=num_shards)
+    losses, shard_metrics, grads = [], [], None
+    for shard in range(num_shards):
+        batch = _sub_batch(ctx.full, [i for i in range(ctx.full.num_seqs) if i % num_shards == shard])
+        plan = plan_packs(batch.lengths(), ctx.token_budget)  # no sequence: one empty pack, as on a real rank
+        _fresh(part)
+        loss, metrics = run_packs(part, batch, plan.packs, norms, ctx.device)
+        losses.append(loss)
+        shard_metrics.append(metrics)
+        shard_grads = gather_full_grads(part.model)
+        grads = shard_grads if grads is None else {k: grads[k] + shard_grads[k] for k in grads}
+    grads = {k: g / num_shards for k, g in grads.items()}
+    return Run(sum(losses) / num_shards, reduce_like_ranks(shard_metrics), grads)
+
+
+def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
+    """The rank reduction of ``reduce_metrics`` with the ranks simulated: SUM, MIN and MAX over the flat buffers."""
+    schema = Schema.of(*per_rank)
+    buffers = [flatten(m, schema) for m in per_rank]
+    return unflatten(ReduceBuffers(torch.stack([b.sum for b in buffers]).sum(0),
+                                   torch.stack([b.min for b in buffers]).amin(0),
+                                   torch.stack([b.max for b in buffers]).amax(0)), schema)
+
+
+def real_ranks(part: Part, ctx: Context) -> Run:
+    """The train step's own path on this rank's share; the loss averaged over the mesh's ranks, as FSDP averages."""
+    _fresh(part)
+    norms = global_normalizers(ctx.local, dp_size=dist.dp_size(ctx.mesh),
+                               loss_scale_factor=ctx.norms.loss_scale_factor)
+    losses: list[float] = []
+    metrics = accumulate_gradients(part.model, ctx.local, loss_fn=_recording(part.packed_loss, losses),
+                                   settings=part.settings, norms=norms, token_budget=ctx.token_budget,
+                                   device=ctx.device)
+    total = dist.all_reduce_sum(torch.tensor([sum(losses)], dtype=torch.float64))
+    return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
+
+
+def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
+            world_size: int) -> list[tuple[str, Callable[[Part, Context], Run]]]:
+    """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only)."""
+    total = sum(full.lengths())
+    n = full.num_seqs
+    out = [
+        ("per-sequence", per_sequence),
+        ("padded", padded),
+        (f"packed budget={token_budget}", packed_with_budget),
+        ("micro-batches=1", forced_packs(plan_packs(full.lengths(), total).packs)),
+        ("micro-batches=2", forced_packs(plan_packs(full.lengths(), total, min_packs=2).packs)),
+        (f"micro-batches={n} (one sequence each)", forced_packs([[i] for i in range(n)])),
+        (f"simulated dp={simulated_dp_size}", simulated_dp),
+        (f"ranks={world_size}", real_ranks),
+    ]
+    return out
+
+
+def grad_norm(grads: Grads) -> float:
+    return float(sum(float(g.double().square().sum()) for g in grads.values()) ** 0.5)
+
+
+def grad_max_diff(grads: Grads, reference: Grads) -> float:
+    """The largest absolute difference over every gradient entry (a parameter missing on one side counts whole)."""
+    worst = 0.0
+    for name in set(grads) | set(reference):
+        got, want = grads.get(name), reference.get(name)
+        if got is None or want is None:
+            worst = max(worst, float((got if got is not None else want).abs().max()))
+            continue
+        worst = max(worst, float((got.double() - want.double()).abs().max()))
+    return worst
+
+
+def grad_max_abs(grads: Grads) -> float:
+    return max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+
+
+def token_mean_grad_norm(part: Part, ctx: Context) -> Optional[float]:
+    """The gradient norm of the same batch under token-mean (one pack), for the gradient-scale report."""
+    settings = dataclasses.replace(part.settings, agg_mode="token-mean")
+    _fresh(part)
+    run_packs(dataclasses.replace(part, settings=settings), ctx.full, [list(range(ctx.full.num_seqs))], ctx.norms,
+              ctx.device)
+    return grad_norm(gather_full_grads(part.model))
+

@@ -1,0 +1,210 @@
+"""check-metrics, part 2: the reference. One sequence at a time, unpacked, every number computed directly.
+
+Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-batch, back to back.
+
+Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
+:func:`~fsdptrain.loss.packed.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
+the contract of design section 3 with the batch's own counts N (response tokens) and S (sequences with a response
+token), then backward, one sequence at a time:
+
+    token-mean  sum_t L / N;   token-sum  sum_t L;   seq-mean-token-sum  sum_t L / S;
+    seq-mean-token-sum-norm  sum_t L / S / factor;   seq-mean-token-mean  mean_t L / S.
+
+Its metrics are taken directly over all valid tokens of the batch (a min is the min of every valid value, a
+token-weighted mean a plain sum over a count, the explained variance from the whole vectors), never through
+``agg_loss``, the ``Metric`` merges or the rank reduction that the layouts use, so a bug there cannot hide in both.
+The per-token formulas (PPO clip, dual clip, GSPO ratio, clipped value error) are the loss contract's; the KL
+estimators and the entropy are reused from ``fsdptrain.loss.policy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from fsdptrain.check_batch import RolloutFacts
+from fsdptrain.loss.packed import PolicyLossSettings, ValueLossSettings, reference_policy_outputs, reference_values
+from fsdptrain.loss.policy import kl_penalty
+from fsdptrain.train_step import MiniBatch
+
+_LOG_RATIO_CLAMP = 20.0
+EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained variance is ill-conditioned, not compared
+
+
+@dataclass(frozen=True)
+class Counts:
+    """N: response tokens of the mini-batch; S: sequences with at least one; the -norm factor."""
+
+    num_tokens: int
+    num_seqs: int
+    loss_scale_factor: float
+
+    @staticmethod
+    def of(batch: MiniBatch, loss_scale_factor: float) -> "Counts":
+        lengths = [len(r) for r in batch.responses]
+        return Counts(sum(lengths), sum(1 for n in lengths if n > 0), loss_scale_factor)
+
+
+def seq_share(x_R: Tensor, mode: str, counts: Counts) -> Tensor:
+    """One sequence's share of the mini-batch scalar for the per-token values ``x_R`` (float64; 0 if empty)."""
+    if x_R.numel() == 0:
+        return x_R.new_zeros((), dtype=torch.float64)
+    x = x_R.to(torch.float64)
+    if mode == "token-mean":
+        return x.sum() / counts.num_tokens
+    if mode == "token-sum":
+        return x.sum()
+    if mode == "seq-mean-token-sum":
+        return x.sum() / counts.num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return x.sum() / counts.num_seqs / counts.loss_scale_factor
+    if mode == "seq-mean-token-mean":
+        return x.mean() / counts.num_seqs
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def _stats(values_A: Tensor, prefix: str, *, mean: bool = True, extrema: bool = False) -> dict[str, float]:
+    """Plain mean (sum / count) and extrema over every valid token; absent when there is none."""
+    out: dict[str, float] = {}
+    if values_A.numel() == 0:
+        return out
+    v = values_A.to(torch.float64)
+    if mean:
+        out[f"{prefix}_mean" if extrema else prefix] = float(v.sum() / v.numel())
+    if extrema:
+        out[f"{prefix}_min"] = float(v.min())
+        out[f"{prefix}_max"] = float(v.max())
+    return out
+
+
+def _cat(parts: Sequence[Tensor]) -> Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in parts]) if parts else torch.zeros(0)
+
+
+def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings,
+                     counts: Counts) -> tuple[float, dict, dict]:
+    """Forward and backward of the policy loss one sequence at a time: the loss, the directly computed metrics, and
+    the tolerance scale of each loss (the same aggregation of the per-token magnitudes, see :func:`_loss_scales`).
+
+    The gradient accumulates in ``model``. Sequences without a response token add nothing and run no forward.
+    """
+    mode = settings.agg_mode
+    total = 0.0
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("pg", "ratio", "clip", "lower", "ppo_kl", "kl", "entropy")}
+    for prompt_ids, response_ids, target in zip(batch.prompts, batch.responses, batch.targets):
+        if not response_ids:
+            continue
+        logp, entropy = reference_policy_outputs(model, prompt_ids, response_ids, temperature=settings.temperature)
+        old = target.old_logprobs.to(logp)
+        adv = target.advantages.to(logp)
+        if settings.seq_level_ratio:  # GSPO: the value is the sequence ratio, the gradient s * grad logp
+            log_ratio = (logp - old).detach().mean() + logp - logp.detach()
+        else:
+            log_ratio = logp - old
+        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
+        pg = torch.maximum(unclipped, clipped)
+        lower = torch.zeros_like(pg, dtype=torch.bool)
+        if settings.clip_ratio_c is not None:
+            dual = -adv * settings.clip_ratio_c
+            lower = (adv < 0) & (pg > dual)
+            pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
+        loss = seq_share(pg, mode, counts)
+        if settings.use_reference:
+            kl = kl_penalty(logp, target.ref_logprobs.to(logp), settings.kl_estimator)
+            loss = loss + settings.kl_coef * seq_share(kl, mode, counts)
+            parts["kl"].append(kl)
+        if settings.entropy_coef != 0.0:
+            loss = loss - settings.entropy_coef * seq_share(entropy, mode, counts)
+        loss.backward()
+        total += float(loss.detach())
+        for key, value in (("pg", pg), ("ratio", ratio), ("clip", clipped > unclipped), ("lower", lower),
+                           ("ppo_kl", old - logp), ("entropy", entropy)):
+            parts[key].append(value)
+    metrics = {
+        "pg_loss": float(sum(seq_share(p.detach(), mode, counts) for p in parts["pg"])),
+        **_stats(_cat(parts["clip"]), "pg_clipfrac"),
+        **_stats(_cat(parts["lower"]), "pg_clipfrac_lower"),
+        **_stats(_cat(parts["ppo_kl"]), "ppo_kl"),
+        **_stats(_cat(parts["ratio"]), "probs_ratio", extrema=True),
+        **_stats(_cat(parts["entropy"]), "entropy"),
+    }
+    scales = {"pg_loss": _magnitude(parts["pg"], mode, counts)}
+    scales["loss"] = scales["pg_loss"] + settings.entropy_coef * _magnitude(parts["entropy"], mode, counts)
+    if settings.use_reference:
+        metrics["kl_loss"] = float(sum(seq_share(k.detach(), mode, counts) for k in parts["kl"]))
+        metrics.update(_stats(_cat(parts["kl"]), "kl"))
+        scales["kl_loss"] = _magnitude(parts["kl"], mode, counts)
+        scales["loss"] += settings.kl_coef * scales["kl_loss"]
+    return total, metrics, scales
+
+
+def _magnitude(per_seq_R: Sequence[Tensor], mode: str, counts: Counts) -> float:
+    """The aggregation of |L|: the size of the terms a loss sums. A whitened advantage makes pg_loss cancel to about
+    0, and its fp32 rounding is then relative to this, not to the tiny result."""
+    return float(sum(seq_share(x.detach().abs(), mode, counts) for x in per_seq_R))
+
+
+def explained_variance_direct(returns_A: Tensor, values_A: Tensor) -> Optional[float]:
+    """1 - Var(R - v) / Var(R) from the whole vectors (two-pass variances); None when Var(R) is (almost) 0."""
+    if returns_A.numel() == 0:
+        return None
+    var_r = returns_A.var(unbiased=False)
+    if float(var_r) <= EV_DEGENERATE * float(returns_A.square().mean()):
+        return None
+    return float(1.0 - (returns_A - values_A).var(unbiased=False) / var_r)
+
+
+def reference_critic(model, batch: MiniBatch, settings: ValueLossSettings,
+                     counts: Counts) -> tuple[float, dict, dict]:
+    """Forward and backward of the value loss one sequence at a time: the loss, the metrics, the loss scales."""
+    total = 0.0
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("err", "clip", "values", "returns")}
+    for prompt_ids, response_ids, target in zip(batch.prompts, batch.responses, batch.targets):
+        if not response_ids:
+            continue
+        values = reference_values(model, prompt_ids, response_ids)
+        old, returns = target.old_values.to(values), target.returns.to(values)
+        unclipped = (values - returns).square()
+        if settings.cliprange_value is None:
+            err, clip = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+        else:
+            v_clipped = old + (values - old).clamp(-settings.cliprange_value, settings.cliprange_value)
+            clipped = (v_clipped - returns).square()
+            err, clip = torch.maximum(unclipped, clipped), clipped > unclipped
+        loss = seq_share(0.5 * err, settings.agg_mode, counts)
+        loss.backward()
+        total += float(loss.detach())
+        for key, value in (("err", err), ("clip", clip), ("values", values), ("returns", returns)):
+            parts[key].append(value)
+    values_A, returns_A = _cat(parts["values"]), _cat(parts["returns"])
+    metrics = {
+        "vf_loss": total,
+        **_stats(_cat(parts["clip"]), "vf_clipfrac"),
+        **_stats(values_A, "values", extrema=True),
+        **_stats(returns_A, "returns_mean"),
+    }
+    ev = explained_variance_direct(returns_A, values_A)
+    if ev is not None:
+        metrics["vf_explained_var"] = ev
+    return total, metrics, {"loss": total, "vf_loss": total}  # a sum of squares does not cancel
+
+
+def reference_rollout_metrics(facts: Sequence[RolloutFacts]) -> dict[str, float]:
+    """The step's rollout metrics straight from every rank's sequences (what ``Trainer.rollout_metrics`` logs)."""
+    rewards = [f.reward for f in facts]
+    lengths = [f.num_response_tokens for f in facts]
+    return {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/max": max(rewards),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/truncated_frac": sum(f.truncated for f in facts) / len(facts),
+        "batch/num_seqs": float(len(facts)),
+        "batch/num_response_tokens": float(sum(lengths)),
+        "batch/num_prompt_tokens": float(sum(f.num_prompt_tokens for f in facts)),
+    }

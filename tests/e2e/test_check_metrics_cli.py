@@ -1,0 +1,84 @@
+"""`fsdptrain check-metrics` as a user runs it: exit codes, the table, `--json`, and a bug planted on real ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from fsdptrain.loss.aggregate import AGG_MODES
+
+FAST_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _env(**extra: str) -> dict:
+    return {**FAST_ENV, **extra}
+
+
+def test_nproc_1_passes_and_writes_json(cli, tmp_path):
+    out = tmp_path / "check.json"
+    result = cli("check-metrics", "--nproc", "1", "--json", str(out), env=_env(), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check-metrics: PASS" in result.stdout
+    assert "normalisation: token-mean" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["failures"] == []
+    layouts = report["layouts_run"]
+    for prefix in ("per-sequence", "padded", "packed budget=", "micro-batches=1", "micro-batches=2",
+                   "simulated dp=2", "ranks=1"):
+        assert any(name.startswith(prefix) for name in layouts), (prefix, layouts)
+    assert any(name.endswith("(one sequence each)") for name in layouts), layouts
+    for layout in layouts:
+        for metric in ("actor/loss", "actor/grad_norm", "actor/probs_ratio_min", "critic/values_max",
+                       "critic/vf_loss"):
+            entry = report["layouts"][layout][metric]
+            assert set(entry) == {"reference", "value", "abs_diff", "rel_diff", "pass"}, (layout, metric)
+            assert entry["pass"] is True
+            assert entry["reference"] == report["reference"][metric]
+            assert entry["abs_diff"] == pytest.approx(abs(entry["value"] - entry["reference"]), abs=1e-12)
+    num_seqs = report["layouts"]["ranks=1"]["batch/num_seqs"]
+    assert num_seqs["value"] == num_seqs["reference"] > 0
+
+
+def test_nproc_2_passes(cli):
+    result = cli("check-metrics", "--nproc", "2", env=_env(), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on 2 rank(s)" in result.stdout
+    assert result.stdout.count("check-metrics: PASS") == 1  # rank 0 alone reports
+
+
+def test_missing_dp_size_factor_on_real_ranks_fails(cli, tmp_path):
+    # The bug lives in a patch module on the ranks' Python path, not in the product: every rank believes the
+    # data-parallel size is 1, so no loss carries the factor that cancels FSDP2's gradient mean over the 2 ranks.
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import fsdptrain.dist
+
+        fsdptrain.dist.dp_size = lambda mesh: 1
+        """))
+    pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
+    result = cli("check-metrics", "--nproc", "2", env=_env(PYTHONPATH=pythonpath), timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL actor/grad_norm [ranks=2]" in result.stdout
+    assert "FAIL critic/loss [ranks=2]" in result.stdout
+    assert "[simulated dp=2]" not in result.stdout  # the simulated layout does not ask dist for the dp size
+
+
+def test_json_into_a_missing_folder_is_a_usage_error(cli, tmp_path):
+    result = cli("check-metrics", "--json", str(tmp_path / "nope" / "check.json"))
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", ["1", "2"])
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_full_matrix(cli, mode, algorithm, nproc):
+    result = cli("check-metrics", "--nproc", nproc, f"algorithm={algorithm}", f"loss.agg_mode={mode}", env=_env(),
+                 timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check-metrics: PASS" in result.stdout

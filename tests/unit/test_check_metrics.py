@@ -1,0 +1,219 @@
+"""check-metrics in one process: the mode matrix on one experience batch, and each planted bug class caught.
+
+The sessions (models + one mini-batch of experience of the default config, 4 prompt groups x 4 samples plus the
+prompt-only fixture) are built once per module; each test reruns the layouts with another loss mode or with a bug
+planted through monkeypatch, in process. Small hand-checked tests of the comparison rules come first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fsdptrain import attention, dist
+from fsdptrain.check import run_checks
+from fsdptrain.check_batch import build_session
+from fsdptrain.check_compare import Outcome, compare, self_checks
+from fsdptrain.check_layouts import reduce_like_ranks
+from fsdptrain.check_reference import Counts, explained_variance_direct, seq_share
+from fsdptrain.compose import compose_config
+from fsdptrain.loss import aggregate, policy, value
+from fsdptrain.loss.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
+from fsdptrain.metrics import Kind, Max, Mean, Metrics, Min, finalize
+
+# ---- the rules, by hand --------------------------------------------------------------------------------------------
+
+
+def test_seq_share_follows_the_contract_by_hand():
+    # sequence (1, 2, 3) in a batch of N = 10 tokens, S = 4 sequences, factor 5:
+    # token-mean 6/10; token-sum 6; seq-mean-token-sum 6/4; -norm 6/4/5; seq-mean-token-mean (6/3)/4
+    counts = Counts(num_tokens=10, num_seqs=4, loss_scale_factor=5.0)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    want = {"token-mean": 0.6, "token-sum": 6.0, "seq-mean-token-sum": 1.5, "seq-mean-token-sum-norm": 0.3,
+            "seq-mean-token-mean": 0.5}
+    for mode, expected in want.items():
+        assert float(seq_share(x, mode, counts)) == pytest.approx(expected, abs=1e-15)
+    assert float(seq_share(torch.zeros(0), "token-mean", counts)) == 0.0
+
+
+def test_explained_variance_direct_by_hand():
+    # R = (0, 2): Var(R) = 1; v = (0, 1): R - v = (0, 1), Var = 0.25; 1 - 0.25 = 0.75
+    assert explained_variance_direct(torch.tensor([0.0, 2.0], dtype=torch.float64),
+                                     torch.tensor([0.0, 1.0], dtype=torch.float64)) == pytest.approx(0.75, abs=1e-15)
+    assert explained_variance_direct(torch.full((3,), 0.5, dtype=torch.float64), torch.zeros(3)) is None
+
+
+def test_compare_tolerance_missing_values_and_scales():
+    ref = Outcome("reference", {"actor/a": 2.0, "actor/b": 1.0, "actor/grad_max_diff": 0.0}, covers=())
+    got = Outcome("layout", {"actor/a": 2.0 + 1.9e-5, "actor/grad_max_diff": 3e-5, "actor/extra": 1.0})
+    # a: |diff| 1.9e-5 <= 1e-6 + 1e-5 * 2 = 2.1e-5; grad_max_diff: 3e-5 <= 1e-6 + 1e-5 * 10 (its scale) = 1.01e-4;
+    # b: absent in the layout; extra: absent in the reference
+    result = {c.metric: c for c in compare(ref, got, rtol=1e-5, atol=1e-6, scales={"actor/grad_max_diff": 10.0})}
+    assert result["actor/a"].passed and result["actor/grad_max_diff"].passed
+    assert result["actor/grad_max_diff"].rel_diff == pytest.approx(3e-6, rel=1e-12)
+    assert not result["actor/b"].passed and result["actor/b"].value is None
+    assert not result["actor/extra"].passed and result["actor/extra"].reference is None
+    tight = compare(ref, Outcome("layout", {"actor/a": 2.0 + 2.2e-5, "actor/b": 1.0, "actor/grad_max_diff": 0.0}),
+                    rtol=1e-5, atol=1e-6, scales={})
+    assert [c.metric for c in tight if not c.passed] == ["actor/a"]
+
+
+def test_self_checks_catch_inconsistent_results():
+    bad = Outcome("layout", {"actor/probs_ratio_min": 1.2, "actor/probs_ratio_mean": 1.0,
+                             "actor/probs_ratio_max": 1.3, "critic/vf_clipfrac": 1.5, "batch/num_seqs": 16.5},
+                  kinds={"batch/num_seqs": Kind.SUM})
+    failed = {k.rule for k in self_checks(bad, rtol=1e-5, atol=1e-6, on_policy=True) if not k.passed}
+    assert failed == {"actor/probs_ratio: min <= mean <= max", "critic/vf_clipfrac in [0, 1]",
+                      "batch/num_seqs is a whole count", "on-policy: max |ratio - 1| = 0"}
+
+
+def test_reduce_like_ranks_takes_extrema_and_pools_means():
+    a = Metrics({"m": Mean(3.0, 2.0), "lo": Min(-1.0), "hi": Max(2.0)})
+    b = Metrics({"m": Mean(1.0, 2.0), "lo": Min(), "hi": Max(5.0)})  # an empty MIN is the identity
+    assert finalize(reduce_like_ranks([a, b])) == {"m": 1.0, "lo": -1.0, "hi": 5.0}
+
+
+# ---- the product on one experience batch ---------------------------------------------------------------------------
+
+
+def _session(*overrides: str):
+    torch.set_num_threads(1)
+    cfg = compose_config(list(overrides))
+    info = dist.init_distributed(device_type="cpu")
+    mesh = dist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    return build_session(cfg, info, mesh)
+
+
+@pytest.fixture(scope="module")
+def ppo():
+    return _session()
+
+
+@pytest.fixture(scope="module")
+def grpo():
+    return _session("algorithm=grpo")
+
+
+def _one_each(session) -> str:
+    return f"[micro-batches={session.batch.full.num_seqs} (one sequence each)]"
+
+
+def test_batch_has_the_fixtures(ppo):
+    batch, cfg = ppo.batch, ppo.cfg
+    assert batch.full.num_seqs == cfg.check.num_prompts * cfg.rollout.n + 1  # groups x samples + the fixture
+    assert batch.full.responses[-1] == [] and all(batch.full.responses[:-1])
+    assert batch.value_shift is not None
+    assert batch.on_policy
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
+    report = run_checks(ppo, mode)
+    assert report.ok, "\n".join(report.failures)
+    ref = report.reference.values
+    assert ref["critic/values_max"] < -0.99  # the value shift makes every value negative (<= -1 up to rounding)
+    assert ref["actor/grad_norm"] > 0 and ref["critic/grad_norm"] > 0  # the gradient comparisons are not vacuous
+    layouts = {c.layout for c in report.comparisons}
+    assert {"per-sequence", "padded", "micro-batches=2", "simulated dp=2", "ranks=1"} <= layouts
+    # every layout is compared on every policy and critic metric of the reference
+    for layout in layouts - {"token-mean, same batch"}:
+        names = {c.metric for c in report.comparisons if c.layout == layout}
+        assert {n for n in ref if n.startswith(("actor/", "critic/"))} <= names, layout
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_grpo_passes_every_mode(grpo, mode):
+    report = run_checks(grpo, mode)
+    assert report.ok, "\n".join(report.failures)
+    assert not any(c.metric.startswith("critic/") for c in report.comparisons)
+    assert report.reference.values["actor/grad_norm"] > 0
+
+
+def test_token_sum_gradient_is_n_times_token_mean(ppo):
+    report = run_checks(ppo, "token-sum")
+    num_tokens = sum(len(r) for r in ppo.batch.full.responses)
+    assert report.reference.values["grad_scale/actor"] == num_tokens
+    measured = next(c for c in report.comparisons if c.metric == "grad_scale/actor")
+    assert measured.value == pytest.approx(num_tokens, rel=1e-5)
+
+
+# ---- planted bugs -----------------------------------------------------------------------------------------------
+
+
+def _failing(report) -> str:
+    assert not report.ok, "the planted bug was not caught"
+    return "\n".join(report.failures)
+
+
+def test_catches_min_summed_across_packs(ppo, monkeypatch):
+    monkeypatch.setattr(Min, "merge", lambda self, other: Min(self.extreme + other.extreme))
+    failures = _failing(run_checks(ppo))
+    assert "actor/probs_ratio_min [micro-batches=2]" in failures
+    assert "critic/values_min [per-sequence]" in failures
+
+
+def test_catches_a_zero_sentinel_for_empty_extrema(ppo, monkeypatch):
+    def min_of(values, valid):
+        if not bool(valid.any()):
+            return Min(0.0)
+        return Min(torch.where(valid, values.detach(), torch.tensor(math.inf, dtype=values.dtype)).amin())
+
+    def max_of(values, valid):
+        if not bool(valid.any()):
+            return Max(0.0)
+        return Max(torch.where(valid, values.detach(), torch.tensor(-math.inf, dtype=values.dtype)).amax())
+
+    monkeypatch.setattr(Min, "of", staticmethod(min_of))
+    monkeypatch.setattr(Max, "of", staticmethod(max_of))
+    failures = _failing(run_checks(ppo))
+    # the prompt-only fixture runs alone one sequence at a time: its 0.0 wins the min of ratios (~1)
+    # and the max of the (shifted, negative) values
+    assert "actor/probs_ratio_min [per-sequence]" in failures
+    assert f"critic/values_max {_one_each(ppo)}" in failures
+    assert f"actor/probs_ratio_min [packed budget={ppo.cfg.trainer.token_budget}]" not in failures  # one full pack
+
+
+def _local_counts_agg(original):
+    def agg(loss_mat, loss_mask, mode, norms, *, cu_seqlens=None):
+        tokens, seqs = count_tokens_and_seqs(loss_mask, cu_seqlens)
+        local = LossNormalizers(tokens, seqs, dp_size=norms.dp_size, loss_scale_factor=norms.loss_scale_factor)
+        return original(loss_mat, loss_mask, mode, local, cu_seqlens=cu_seqlens)
+
+    return agg
+
+
+def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
+    for module in (policy, value):
+        monkeypatch.setattr(module, "agg_loss_with", _local_counts_agg(aggregate.agg_loss_with))
+    failures = _failing(run_checks(ppo, "token-mean"))
+    assert "actor/loss [micro-batches=2]" in failures
+    assert "actor/grad_norm [micro-batches=2]" in failures
+    assert "critic/vf_loss [simulated dp=2]" in failures
+    assert "[micro-batches=1]" not in failures  # one micro-batch holds the whole batch: local = global
+
+
+def test_catches_attention_leaking_across_packed_sequences(ppo, monkeypatch):
+    monkeypatch.setattr(attention._Call, "bounds", lambda self: [0, int(self.cu_seqlens[-1])])
+    failures = _failing(run_checks(ppo))
+    assert "actor/grad_max_diff [micro-batches=1]" in failures
+    assert "critic/values_mean [micro-batches=1]" in failures
+    assert "on-policy: max |ratio - 1| = 0 [micro-batches=1]" in failures
+    assert _one_each(ppo) not in failures  # one sequence per pack: nothing to leak into
+
+
+def test_catches_a_missing_dp_size_factor(ppo, monkeypatch):
+    original = aggregate.agg_loss_with
+
+    def without_dp(loss_mat, loss_mask, mode, norms, *, cu_seqlens=None):
+        no_dp = LossNormalizers(norms.global_num_tokens, norms.global_num_seqs, dp_size=1,
+                                loss_scale_factor=norms.loss_scale_factor)
+        return original(loss_mat, loss_mask, mode, no_dp, cu_seqlens=cu_seqlens)
+
+    for module in (policy, value):
+        monkeypatch.setattr(module, "agg_loss_with", without_dp)
+    failures = _failing(run_checks(ppo, "seq-mean-token-sum"))
+    assert "actor/grad_norm [simulated dp=2]" in failures
+    assert "critic/loss [simulated dp=2]" in failures
+    assert "[micro-batches=2]" not in failures  # dp size 1 layouts are unaffected
