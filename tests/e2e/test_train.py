@@ -1,0 +1,126 @@
+"""`fsdptrain train` end to end as a user runs it: it learns, both presets run, offline data and a user's HF folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+QUIET = ["logging.progress=false"]
+TINY = ["trainer.steps=2", "rollout.prompts_per_step=4", "rollout.n=2", "trainer.eval_every=0", *QUIET]
+# The default itself, without the periodic greedy evaluation (about 30 s on a free 2-core machine).
+LEARN = ["trainer.eval_every=0", *QUIET]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _gain(rows: list[dict]) -> float:
+    first = sum(r["reward/mean"] for r in rows[:5]) / 5
+    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    return last - first
+
+
+def test_default_ppo_learns(cli, tmp_path):
+    result = cli("train", *LEARN, "trainer.run_name=learn")
+    assert result.returncode == 0, result.stderr
+    rows = _metrics(tmp_path / "runs" / "learn")
+    assert len(rows) == 100
+    assert _gain(rows) >= 0.15, [round(r["reward/mean"], 3) for r in rows]
+    assert all(r["actor/on_policy_max_ratio_dev"] < 1e-6 for r in rows)
+    assert {"critic/vf_loss", "critic/values_min", "critic/values_max", "actor/pg_loss"} <= set(rows[-1])
+    assert "token-mean: the loss is the mean over all" in result.stdout
+    assert "fsdptrain summary" in result.stdout
+
+
+def test_default_ppo_learns_on_two_ranks(cli, tmp_path):
+    result = cli("train", "--nproc", "2", *LEARN, "trainer.run_name=learn2")
+    assert result.returncode == 0, result.stderr
+    rows = _metrics(tmp_path / "runs" / "learn2")
+    assert _gain(rows) >= 0.15, [round(r["reward/mean"], 3) for r in rows]
+    assert rows[0]["batch/num_seqs"] == 64  # the global batch, counted over both ranks
+
+
+def test_grpo_preset_runs_without_a_critic(cli, tmp_path):
+    result = cli("train", "algorithm=grpo", *TINY, "trainer.run_name=grpo")
+    assert result.returncode == 0, result.stderr
+    rows = _metrics(tmp_path / "runs" / "grpo")
+    assert len(rows) == 2
+    assert not any(key.startswith("critic/") for key in rows[-1])
+    assert (tmp_path / "runs" / "grpo" / "export" / "policy" / "model.safetensors").exists()
+    assert not (tmp_path / "runs" / "grpo" / "export" / "critic").exists()
+
+
+def _write_rollouts(path: Path, bad_line: str | None = None) -> None:
+    rows = []
+    for group, digit in enumerate("3719"):
+        for response, reward in ((f"{digit} {digit} {digit}", 1.0), (f"{digit} 0", 1 / 3)):
+            rows.append(json.dumps({"prompt": f"repeat {digit} =", "response": response, "reward": reward,
+                                    "group": group}))
+    if bad_line is not None:
+        rows.insert(2, bad_line)
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_offline_jsonl_rollouts_train(cli, tmp_path):
+    data = tmp_path / "rollouts.jsonl"
+    _write_rollouts(data)
+    result = cli("train", "data=jsonl", f"data.path={data}", "data.max_response_length=8", "algorithm=grpo",
+                 *TINY, "trainer.run_name=offline")
+    assert result.returncode == 0, result.stderr
+    rows = _metrics(tmp_path / "runs" / "offline")
+    assert rows[0]["batch/num_seqs"] == 8  # 4 groups of 2 per step
+    assert rows[0]["loss/loss_scale_factor"] == 8.0  # the declared maximum response length
+
+
+def test_bad_jsonl_row_exits_2_naming_file_and_line(cli, tmp_path):
+    data = tmp_path / "rollouts.jsonl"
+    _write_rollouts(data, bad_line='{"prompt": "repeat 1 =", "response": "1"}')
+    result = cli("train", "data=jsonl", f"data.path={data}", "data.max_response_length=8", "algorithm=grpo", *TINY)
+    assert result.returncode == 2, result.stderr
+    assert f"{data}:3:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_users_hf_folder_trains_two_steps(cli, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdptrain.tokenizer import load_bundled_tokenizer
+
+    tokenizer = load_bundled_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    folder = tmp_path / "my-model"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    result = cli("train", "model=local", f"model.path={folder}", *TINY, "trainer.run_name=hf")
+    assert result.returncode == 0, result.stderr
+    assert len(_metrics(tmp_path / "runs" / "hf")) == 2
+
+
+def test_stale_old_logprobs_raise_the_on_policy_guard(cli, tmp_path):
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import fsdptrain.experience as experience
+
+        _original = experience.policy_logprobs
+
+        def _stale(*args, **kwargs):
+            return [lp - 0.1 for lp in _original(*args, **kwargs)]
+
+        experience.policy_logprobs = _stale
+        """))
+    env = {"PYTHONPATH": os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])}
+    result = cli("train", *TINY, "trainer.run_name=stale", env=env)
+    assert result.returncode == 0, result.stderr
+    rows = _metrics(tmp_path / "runs" / "stale")
+    # old log-probs 0.1 lower than the policy's: the first ratio is exp(0.1) on every token
+    assert rows[0]["actor/on_policy_max_ratio_dev"] == pytest.approx(0.10517, abs=1e-4)
