@@ -93,8 +93,11 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
 
 @dataclass
 class StepOutcome:
+    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, and the normalisers used."""
+
     grad_norm: float
     skipped: bool
+    norms: Optional[LossNormalizers] = None
 
 
 def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
@@ -115,4 +118,5 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
     metrics = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                    token_budget=token_budget, device=device)
     outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
+    outcome.norms = norms
     return reduce_metrics(metrics), outcome

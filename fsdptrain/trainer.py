@@ -376,7 +376,9 @@ class Trainer:
         cfg, models = self.cfg, self.models
         common = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
                       token_budget=cfg.trainer.token_budget, device=self.device)
-        collected, facts = [], {"actor/grad_norm": [], "critic/grad_norm": []}
+        collected = []
+        facts = {"actor/grad_norm": [], "critic/grad_norm": [], "loss/global_num_tokens": [],
+                 "loss/global_num_seqs": []}
         guard_value = None
         for epoch in range(cfg.algorithm.ppo_epochs):
             for index, batch in enumerate(batches):
@@ -390,6 +392,8 @@ class Trainer:
                     guard_value = max(deviations) if deviations else None
                 collected.append(close_minibatch(metrics.prefixed("actor/")))
                 facts["actor/grad_norm"].append(outcome.grad_norm)
+                facts["loss/global_num_tokens"].append(outcome.norms.global_num_tokens)
+                facts["loss/global_num_seqs"].append(outcome.norms.global_num_seqs)
                 self.policy_watch.observe(outcome.grad_norm)
                 if models.critic is not None:
                     metrics, outcome = update_on_minibatch(
@@ -455,6 +459,28 @@ def print_start_report(trainer: "Trainer") -> None:
 def write_metrics_line(path: Path, result: dict) -> None:
     with path.open("a") as handle:
         handle.write(json.dumps(result) + "\n")
+
+
+def open_tensorboard(cfg: DictConfig, run_dir: Path):
+    """A SummaryWriter under ``run_dir/tensorboard`` when enabled and installed (rank 0 only), else None."""
+    if not cfg.logging.tensorboard or dist_rank() != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log("warning: logging.tensorboard=true but the tensorboard package is not installed "
+            "(pip install tensorboard); metrics go to metrics.jsonl only")
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def write_tensorboard(writer, result: dict) -> None:
+    if writer is None:
+        return
+    for key, value in result.items():
+        if key != "step" and isinstance(value, (int, float)):
+            writer.add_scalar(key, value, global_step=result["step"])
+    writer.flush()
 
 
 def _progress_columns():
@@ -598,6 +624,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
         eval_rewards[0] = trainer.source.eval_reward(trainer.models, rank=info.rank, world_size=info.world_size,
                                                      device=trainer.device)
     history = []
+    tensorboard = open_tensorboard(cfg, run_path)
     show = info.is_main and cfg.logging.progress
     from rich.progress import Progress
 
@@ -613,6 +640,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             history.append(result)
             if info.is_main:
                 write_metrics_line(metrics_path, result)
+                write_tensorboard(tensorboard, result)
             progress.update(task, advance=1, stats=_stats_line(result))
             stopping = dist.any_flag(stop.requested)
             every = cfg.checkpoint.every

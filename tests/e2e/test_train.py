@@ -124,3 +124,14 @@ def test_stale_old_logprobs_raise_the_on_policy_guard(cli, tmp_path):
     rows = _metrics(tmp_path / "runs" / "stale")
     # old log-probs 0.1 lower than the policy's: the first ratio is exp(0.1) on every token
     assert rows[0]["actor/on_policy_max_ratio_dev"] == pytest.approx(0.10517, abs=1e-4)
+
+
+def test_tensorboard_when_enabled(cli, tmp_path):
+    result = cli("train", *TINY, "logging.tensorboard=true", "trainer.run_name=tb")
+    assert result.returncode == 0, result.stderr
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert "tensorboard package is not installed" in result.stdout
+    else:
+        assert list((tmp_path / "runs" / "tb" / "tensorboard").glob("events.out.tfevents.*"))
