@@ -266,7 +266,7 @@ def _parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (the best is reported)")
     parser.add_argument("--mean-len", type=float, default=128.0, help="mean of the log-normal sequence lengths")
     parser.add_argument("--seed", type=int, default=0)

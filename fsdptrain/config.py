@@ -100,7 +100,7 @@ class LossConfig:
     """Loss aggregation: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean."""
     loss_scale_factor: Optional[float] = None
     """Constant divisor of seq-mean-token-sum-norm; null uses the configured maximum response length."""
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = 256
     """Tokens per chunk of the fused output projection (bounds the logits held at once)."""
 
 

@@ -41,7 +41,6 @@ def test_uneven_ranks_run_the_same_number_of_forwards(two_rank_results):
         assert r0["norms"] == r1["norms"] and r0["norms"][2] == 2
 
 
-@pytest.mark.slow
 def test_hsdp_2x2_matches_reference(tmp_path):
     result = launch("train_step_checks.py", nproc=4, out_dir=tmp_path,
                     args=("--variants", "plain", "--replicate", "2", "--modes", "token-mean,seq-mean-token-sum-norm"),
