@@ -9,6 +9,7 @@ and holds no pickled code.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,20 @@ def unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
                      f"save_pretrained")
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers draws a progress bar per saved shard; the trainer has its own progress display."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = None) -> Path:
     """Write `model` (FSDP2-sharded or plain) to `out_dir` as a Hugging Face folder: config.json, safetensors
     weights and, when given, the tokenizer. Collective when a process group exists: every rank calls it; rank 0
@@ -50,7 +65,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = 
         plain.load_state_dict(full_state, strict=True, assign=True)
         plain.tie_weights()
         out_dir.mkdir(parents=True, exist_ok=True)
-        plain.save_pretrained(out_dir, safe_serialization=True)
+        with _no_progress_bars():
+            plain.save_pretrained(out_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -14,6 +14,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -600,8 +601,15 @@ def export(trainer: "Trainer", run_dir: Path) -> None:
         export_hf(trainer.models.critic, run_dir / "export" / "critic", tokenizer=trainer.tokenizer)
 
 
+def quiet_known_warnings() -> None:
+    """FSDP2 warns once that the root returned a view of its output (we take ``logits[0, :, 0]`` and the hidden
+    states); we never modify those views in place, which is the case the warning is about."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
 def train(cfg: DictConfig, run_dir: str) -> int:
     """The ``fsdptrain train`` job on this rank; returns the exit code."""
+    quiet_known_warnings()
     stop = StopRequest()
     stop.install()
     info = dist.init_distributed(device_type=resolve_device_type(cfg))
