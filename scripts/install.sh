@@ -19,7 +19,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "torch==${FSDPTRAIN_TORCH:-2.13.0}"
 fi
-TORCH_VERSION="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+TORCH_VERSION="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
 CONSTRAINTS="$(mktemp)"
 trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
