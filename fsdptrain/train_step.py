@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fsdptrain import dist
+from fsdptrain.config import ConfigError
 from fsdptrain.loss.aggregate import LossNormalizers
 from fsdptrain.loss.packed import SeqTargets
 from fsdptrain.metrics import Diagnostic, Mean, Metrics, Schema, Sum, flatten, merge_all, unflatten
@@ -45,7 +46,15 @@ class MiniBatch:
 
 
 def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
-    """This rank's packs under the budget, with as many packs as the busiest rank needs (collective)."""
+    """This rank's packs under the budget, with as many packs as the busiest rank needs (collective).
+
+    A sequence longer than the budget is the user's setting to fix: every rank learns of it through the same
+    all-reduce and raises the same ConfigError, so the run ends with one line and exit 2, not a hang.
+    """
+    longest = dist.agree_max_int(max(lengths, default=0))
+    if longest > token_budget:
+        raise ConfigError(f"trainer.token_budget={token_budget} is smaller than a sequence of {longest} tokens "
+                          f"(prompt + response): raise trainer.token_budget to at least {longest}")
     plan = plan_packs(lengths, token_budget)
     num_packs = dist.agree_max_int(plan.num_packs)
     if num_packs != plan.num_packs:

@@ -135,3 +135,11 @@ def test_tensorboard_when_enabled(cli, tmp_path):
         assert "tensorboard package is not installed" in result.stdout
     else:
         assert list((tmp_path / "runs" / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_token_budget_below_a_sequence_is_a_usage_error(cli):
+    result = cli("train", *TINY, "trainer.token_budget=5")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == ["error: trainer.token_budget=5 is smaller than a sequence of 10 tokens (prompt + response): "
+                     "raise trainer.token_budget to at least 10"]
