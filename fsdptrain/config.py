@@ -366,6 +366,35 @@ def validate(cfg: DictConfig) -> None:
     _check_cross_fields(cfg)
 
 
+def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:
+    """Check a (dp_replicate, dp_shard) layout against the world size and return it with `dp_shard` resolved.
+
+    `dp_shard=None` means auto: world_size / dp_replicate. Pure (no process group, no torch), so the CLI rejects a
+    bad layout in the parent before any rank starts; `fsdptrain.dist.build_mesh` applies the same rule.
+    Raises ConfigError (a ValueError) with the fix in the message.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    if not isinstance(dp_replicate, int) or dp_replicate < 1:
+        raise ConfigError(f"parallel.dp_replicate must be a positive integer, got {dp_replicate!r}")
+    if dp_shard is None:
+        if world_size % dp_replicate != 0:
+            raise ConfigError(
+                f"parallel.dp_replicate={dp_replicate} does not divide the world size {world_size}: "
+                f"choose a dp_replicate that divides {world_size}, or change the number of processes"
+            )
+        return dp_replicate, world_size // dp_replicate
+    if not isinstance(dp_shard, int) or dp_shard < 1:
+        raise ConfigError(f"parallel.dp_shard must be a positive integer or auto, got {dp_shard!r}")
+    if dp_replicate * dp_shard != world_size:
+        raise ConfigError(
+            f"parallel.dp_replicate x parallel.dp_shard = {dp_replicate} x {dp_shard} = {dp_replicate * dp_shard} "
+            f"but the world size is {world_size}: set parallel.dp_shard=auto (world size / dp_replicate) "
+            f"or launch {dp_replicate * dp_shard} processes"
+        )
+    return dp_replicate, dp_shard
+
+
 def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
     """The mesh shape ``(dp_replicate, dp_shard)`` for ``world_size`` processes, or a ConfigError naming the mismatch.
 
@@ -375,14 +404,5 @@ def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
         if OmegaConf.select(cfg, key) < world_size:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be at least the number of ranks "
                               f"({world_size}): every rank needs a prompt")
-    replicate = cfg.parallel.dp_replicate
     shard = cfg.parallel.dp_shard
-    if shard == "auto":
-        if world_size % replicate != 0:
-            raise ConfigError(f"parallel.dp_replicate={replicate} must divide the world size {world_size}")
-        return replicate, world_size // replicate
-    shard = int(shard)
-    if replicate * shard != world_size:
-        raise ConfigError(f"parallel.dp_replicate={replicate} x parallel.dp_shard={shard} = {replicate * shard} "
-                          f"does not match the world size {world_size}")
-    return replicate, shard
+    return validate_mesh_shape(world_size, cfg.parallel.dp_replicate, None if shard == "auto" else int(shard))

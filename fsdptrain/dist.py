@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdptrain.config import validate_mesh_shape  # noqa: F401  (re-exported: the mesh's one shape rule)
+
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -112,34 +114,6 @@ def exit_process(code: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Device mesh
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:
-    """Check a (dp_replicate, dp_shard) layout against the world size and return it with `dp_shard` resolved.
-
-    `dp_shard=None` means auto: world_size / dp_replicate. Pure function (no process group), so the CLI can reject
-    a bad layout in the parent before any rank starts. Raises ValueError with the fix in the message.
-    """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
-    if not isinstance(dp_replicate, int) or dp_replicate < 1:
-        raise ValueError(f"parallel.dp_replicate must be a positive integer, got {dp_replicate!r}")
-    if dp_shard is None:
-        if world_size % dp_replicate != 0:
-            raise ValueError(
-                f"parallel.dp_replicate={dp_replicate} does not divide the world size {world_size}: "
-                f"choose a dp_replicate that divides {world_size}, or change the number of processes"
-            )
-        return dp_replicate, world_size // dp_replicate
-    if not isinstance(dp_shard, int) or dp_shard < 1:
-        raise ValueError(f"parallel.dp_shard must be a positive integer or null (auto), got {dp_shard!r}")
-    if dp_replicate * dp_shard != world_size:
-        raise ValueError(
-            f"parallel.dp_replicate x parallel.dp_shard = {dp_replicate} x {dp_shard} = {dp_replicate * dp_shard} "
-            f"but the world size is {world_size}: set parallel.dp_shard=null (auto = world size / dp_replicate) "
-            f"or launch {dp_replicate * dp_shard} processes"
-        )
-    return dp_replicate, dp_shard
 
 
 def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str) -> DeviceMesh:

@@ -73,6 +73,11 @@ def token_rewards(rollouts: Sequence[Rollout], *, kl_R: Optional[Sequence[Tensor
     return out
 
 
+def reward_to_go(rewards_R: Tensor) -> Tensor:
+    """Undiscounted return from each token on: ``G_t = sum_{k >= t} r_k`` (the critic's target without GAE)."""
+    return torch.flip(torch.cumsum(torch.flip(rewards_R, [0]), 0), [0])
+
+
 def _pad(values: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     width = max((v.numel() for v in values), default=0)
     padded_BR = torch.zeros(len(values), width, dtype=torch.float32)

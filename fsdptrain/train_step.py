@@ -46,17 +46,18 @@ class MiniBatch:
 
 
 def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
-    """This rank's packs under the budget, with as many packs as the busiest rank needs (collective).
+    """This rank's packs under the budget, with as many packs as the busiest rank needs (collective: one all-reduce).
 
     A sequence longer than the budget is the user's setting to fix: every rank learns of it through the same
     all-reduce and raises the same ConfigError, so the run ends with one line and exit 2, not a hang.
     """
-    longest = dist.agree_max_int(max(lengths, default=0))
-    if longest > token_budget:
-        raise ConfigError(f"trainer.token_budget={token_budget} is smaller than a sequence of {longest} tokens "
-                          f"(prompt + response): raise trainer.token_budget to at least {longest}")
-    plan = plan_packs(lengths, token_budget)
-    num_packs = dist.agree_max_int(plan.num_packs)
+    longest = max(lengths, default=0)
+    plan = plan_packs(lengths, token_budget) if longest <= token_budget else None
+    agreed = dist.all_reduce_max(torch.tensor([longest, plan.num_packs if plan else 0], dtype=torch.float64))
+    global_longest, num_packs = int(agreed[0]), int(agreed[1])
+    if global_longest > token_budget:
+        raise ConfigError(f"trainer.token_budget={token_budget} is smaller than a sequence of {global_longest} tokens "
+                          f"(prompt + response): raise trainer.token_budget to at least {global_longest}")
     if num_packs != plan.num_packs:
         plan = plan_packs(lengths, token_budget, min_packs=num_packs)
     return plan

@@ -28,7 +28,14 @@ from fsdptrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkp
 from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.data import get_task, load_jsonl_rollouts, task_prompts
 from fsdptrain.export import export_hf
-from fsdptrain.experience import critic_values, gae_targets, group_targets, policy_logprobs, token_rewards
+from fsdptrain.experience import (
+    critic_values,
+    gae_targets,
+    group_targets,
+    policy_logprobs,
+    reward_to_go,
+    token_rewards,
+)
 from fsdptrain.loss.grad_scale import grad_scale_report
 from fsdptrain.loss.packed import (
     PolicyLossSettings,
@@ -331,7 +338,7 @@ class Trainer:
                                        norm_by_std=cfg.algorithm.norm_adv_by_std)
             if models.critic is not None:
                 values = critic_values(models.critic, rollouts, token_budget=budget, device=device)
-                returns = [torch.flip(torch.cumsum(torch.flip(r, [0]), 0), [0]) for r in rewards]
+                returns = [reward_to_go(r) for r in rewards]
         targets = []
         for i in range(len(rollouts)):
             targets.append(SeqTargets(

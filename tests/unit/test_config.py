@@ -81,8 +81,8 @@ def test_mesh_shape_from_world_size():
     assert validate_world(cfg, 4) == (1, 4)
     cfg = compose_config(["parallel.dp_replicate=2"])
     assert validate_world(cfg, 4) == (2, 2)
-    with pytest.raises(ConfigError, match="must divide the world size 3"):
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
         validate_world(cfg, 3)
     cfg = compose_config(["parallel.dp_replicate=2", "parallel.dp_shard=2"])
-    with pytest.raises(ConfigError, match="does not match the world size 2"):
+    with pytest.raises(ConfigError, match="2 x 2 = 4 but the world size is 2"):
         validate_world(cfg, 2)

@@ -27,7 +27,7 @@ def test_valid_shapes(world_size, dp_replicate, dp_shard, expected):
         (8, 2, 2, "2 x 2 = 4 but the world size is 8"),
         (4, 1, 8, "1 x 8 = 8 but the world size is 4"),
         (4, 0, None, "dp_replicate must be a positive integer"),
-        (4, 1, 0, "dp_shard must be a positive integer or null"),
+        (4, 1, 0, "dp_shard must be a positive integer or auto"),
         (4, 1.5, None, "dp_replicate must be a positive integer"),
         (0, 1, None, "world size must be a positive integer"),
     ],
@@ -41,4 +41,4 @@ def test_invalid_shapes_name_the_fix(world_size, dp_replicate, dp_shard, message
 def test_mismatch_message_offers_auto():
     with pytest.raises(ValueError) as excinfo:
         validate_mesh_shape(8, 2, 2)
-    assert "parallel.dp_shard=null" in str(excinfo.value)
+    assert "parallel.dp_shard=auto" in str(excinfo.value)

@@ -95,3 +95,12 @@ def test_bad_row_names_file_and_line(tmp_path, bad, message):
     assert f"{path}:2:" in str(excinfo.value) and message in str(excinfo.value)
     rollouts, skipped = load_jsonl_rollouts(str(path), tok, max_response_length=8, skip_bad_rows=True)
     assert (len(rollouts), skipped) == (1, 1)
+
+
+def test_reward_to_go_sums_the_rewards_from_each_token_on():
+    import torch
+
+    from fsdptrain.experience import reward_to_go
+
+    # rewards [0.5, 0, 2] -> returns [2.5, 2, 2]
+    assert torch.equal(reward_to_go(torch.tensor([0.5, 0.0, 2.0])), torch.tensor([2.5, 2.0, 2.0]))
