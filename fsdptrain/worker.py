@@ -14,7 +14,7 @@ import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.dist import exit_process
+from fsdptrain.distributed.world import exit_process
 
 NOT_BUILT = "the {command} loop is not built yet: the config is valid, nothing was trained"
 
@@ -30,11 +30,11 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         if command == "train":
-            from fsdptrain.trainer import train
+            from fsdptrain.train.loop import train
 
             return train(cfg, run_dir)
         if command == "check-metrics":
-            from fsdptrain.check import check_metrics
+            from fsdptrain.check.run import check_metrics
             from fsdptrain.cli import CHECK_JSON_ENV
 
             return check_metrics(cfg, json_path=os.environ.get(CHECK_JSON_ENV))

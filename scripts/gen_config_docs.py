@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fsdptrain.schema_docs import render_configuration_md  # noqa: E402
+from fsdptrain.config.docs import render_configuration_md  # noqa: E402
 
 if __name__ == "__main__":
     (ROOT / "docs" / "configuration.md").write_text(render_configuration_md())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdptrain.tokenizer import TOKENIZER_PATH, build_tokenizer  # noqa: E402
+from fsdptrain.data.tokenizer import TOKENIZER_PATH, build_tokenizer  # noqa: E402
 
 if __name__ == "__main__":
     TOKENIZER_PATH.parent.mkdir(parents=True, exist_ok=True)

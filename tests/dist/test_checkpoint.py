@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdptrain import checkpoint as ckpt
+from fsdptrain.distributed import checkpoint as ckpt
 from tests.dist.launch import LaunchResult, launch
 
 WORKER = "ckpt_worker.py"
@@ -177,7 +177,10 @@ def test_export_loads_with_transformers_and_gives_the_trained_outputs(request, r
     assert out.shape == want.shape
     assert torch.allclose(out, want, rtol=0, atol=1e-6), (out - want).abs().max()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert tokenizer.convert_tokens_to_ids("copy") == 14  # 4 specials, then the digits 0-9
+    assert tokenizer.convert_tokens_to_ids("repeat") == 14  # 4 specials, the digits 0-9, then the task words
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+    assert tokenizer.get_vocab() == load_bundled_tokenizer().get_vocab()
 
 
 # ---------------------------------------------------------------------------------------------------------------

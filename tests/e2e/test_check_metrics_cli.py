@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from fsdptrain.loss.aggregate import AGG_MODES
+from fsdptrain.rl.aggregate import AGG_MODES
 
 FAST_ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -55,9 +55,9 @@ def test_missing_dp_size_factor_on_real_ranks_fails(cli, tmp_path):
     patch_dir = tmp_path / "patch"
     patch_dir.mkdir()
     (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
-        import fsdptrain.dist
+        import fsdptrain.distributed.world
 
-        fsdptrain.dist.dp_size = lambda mesh: 1
+        fsdptrain.distributed.world.dp_size = lambda mesh: 1
         """))
     pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
     result = cli("check-metrics", "--nproc", "2", env=_env(PYTHONPATH=pythonpath), timeout=400)

@@ -126,7 +126,7 @@ RNG_PROBE = """
     # Test patch: record this rank's RNG states right after the checkpoint is loaded.
     import os, random
     import torch
-    import fsdptrain.checkpoint as checkpoint
+    import fsdptrain.distributed.checkpoint as checkpoint
 
     _load = checkpoint.load_checkpoint
 
@@ -254,7 +254,7 @@ CRASH_IN_WRITER = """
 
 
 def test_crash_inside_the_writer_keeps_the_previous_checkpoint(reference, tmp_path):
-    from fsdptrain.checkpoint import latest_checkpoint
+    from fsdptrain.distributed.checkpoint import latest_checkpoint
 
     run_c = tmp_path / "runs" / "C"
     env = write_patch(tmp_path / "patch", CRASH_IN_WRITER)
@@ -316,7 +316,7 @@ DOUBLE_CTRL_C = """
     # Test patch: two Ctrl-Cs during the second step, each seen by the handler before the next (a terminal user's
     # two presses; sent from outside they could merge into one pending signal or straddle the step boundary).
     import os, signal
-    import fsdptrain.trainer as trainer
+    import fsdptrain.train.loop as trainer
 
     _run_step = trainer.Trainer.run_step
 

@@ -90,7 +90,7 @@ def test_users_hf_folder_trains_two_steps(cli, tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdptrain.tokenizer import load_bundled_tokenizer
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
     tokenizer = load_bundled_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -109,7 +109,7 @@ def test_stale_old_logprobs_raise_the_on_policy_guard(cli, tmp_path):
     patch_dir = tmp_path / "patch"
     patch_dir.mkdir()
     (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
-        import fsdptrain.experience as experience
+        import fsdptrain.train.experience as experience
 
         _original = experience.policy_logprobs
 

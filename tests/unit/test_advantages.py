@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fsdptrain.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
+from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
 
 F64 = torch.float64
 

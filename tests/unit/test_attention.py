@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fsdptrain import attention
-from fsdptrain.attention import (
+from fsdptrain.model import attention
+from fsdptrain.model.attention import (
     available_backends,
     call_counts,
     flash_attn_attention,
@@ -20,7 +20,7 @@ from fsdptrain.attention import (
     sdpa_segments_attention,
     torch_varlen_attention,
 )
-from fsdptrain.packing import pack_sequences
+from fsdptrain.data.packing import pack_sequences
 
 SEGMENTS = [5, 9, 3, 2]  # three sequences and a 2-token padding tail
 TOTAL = sum(SEGMENTS)

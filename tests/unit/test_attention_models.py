@@ -22,7 +22,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from fsdptrain.attention import (
+from fsdptrain.model.attention import (
     call_counts,
     generation_attention,
     packed_attention,
@@ -30,7 +30,7 @@ from fsdptrain.attention import (
     reset_call_counts,
     set_attention,
 )
-from fsdptrain.packing import pack_sequences, unpack
+from fsdptrain.data.packing import pack_sequences, unpack
 
 VOCAB = 64
 NUM_LAYERS = 2

@@ -12,16 +12,17 @@ import math
 import pytest
 import torch
 
-from fsdptrain import attention, dist
-from fsdptrain.check import run_checks
-from fsdptrain.check_batch import build_session
-from fsdptrain.check_compare import Outcome, compare, self_checks
-from fsdptrain.check_layouts import reduce_like_ranks
-from fsdptrain.check_reference import Counts, explained_variance_direct, seq_share
+from fsdptrain.model import attention
+from fsdptrain.distributed import world
+from fsdptrain.check.run import run_checks
+from fsdptrain.check.batch import build_session
+from fsdptrain.check.compare import Outcome, compare, self_checks
+from fsdptrain.check.layouts import reduce_like_ranks
+from fsdptrain.check.reference import Counts, explained_variance_direct, seq_share
 from fsdptrain.compose import compose_config
-from fsdptrain.loss import aggregate, policy, value
-from fsdptrain.loss.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
-from fsdptrain.metrics import Kind, Max, Mean, Metrics, Min, finalize
+from fsdptrain.rl import aggregate, policy, value
+from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
+from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
 
 # ---- the rules, by hand --------------------------------------------------------------------------------------------
 
@@ -81,8 +82,8 @@ def test_reduce_like_ranks_takes_extrema_and_pools_means():
 def _session(*overrides: str):
     torch.set_num_threads(1)
     cfg = compose_config(list(overrides))
-    info = dist.init_distributed(device_type="cpu")
-    mesh = dist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    info = world.init_distributed(device_type="cpu")
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
     return build_session(cfg, info, mesh)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from fsdptrain.compose import PACKAGE_CONF_DIR, compose_config
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, validate_world
-from fsdptrain.schema_docs import field_docs, render_configuration_md
+from fsdptrain.config.docs import field_docs, render_configuration_md
 
 REQUIRED_OVERRIDES = {
     ("model", "local"): ["model.path=/some/hf/folder"],

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fsdptrain.loss import grad_scale_report
+from fsdptrain.rl.grad_scale import grad_scale_report
 
 LENGTHS = [10, 30, 0]  # N = 40 tokens, S = 2 sequences (the empty one counts for nothing), mean length 20
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fsdptrain.loss.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
+from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
 
 NUM_TOKENS, VOCAB, HIDDEN = 37, 53, 16
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fsdptrain.dist import validate_mesh_shape
+from fsdptrain.distributed.world import validate_mesh_shape
 
 
 @pytest.mark.parametrize(

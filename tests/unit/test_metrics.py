@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fsdptrain.metrics import (
+from fsdptrain.rl.metrics import (
     Derived,
     Diagnostic,
     Kind,

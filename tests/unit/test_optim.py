@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fsdptrain.optim import (
+from fsdptrain.train.optim import (
     NonFiniteGradientError,
     NonFiniteGuard,
     build_optimizer,

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from fsdptrain.packing import (
+from fsdptrain.data.packing import (
     IGNORE_INDEX,
     pack_sequences,
     pad_sequences,

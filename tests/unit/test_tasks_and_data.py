@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from fsdptrain.data import DataError, load_jsonl_rollouts, task_prompts
-from fsdptrain.rollout import split_response
-from fsdptrain.tasks import TASKS, answer_from_prompt, reward
-from fsdptrain.tokenizer import TOKENIZER_PATH, build_tokenizer, load_bundled_tokenizer
+from fsdptrain.data.offline import DataError, load_jsonl_rollouts, task_prompts
+from fsdptrain.data.rollout import split_response
+from fsdptrain.data.tasks import TASKS, answer_from_prompt, reward
+from fsdptrain.data.tokenizer import TOKENIZER_PATH, build_tokenizer, load_bundled_tokenizer
 
 
 def test_shipped_tokenizer_matches_its_builder():
@@ -100,7 +100,7 @@ def test_bad_row_names_file_and_line(tmp_path, bad, message):
 def test_reward_to_go_sums_the_rewards_from_each_token_on():
     import torch
 
-    from fsdptrain.experience import reward_to_go
+    from fsdptrain.train.experience import reward_to_go
 
     # rewards [0.5, 0, 2] -> returns [2.5, 2, 2]
     assert torch.equal(reward_to_go(torch.tensor([0.5, 0.0, 2.0])), torch.tensor([2.5, 2.0, 2.0]))

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from fsdptrain.loss import LossNormalizers, value_loss
-from fsdptrain.metrics import Kind, finalize, merge_all
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.metrics import Kind, finalize, merge_all
 
 F64 = torch.float64
 

@@ -25,15 +25,16 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from fsdptrain import checkpoint as ckpt
-from fsdptrain import dist as fdist
-from fsdptrain import models, optim
-from fsdptrain.export import export_hf
-from fsdptrain.tokenizer import load_bundled_tokenizer
+from fsdptrain.distributed import checkpoint as ckpt
+from fsdptrain.distributed import world
+from fsdptrain.distributed import fsdp as models
+from fsdptrain.train import optim
+from fsdptrain.distributed.export import export_hf
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
 CONFIG = {
     "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -73,7 +74,7 @@ def global_batch(data_position: int):
 
 def train_step(trainables, optimizers, schedulers, state: dict) -> dict:
     """One step of both models on this rank's slice of the global batch at state["data_position"]."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ids_BT, targets_BT = global_batch(state["data_position"])
     rows = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
     ids_BT, targets_BT = ids_BT[rows], targets_BT[rows]
@@ -93,7 +94,7 @@ def train_step(trainables, optimizers, schedulers, state: dict) -> dict:
         schedulers[name].step()
 
     sums = torch.stack([ce_sum.detach(), se_sum.detach()]).double()
-    dist.all_reduce(sums)
+    torch.distributed.all_reduce(sums)
     state["data_position"] += GLOBAL_BATCH
     state["step"] += 1
     # One draw from each global RNG per step: they must continue identically after a resume.
@@ -134,7 +135,7 @@ def phase_train(args, mesh, out: Path) -> dict:
         if state["step"] == 2:
             results["rng_at_2"] = rng_fingerprint()
             full = full_optimizer_state(trainables, optimizers)
-            if dist.get_rank() == 0:
+            if torch.distributed.get_rank() == 0:
                 torch.save(full, out / "optim_at_2.pt")
     results["latest"] = str(ckpt.latest_checkpoint(run_a))
     export_both(trainables, run_a, out)
@@ -149,7 +150,7 @@ def export_both(trainables, run_dir: Path, out: Path) -> None:
     with torch.no_grad():
         logits = trainables["policy"](input_ids=ids_BT, use_cache=False).logits
         values = trainables["critic"](input_ids=ids_BT, use_cache=False).logits
-    if dist.get_rank() == 0:
+    if torch.distributed.get_rank() == 0:
         torch.save({"ids": ids_BT, "logits": logits, "values": values}, out / "export_ref.pt")
 
 
@@ -160,7 +161,7 @@ def phase_resume_crash(args, mesh, out: Path) -> dict:
     results: dict = {"extra": extra, "rng_after_load": rng_fingerprint(), "steps": [],
                      "lr_after_load": {name: s.get_last_lr() for name, s in schedulers.items()}}
     full = full_optimizer_state(trainables, optimizers)
-    if dist.get_rank() == 0:
+    if torch.distributed.get_rank() == 0:
         torch.save(full, out / "optim_after_load.pt")
     state = {"step": extra["step"], "data_position": extra["data_position"]}
     for _ in range(2):
@@ -168,7 +169,7 @@ def phase_resume_crash(args, mesh, out: Path) -> dict:
     save(args.run_b, trainables, optimizers, schedulers, state, keep=2)
     results["steps"].append(train_step(trainables, optimizers, schedulers, state))
     # Written before the save the test's patch kills.
-    Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(results, indent=1))
+    Path(out, f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results, indent=1))
     save(args.run_b, trainables, optimizers, schedulers, state, keep=2)
     results["survived_the_crash"] = True
     return results
@@ -202,18 +203,18 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     random.seed(0)
-    info = fdist.init_distributed(device_type="cpu")
+    info = world.init_distributed(device_type="cpu")
     try:
-        mesh = fdist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
         out = Path(args.out)
         results = PHASES[args.phase](args, mesh, out)
         Path(out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
-        fdist.destroy_distributed()
+        world.destroy_distributed()
         code = 0
     except Exception:
         traceback.print_exc()
         code = 1
-    fdist.exit_process(code)
+    world.exit_process(code)
 
 
 if __name__ == "__main__":

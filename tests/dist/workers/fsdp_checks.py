@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, LlamaConfig
 
-from fsdptrain import dist as fdist
-from fsdptrain import models, optim
+from fsdptrain.distributed import world
+from fsdptrain.distributed import fsdp as models
+from fsdptrain.train import optim
 
 VOCAB, SEQ_LEN = 128, 12
 LENGTHS = [12, 7, 10, 3, 9]  # valid tokens of each global sequence; targets are tokens 1..len-1
@@ -57,7 +58,7 @@ def micro_batches(rank: int, world_size: int) -> list[list[int]]:
     """This rank's sequences in 2 micro-batches where it has 2+, padded to the agreed count with [] (dummy)."""
     mine = SPLITS[world_size][rank]
     local = [mine[: (len(mine) + 1) // 2], mine[(len(mine) + 1) // 2 :]] if len(mine) > 1 else [mine]
-    num_micro = fdist.agree_max_int(len(local))
+    num_micro = world.agree_max_int(len(local))
     return local + [[]] * (num_micro - len(local))
 
 
@@ -180,7 +181,7 @@ VARIANTS = {
 
 def check_policy(variant: dict, *, mesh, info, refs: dict) -> dict:
     tied, pattern = variant["tied"], variant["pattern"]
-    dp = fdist.dp_size(mesh)
+    dp = world.dp_size(mesh)
     ids_BT, mask_BT, targets_BT = global_batch()
     global_num_tokens = float(mask_BT.sum())
     if tied not in refs:
@@ -234,7 +235,7 @@ def check_nonfinite_skip(model, opt, *, mesh, info) -> dict:
     for rows in micro_batches(info.rank, info.world_size):
         ids, mask, _ = select(rows, ids_BT, mask_BT, targets_BT, info.device)
         loss = policy_loss(model, ids, mask, pattern="chunk", global_num_tokens=global_num_tokens,
-                           dp=fdist.dp_size(mesh))
+                           dp=world.dp_size(mesh))
         loss.backward()
     if info.rank == info.world_size - 1:
         grad = model.get_input_embeddings().weight.grad
@@ -277,7 +278,7 @@ def check_guard_stop(info) -> dict:
 
 
 def check_value(*, mesh, info, tied: bool) -> dict:
-    dp = fdist.dp_size(mesh)
+    dp = world.dp_size(mesh)
     ids_BT, mask_BT, targets_BT = global_batch()
     global_num_tokens = float(mask_BT.sum())
     ref_model = reference_value(tied)
@@ -319,10 +320,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    info = fdist.init_distributed(device_type=args.device)
+    info = world.init_distributed(device_type=args.device)
     try:
-        mesh = fdist.build_mesh(dp_replicate=args.dp_replicate, dp_shard=None, device_type=args.device)
-        results = {"world_size": info.world_size, "dp_size": fdist.dp_size(mesh), "mesh": list(mesh.mesh_dim_names)}
+        mesh = world.build_mesh(dp_replicate=args.dp_replicate, dp_shard=None, device_type=args.device)
+        results = {"world_size": info.world_size, "dp_size": world.dp_size(mesh), "mesh": list(mesh.mesh_dim_names)}
         refs: dict = {}
         for name in filter(None, args.variants.split(",")):
             results[name] = check_policy(VARIANTS[name], mesh=mesh, info=info, refs=refs)
@@ -334,12 +335,12 @@ def main() -> None:
         if "reference" in extras:
             results["reference"] = check_reference(mesh=mesh)
         Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
-        fdist.destroy_distributed()
+        world.destroy_distributed()
         code = 0
     except Exception:
         traceback.print_exc()
         code = 1
-    fdist.exit_process(code)
+    world.exit_process(code)
 
 
 if __name__ == "__main__":

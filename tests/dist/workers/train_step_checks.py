@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 
-from fsdptrain import dist as fdist
-from fsdptrain.attention import call_counts, reset_call_counts, set_attention
-from fsdptrain.loss import AGG_MODES, LossNormalizers
-from fsdptrain.loss.packed import PolicyLossSettings, SeqTargets, ValueLossSettings, packed_policy_loss, packed_value_loss
-from fsdptrain.loss.policy import entropy_from_logits, policy_loss
-from fsdptrain.loss.value import value_loss
-from fsdptrain.models import build_full_model, build_policy, build_value_model, gather_full_grads, gather_full_state_dict
-from fsdptrain.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.train_step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
+from fsdptrain.distributed import world
+from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, packed_policy_loss, packed_value_loss
+from fsdptrain.rl.policy import entropy_from_logits, policy_loss
+from fsdptrain.rl.value import value_loss
+from fsdptrain.distributed.fsdp import build_full_model, build_policy, build_value_model, gather_full_grads, gather_full_state_dict
+from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
@@ -128,7 +129,7 @@ def run_variant(kind: str, mode: str, variant: str, info, mesh, batch, reference
         model = build_value_model(path=None, config=CONFIG, seed=VALUE_SEED, mesh=mesh, **options)
         loss_fn, settings = packed_value_loss, ValueLossSettings(agg_mode=mode, cliprange_value=0.2)
     set_attention(model, "sdpa_segments")
-    norms = global_normalizers(mini, dp_size=fdist.dp_size(mesh), loss_scale_factor=LOSS_SCALE_FACTOR)
+    norms = global_normalizers(mini, dp_size=world.dp_size(mesh), loss_scale_factor=LOSS_SCALE_FACTOR)
     reset_call_counts()
     forwards = {"n": 0}
     model.register_forward_hook(lambda *_: forwards.__setitem__("n", forwards["n"] + 1))
@@ -157,11 +158,11 @@ def main() -> None:
     parser.add_argument("--replicate", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    info = fdist.init_distributed(device_type="cpu")
+    info = world.init_distributed(device_type="cpu")
     out = {"error": None, "results": {}}
     code = 0
     try:
-        mesh = fdist.build_mesh(dp_replicate=args.replicate, dp_shard=None, device_type="cpu")
+        mesh = world.build_mesh(dp_replicate=args.replicate, dp_shard=None, device_type="cpu")
         batch = global_batch()
         counts = (sum(len(r) for r in batch[1]), NUM_SEQS)
         modes = args.modes.split(",")
@@ -177,8 +178,8 @@ def main() -> None:
         code = 1
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{info.rank}.json").write_text(json.dumps(out))
-    fdist.destroy_distributed()
-    fdist.exit_process(code)
+    world.destroy_distributed()
+    world.exit_process(code)
 
 
 if __name__ == "__main__":

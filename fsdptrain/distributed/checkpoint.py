@@ -22,7 +22,7 @@ given checkpoint and different per rank.
 
 Trust: DCP's `.metadata` is a pickle, so loading a checkpoint can run code. Resume only from checkpoints you (or
 your own runs) wrote. `trainer_state.pt` and `rng_rank*.pt` are read with `torch.load(weights_only=True)`, which is
-why `extra` must be plain data (see `save_checkpoint`). Hugging Face exports (fsdptrain.export) are safetensors.
+why `extra` must be plain data (see `save_checkpoint`). Hugging Face exports (fsdptrain.distributed.export) are safetensors.
 
 Not saved: numpy's global RNG and any generator object the caller owns (pass its state in `extra` as a tensor).
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -142,16 +142,16 @@ def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False)
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def _fsync_dir(path: Path) -> None:

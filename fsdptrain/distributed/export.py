@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
@@ -55,7 +55,7 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = 
     """
     out_dir = Path(out_dir)
     cls = unsharded_class(model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     # cpu_offload: rank 0 receives the full tensors on the CPU, other ranks an empty dict (bounded memory).
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
@@ -69,6 +69,6 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = 
             plain.save_pretrained(out_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
     return out_dir

@@ -15,10 +15,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+from fsdptrain.rl.names import ADV_ESTIMATORS, AGG_MODES, KL_ESTIMATORS
+
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
-ADV_ESTIMATORS = ("gae", "grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
@@ -370,7 +369,7 @@ def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None
     """Check a (dp_replicate, dp_shard) layout against the world size and return it with `dp_shard` resolved.
 
     `dp_shard=None` means auto: world_size / dp_replicate. Pure (no process group, no torch), so the CLI rejects a
-    bad layout in the parent before any rank starts; `fsdptrain.dist.build_mesh` applies the same rule.
+    bad layout in the parent before any rank starts; `fsdptrain.distributed.world.build_mesh` applies the same rule.
     Raises ConfigError (a ValueError) with the fix in the message.
     """
     if not isinstance(world_size, int) or world_size < 1:

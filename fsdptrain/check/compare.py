@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fsdptrain.metrics import Kind
+from fsdptrain.rl.metrics import Kind
 
 EXTREMA = ("probs_ratio", "values")  # name_min <= name_mean <= name_max
 FRACTIONS = ("pg_clipfrac", "pg_clipfrac_lower", "vf_clipfrac", "response_length/truncated_frac")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdptrain.loss.aggregate import check_mode
+from fsdptrain.rl.aggregate import check_mode
 
 LARGE_SCALE = 10.0  # a gradient this many times token-mean's is one a token-mean learning rate was not tuned for
 FAR_FACTOR = 4.0  # a -norm factor this many times off the mean response length changes the scale that much

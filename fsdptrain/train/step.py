@@ -18,13 +18,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fsdptrain import dist
+from fsdptrain.distributed import world
 from fsdptrain.config import ConfigError
-from fsdptrain.loss.aggregate import LossNormalizers
-from fsdptrain.loss.packed import SeqTargets
-from fsdptrain.metrics import Diagnostic, Mean, Metrics, Schema, Sum, flatten, merge_all, unflatten
-from fsdptrain.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.packing import PackPlan, pack_sequences, plan_packs
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.train.packed_loss import SeqTargets
+from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Schema, Sum, flatten, merge_all, unflatten
+from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
+from fsdptrain.data.packing import PackPlan, pack_sequences, plan_packs
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -53,7 +53,7 @@ def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
     """
     longest = max(lengths, default=0)
     plan = plan_packs(lengths, token_budget) if longest <= token_budget else None
-    agreed = dist.all_reduce_max(torch.tensor([longest, plan.num_packs if plan else 0], dtype=torch.float64))
+    agreed = world.all_reduce_max(torch.tensor([longest, plan.num_packs if plan else 0], dtype=torch.float64))
     global_longest, num_packs = int(agreed[0]), int(agreed[1])
     if global_longest > token_budget:
         raise ConfigError(f"trainer.token_budget={token_budget} is smaller than a sequence of {global_longest} tokens "
@@ -67,7 +67,7 @@ def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Opt
     """The mini-batch's global counts (collective): response tokens and sequences with at least one such token."""
     local = torch.tensor([sum(len(r) for r in batch.responses), sum(1 for r in batch.responses if len(r) > 0)],
                          dtype=torch.float64)
-    total = dist.all_reduce_sum(local)
+    total = world.all_reduce_sum(local)
     return LossNormalizers(global_num_tokens=int(total[0]), global_num_seqs=int(total[1]), dp_size=dp_size,
                            loss_scale_factor=loss_scale_factor)
 
@@ -76,8 +76,8 @@ def reduce_metrics(metrics: Metrics) -> Metrics:
     """Merge metrics over all ranks by their kinds (collective): SUM/MEAN/LOSS/DERIVED add, MIN/MAX take extrema."""
     schema = Schema.of(metrics)
     buffers = flatten(metrics, schema)
-    reduced = type(buffers)(dist.all_reduce_sum(buffers.sum), dist.all_reduce_min(buffers.min),
-                            dist.all_reduce_max(buffers.max))
+    reduced = type(buffers)(world.all_reduce_sum(buffers.sum), world.all_reduce_min(buffers.min),
+                            world.all_reduce_max(buffers.max))
     return unflatten(reduced, schema)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from fsdptrain.dist import any_flag
+from fsdptrain.distributed.world import any_flag
 
 SCHEDULES = ("cosine", "constant")
 

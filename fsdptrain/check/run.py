@@ -1,10 +1,10 @@
 """``fsdptrain check-metrics``: the same mini-batch in many layouts, compared with a one-sequence-at-a-time reference.
 
 On every rank: build the models and one mini-batch of experience as ``fsdptrain train`` does
-(:mod:`fsdptrain.check_batch`), run the reference (:mod:`fsdptrain.check_reference`) and every layout
-(:mod:`fsdptrain.check_layouts`) forward and backward with no optimiser step, for the policy and the critic, and
+(:mod:`fsdptrain.check.batch`), run the reference (:mod:`fsdptrain.check.reference`) and every layout
+(:mod:`fsdptrain.check.layouts`) forward and backward with no optimiser step, for the policy and the critic, and
 compare the loss, the gradient (global norm, largest entry difference) and every non-DIAGNOSTIC metric
-(:mod:`fsdptrain.check_compare`). Rank 0 prints the table, the gradient-scale report and the failures, and writes
+(:mod:`fsdptrain.check.compare`). Rank 0 prints the table, the gradient-scale report and the failures, and writes
 ``--json``. Exit code 0 when everything passes, 1 when anything fails (docs/check-metrics.md).
 """
 
@@ -18,9 +18,9 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from fsdptrain import dist
-from fsdptrain.check_batch import CheckSession, build_session
-from fsdptrain.check_compare import (
+from fsdptrain.distributed import world
+from fsdptrain.check.batch import CheckSession, build_session
+from fsdptrain.check.compare import (
     Check,
     Comparison,
     Outcome,
@@ -30,7 +30,7 @@ from fsdptrain.check_compare import (
     self_checks,
     to_json,
 )
-from fsdptrain.check_layouts import (
+from fsdptrain.check.layouts import (
     Context,
     Part,
     grad_max_abs,
@@ -42,19 +42,19 @@ from fsdptrain.check_layouts import (
     real_ranks,
     token_mean_grad_norm,
 )
-from fsdptrain.check_reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
+from fsdptrain.check.reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
 from fsdptrain.config import validate_world
-from fsdptrain.loss.aggregate import LossNormalizers
-from fsdptrain.loss.grad_scale import GradScaleReport, grad_scale_report
-from fsdptrain.loss.packed import (
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
+from fsdptrain.train.packed_loss import (
     packed_policy_loss,
     packed_value_loss,
     per_sequence_policy_loss,
     per_sequence_value_loss,
 )
-from fsdptrain.metrics import comparable, finalize
-from fsdptrain.models import gather_full_grads
-from fsdptrain.trainer import resolve_device_type
+from fsdptrain.rl.metrics import comparable, finalize
+from fsdptrain.distributed.fsdp import gather_full_grads
+from fsdptrain.train.loop import resolve_device_type
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"
@@ -269,9 +269,9 @@ def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
 
 def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
     """The ``fsdptrain check-metrics`` job on this rank; returns the exit code (the same on every rank)."""
-    info = dist.init_distributed(device_type=resolve_device_type(cfg))
+    info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
-    mesh = dist.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
     session = build_session(cfg, info, mesh)
     report = run_checks(session)
     if info.is_main:
@@ -280,7 +280,7 @@ def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
             Path(json_path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
             print(f"wrote {json_path}", flush=True)
     # Also a barrier: a rank leaving early with 1 makes the launcher stop rank 0 in the middle of its report.
-    code = dist.agree_max_int(0 if report.ok else 1)
-    dist.destroy_distributed()
+    code = world.agree_max_int(0 if report.ok else 1)
+    world.destroy_distributed()
     return code
 

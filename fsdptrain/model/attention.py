@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
-from fsdptrain.packing import PackedBatch
+from fsdptrain.data.packing import PackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def _no_mask(
     custom implementation's padding mask silently, and the padding would be attended.)"""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(
-            "packed attention backends take no padding mask: pack the sequences (fsdptrain.packing) and pass "
+            "packed attention backends take no padding mask: pack the sequences (fsdptrain.data.packing) and pass "
             "attention_mask=None, or run padded batches and generation on sdpa"
         )
     return None

@@ -24,13 +24,13 @@ import torch
 import torch.distributed
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain import dist
+from fsdptrain.distributed import world
 from fsdptrain.config import ConfigError
-from fsdptrain.experience import critic_values
-from fsdptrain.loss.packed import SeqTargets
-from fsdptrain.rollout import Rollout
-from fsdptrain.train_step import MiniBatch
-from fsdptrain.trainer import Trainer
+from fsdptrain.train.experience import critic_values
+from fsdptrain.train.packed_loss import SeqTargets
+from fsdptrain.data.rollout import Rollout
+from fsdptrain.train.step import MiniBatch
+from fsdptrain.train.loop import Trainer
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN
 
@@ -106,7 +106,7 @@ def shift_values_below_zero(trainer: Trainer, rollouts: list[Rollout]) -> Option
         return None
     values = critic_values(critic, rollouts, token_budget=trainer.cfg.trainer.token_budget, device=trainer.device)
     local = max((float(v.max()) for v in values if v.numel()), default=-float("inf"))
-    largest = float(dist.all_reduce_max(torch.tensor([local], dtype=torch.float64))[0])
+    largest = float(world.all_reduce_max(torch.tensor([local], dtype=torch.float64))[0])
     shift = -(largest + VALUE_MARGIN)
     head.register_forward_hook(lambda _module, _inputs, output: output + shift)
     return shift
@@ -157,7 +157,7 @@ def make_batch(trainer: Trainer) -> CheckBatch:
                       value_shift=shift, has_fixture=add_fixture)
 
 
-def build_session(cfg: DictConfig, info: dist.DistInfo, mesh) -> CheckSession:
+def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     """The checked config, the models (as ``fsdptrain train`` builds them) and the batch (collective)."""
     checked = check_config(cfg, info.world_size)
     random.seed(checked.trainer.seed)

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 from accelerate.utils import calculate_maximum_sizes
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -262,11 +262,11 @@ def _load_full_weights(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # set_model_state_dict replaces the values of the dict it is given (platform notes): hand it a copy.
     set_model_state_dict(model, dict(full_state_dict), options=options)
-    rank = dist.get_rank()
+    rank = torch.distributed.get_rank()
     for name, buf in _non_persistent_buffers(model).items():
         value = buffers[_clean_name(name)].to(device) if rank == 0 else torch.empty_like(buf, device=device)
-        if dist.get_world_size() > 1:
-            dist.broadcast(value, src=0)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast(value, src=0)
         _set_buffer(model, name, value)
     for module in model.modules():  # persistent buffers too, in case to_empty put them on the CPU (offload)
         for name, buf in module._buffers.items():
@@ -308,7 +308,7 @@ def build_sharded_model(
     resolved = resolve_config(path=path, config=config)
     full_state_dict: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    if dist.get_rank() == 0:
+    if torch.distributed.get_rank() == 0:
         backbone = None
         if backbone_from_path is not None or backbone_from_config is not None:
             backbone = build_full_model(

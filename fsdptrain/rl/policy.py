@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fsdptrain.loss.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.metrics import Loss, Max, Mean, Metrics, Min
+from fsdptrain.rl.names import KL_ESTIMATORS
+from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
+from fsdptrain.rl.metrics import Loss, Max, Mean, Metrics, Min
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 _LOG_RATIO_CLAMP = 20.0
 
 

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdptrain.config import validate_mesh_shape  # noqa: F401  (re-exported: the mesh's one shape rule)
@@ -79,21 +79,21 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
             backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
+    return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(), local_rank=local_rank, device=device)
 
 
 def destroy_distributed() -> None:
     """Destroy the default process group if there is one. Call it on the success path before `exit_process`."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def exit_process(code: int) -> None:
@@ -122,7 +122,7 @@ def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str) -> 
 
     Requires the default process group (`init_distributed`).
     """
-    dp_replicate, dp_shard = validate_mesh_shape(dist.get_world_size(), dp_replicate, dp_shard)
+    dp_replicate, dp_shard = validate_mesh_shape(torch.distributed.get_world_size(), dp_replicate, dp_shard)
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=(DP_SHARD,))
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
@@ -138,11 +138,11 @@ def dp_size(mesh: DeviceMesh) -> int:
 # Small collectives (world-wide, on CPU tensors)
 # ---------------------------------------------------------------------------------------------------------------
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN, "max": torch.distributed.ReduceOp.MAX}
 
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def all_reduce_f64(values: torch.Tensor, op: str) -> torch.Tensor:
@@ -153,7 +153,7 @@ def all_reduce_f64(values: torch.Tensor, op: str) -> torch.Tensor:
     assert values.dtype == torch.float64 and values.dim() == 1, (values.dtype, values.shape)
     out = values.detach().to("cpu", copy=True)
     if _world_size() > 1:
-        dist.all_reduce(out, op=_REDUCE_OPS[op])
+        torch.distributed.all_reduce(out, op=_REDUCE_OPS[op])
     return out
 
 
@@ -176,7 +176,7 @@ def agree_max_int(value: int) -> int:
     """The largest `value` over all ranks (e.g. so every rank runs the same number of micro-batches)."""
     out = torch.tensor([int(value)], dtype=torch.int64)
     if _world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
     return int(out.item())
 
 

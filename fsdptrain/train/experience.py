@@ -19,11 +19,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from fsdptrain.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.loss.packed import SeqTargets, policy_token_outputs, value_token_outputs
-from fsdptrain.packing import pack_sequences, unpack_responses
-from fsdptrain.rollout import Rollout
-from fsdptrain.train_step import plan_agreed
+from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
+from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
+from fsdptrain.data.packing import pack_sequences, unpack_responses
+from fsdptrain.data.rollout import Rollout
+from fsdptrain.train.step import plan_agreed
 
 
 @torch.no_grad()

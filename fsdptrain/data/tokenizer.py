@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TOKENIZER_PATH = Path(__file__).resolve().parent / "assets" / "tokenizer" / "tokenizer.json"
+TOKENIZER_PATH = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "tokenizer.json"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 WORDS = [str(d) for d in range(10)] + ["repeat", "copy", "reverse", "sort", "=", "+", "-", "?", ":", ","]
 

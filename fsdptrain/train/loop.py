@@ -22,13 +22,13 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain import dist
-from fsdptrain.attention import generation_attention, resolve_backend, set_attention
-from fsdptrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdptrain.distributed import world
+from fsdptrain.model.attention import generation_attention, resolve_backend, set_attention
+from fsdptrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdptrain.config import ConfigError, validate_world
-from fsdptrain.data import get_task, load_jsonl_rollouts, task_prompts
-from fsdptrain.export import export_hf
-from fsdptrain.experience import (
+from fsdptrain.data.offline import get_task, load_jsonl_rollouts, task_prompts
+from fsdptrain.distributed.export import export_hf
+from fsdptrain.train.experience import (
     critic_values,
     gae_targets,
     group_targets,
@@ -36,20 +36,20 @@ from fsdptrain.experience import (
     reward_to_go,
     token_rewards,
 )
-from fsdptrain.loss.grad_scale import grad_scale_report
-from fsdptrain.loss.packed import (
+from fsdptrain.rl.grad_scale import grad_scale_report
+from fsdptrain.train.packed_loss import (
     PolicyLossSettings,
     SeqTargets,
     ValueLossSettings,
     packed_policy_loss,
     packed_value_loss,
 )
-from fsdptrain.metrics import Diagnostic, Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.models import build_policy, build_reference_model, build_value_model, describe_model_memory
-from fsdptrain.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from fsdptrain.rollout import Rollout, generate_responses
-from fsdptrain.tasks import reward as task_reward
-from fsdptrain.train_step import MiniBatch, reduce_metrics, update_on_minibatch
+from fsdptrain.rl.metrics import Diagnostic, Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model, describe_model_memory
+from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
+from fsdptrain.data.rollout import Rollout, generate_responses
+from fsdptrain.data.tasks import reward as task_reward
+from fsdptrain.train.step import MiniBatch, reduce_metrics, update_on_minibatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GRAD_NORM_WARN_STEPS = 5
@@ -71,7 +71,7 @@ def dist_rank() -> int:
 def build_tokenizer(cfg: DictConfig):
     """The bundled tokenizer, or the one in the user's model folder (left padding; pad falls back to EOS)."""
     if cfg.model.path is None:
-        from fsdptrain.tokenizer import load_bundled_tokenizer
+        from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
         return load_bundled_tokenizer()
     from transformers import AutoTokenizer
@@ -229,7 +229,7 @@ class TaskSource:
                 generator_seed=0, device=device)
         for g, (_, response_ids, _) in zip(mine, outputs):
             total += task_reward(self.tokenizer.decode(response_ids, skip_special_tokens=True), g.answer)
-        sums = dist.all_reduce_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64))
+        sums = world.all_reduce_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64))
         return float(sums[0] / sums[1])
 
 
@@ -291,10 +291,10 @@ class RunState:
 class Trainer:
     """Owns the models, the experience source and the run directory for one ``fsdptrain train`` run."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, info: dist.DistInfo, mesh):
+    def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
         self.device = info.device
-        self.dp_size = dist.dp_size(mesh)
+        self.dp_size = world.dp_size(mesh)
         self.tokenizer = build_tokenizer(cfg)
         self.source = OfflineSource(cfg, self.tokenizer) if cfg.data.source == "jsonl" else TaskSource(
             cfg, self.tokenizer)
@@ -332,7 +332,7 @@ class Trainer:
             values = critic_values(models.critic, rollouts, token_budget=budget, device=device)
             advantages, returns = gae_targets(rewards, values, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
                                               whiten_advantages=cfg.algorithm.whiten_advantages,
-                                              sum_across_ranks=dist.all_reduce_sum)
+                                              sum_across_ranks=world.all_reduce_sum)
         else:
             advantages = group_targets(rollouts, estimator=cfg.algorithm.adv_estimator,
                                        norm_by_std=cfg.algorithm.norm_adv_by_std)
@@ -419,8 +419,8 @@ class Trainer:
     def run_step(self, step: int) -> dict[str, float]:
         """One training step on every rank; returns the finalised metrics (the same on every rank)."""
         start = time.perf_counter()
-        rank, world = self.info.rank, self.info.world_size
-        rollouts = self.source.rollouts(self.models, step, rank=rank, world_size=world, device=self.device)
+        rank, world_size = self.info.rank, self.info.world_size
+        rollouts = self.source.rollouts(self.models, step, rank=rank, world_size=world_size, device=self.device)
         targets, facts = self.make_experience(rollouts)
         batches = self.minibatches(rollouts, targets)
         update_metrics, update_facts = self.update(batches, facts["on_policy"])
@@ -619,9 +619,9 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     quiet_known_warnings()
     stop = StopRequest()
     stop.install()
-    info = dist.init_distributed(device_type=resolve_device_type(cfg))
+    info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
-    mesh = dist.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     run_path = Path(run_dir)
@@ -657,7 +657,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 write_metrics_line(metrics_path, result)
                 write_tensorboard(tensorboard, result)
             progress.update(task, advance=1, stats=_stats_line(result))
-            stopping = dist.any_flag(stop.requested)
+            stopping = world.any_flag(stop.requested)
             every = cfg.checkpoint.every
             if stopping or (every > 0 and done % every == 0 and done < cfg.trainer.steps):
                 path = save(trainer, run_path, done)
@@ -666,7 +666,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                          f"trainer.run_name={run_path.name}")
                 log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with {where} "
                     "trainer.resume=auto")
-                dist.destroy_distributed()
+                world.destroy_distributed()
                 return 0
     if cfg.checkpoint.every > 0 and start < cfg.trainer.steps:  # else the resumed checkpoint is this one
         save(trainer, run_path, cfg.trainer.steps)
@@ -674,5 +674,5 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     if info.is_main and history:
         print_summary(history, eval_rewards)
     log(f"run directory: {run_dir} (metrics.jsonl, export/)")
-    dist.destroy_distributed()
+    world.destroy_distributed()
     return 0

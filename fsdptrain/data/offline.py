@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from fsdptrain.config import ConfigError
-from fsdptrain.rollout import Rollout
-from fsdptrain.tasks import TASKS, Task
+from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.tasks import TASKS, Task
 
 
 class DataError(ConfigError):

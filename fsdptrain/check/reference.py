@@ -3,7 +3,7 @@
 Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-batch, back to back.
 
 Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
-:func:`~fsdptrain.loss.packed.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
+:func:`~fsdptrain.train.packed_loss.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
 the contract of design section 3 with the batch's own counts N (response tokens) and S (sequences with a response
 token), then backward, one sequence at a time:
 
@@ -14,7 +14,7 @@ Its metrics are taken directly over all valid tokens of the batch (a min is the 
 token-weighted mean a plain sum over a count, the explained variance from the whole vectors), never through
 ``agg_loss``, the ``Metric`` merges or the rank reduction that the layouts use, so a bug there cannot hide in both.
 The per-token formulas (PPO clip, dual clip, GSPO ratio, clipped value error) are the loss contract's; the KL
-estimators and the entropy are reused from ``fsdptrain.loss.policy``.
+estimators and the entropy are reused from ``fsdptrain.rl.policy``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from fsdptrain.check_batch import RolloutFacts
-from fsdptrain.loss.packed import PolicyLossSettings, ValueLossSettings, reference_policy_outputs, reference_values
-from fsdptrain.loss.policy import kl_penalty
-from fsdptrain.train_step import MiniBatch
+from fsdptrain.check.batch import RolloutFacts
+from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings, reference_policy_outputs, reference_values
+from fsdptrain.rl.policy import kl_penalty
+from fsdptrain.train.step import MiniBatch
 
 _LOG_RATIO_CLAMP = 20.0
 EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained variance is ill-conditioned, not compared

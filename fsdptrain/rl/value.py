@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fsdptrain.loss.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.metrics import Derived, Loss, Max, Mean, Metrics, Min, explained_variance
+from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
+from fsdptrain.rl.metrics import Derived, Loss, Max, Mean, Metrics, Min, explained_variance
 
 
 def value_loss(

@@ -14,7 +14,7 @@ own counts with dp_size 1, except the simulated data-parallel one:
   and dp_size N, the shards' gradients are averaged (what FSDP's reduce-scatter does) and their metrics reduced
   like ranks (``flatten`` / SUM, MIN, MAX / ``unflatten``);
 - ``ranks=W``: the product path on the real ranks: each rank's own share, ``global_normalizers``,
-  ``dist.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
+  ``world.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
   mesh's ranks.
 
 The loss a layout reports is the scalar whose gradient the model holds: micro-batch losses summed, then averaged over
@@ -30,13 +30,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from fsdptrain import dist
-from fsdptrain.attention import generation_attention
-from fsdptrain.loss.aggregate import LossNormalizers
-from fsdptrain.loss.packed import PolicyLossSettings, ValueLossSettings
-from fsdptrain.loss.policy import entropy_from_logits, policy_loss
-from fsdptrain.loss.value import value_loss
-from fsdptrain.metrics import (
+from fsdptrain.distributed import world
+from fsdptrain.model.attention import generation_attention
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.policy import entropy_from_logits, policy_loss
+from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.metrics import (
     Metrics,
     ReduceBuffers,
     Schema,
@@ -47,9 +47,9 @@ from fsdptrain.metrics import (
     merge_all,
     unflatten,
 )
-from fsdptrain.models import gather_full_grads
-from fsdptrain.packing import PaddedBatch, pack_sequences, pad_sequences, plan_packs
-from fsdptrain.train_step import MiniBatch, accumulate_gradients, global_normalizers, reduce_metrics
+from fsdptrain.distributed.fsdp import gather_full_grads
+from fsdptrain.data.packing import PaddedBatch, pack_sequences, pad_sequences, plan_packs
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, reduce_metrics
 
 Grads = dict[str, Tensor]
 
@@ -241,13 +241,13 @@ def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
 def real_ranks(part: Part, ctx: Context) -> Run:
     """The train step's own path on this rank's share; the loss averaged over the mesh's ranks, as FSDP averages."""
     _fresh(part)
-    norms = global_normalizers(ctx.local, dp_size=dist.dp_size(ctx.mesh),
+    norms = global_normalizers(ctx.local, dp_size=world.dp_size(ctx.mesh),
                                loss_scale_factor=ctx.norms.loss_scale_factor)
     losses: list[float] = []
     metrics = accumulate_gradients(part.model, ctx.local, loss_fn=_recording(part.packed_loss, losses),
                                    settings=part.settings, norms=norms, token_budget=ctx.token_budget,
                                    device=ctx.device)
-    total = dist.all_reduce_sum(torch.tensor([sum(losses)], dtype=torch.float64))
+    total = world.all_reduce_sum(torch.tensor([sum(losses)], dtype=torch.float64))
     return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
 
 
