@@ -406,7 +406,14 @@ def torch_varlen_attention(
     _check_kernel_input(call, kernel, query, value)
     fn = kernel.fn
     params = _parameters(fn)
-    options: dict[str, Any] = {"scale": call.scaling}
+    options: dict[str, Any] = {}
+    if "scale" in params:
+        options["scale"] = call.scaling
+    elif not math.isclose(call.scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
+        # the first varlen_attn (torch 2.9) takes no scale: its kernel always uses 1/sqrt(head_dim)
+        raise _refuse(
+            TORCH_VARLEN, f"softmax scale {call.scaling:g} with this torch", "use 'flash_attn' or 'sdpa_segments'"
+        )
     if "window_size" in params:  # torch >= 2.11: causality and windows are both a window_size
         left = call.sliding_window - 1 if call.sliding_window is not None else -1
         options["window_size"] = (left, 0) if call.is_causal else (-1, -1)
