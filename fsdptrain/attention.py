@@ -390,7 +390,8 @@ def torch_varlen_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """torch's `varlen_attn` over the row's segments (GQA via `enable_gqa`, sliding window via `window_size` where
-    the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused."""
+    the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused, and so is a
+    non-default softmax scale where `varlen_attn` takes no `scale` (torch 2.9)."""
     call = _read_call(TORCH_VARLEN, module, query, key, attention_mask, scaling, dropout, kwargs)
     if call.softcap is not None:
         raise _refuse(TORCH_VARLEN, "logit soft-capping", "use 'flash_attn' or 'sdpa_segments'")
