@@ -77,7 +77,8 @@ def _kwargs(lengths, segments_from, **features):
         segments = {"position_ids": torch.cat([torch.arange(n) for n in lengths]).view(1, -1)}
     else:
         cu = _cu(lengths)
-        segments = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+        longest = max(lengths)
+        segments = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     return {**segments, **{k: v for k, v in features.items() if v is not None}}
 
 
