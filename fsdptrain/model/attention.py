@@ -284,8 +284,19 @@ def sdpa_segments_attention(
 # --------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A varlen attention function (`flash_attn_varlen_func`, torch's `varlen_attn`, or a stand-in with the same
+    signature) and the devices and activation dtypes it runs on. The backends find theirs through `_flash_kernel`
+    and `_torch_varlen_kernel` only, so a test can install a CPU stand-in by replacing one of those attributes."""
+
+    fn: Callable
+    device_types: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
 @functools.cache
-def _flash_varlen_fn() -> Callable | None:
+def _flash_kernel() -> VarlenKernel | None:
     if importlib.util.find_spec("flash_attn") is None:
         return None
     try:
@@ -293,16 +304,16 @@ def _flash_varlen_fn() -> Callable | None:
     except Exception:  # a broken build (wrong CUDA/torch ABI) is "not available", not a crash at import
         logger.warning("flash_attn is installed but could not be imported", exc_info=True)
         return None
-    return flash_attn_varlen_func
+    return VarlenKernel(flash_attn_varlen_func)
 
 
 @functools.cache
-def _torch_varlen_fn() -> Callable | None:
+def _torch_varlen_kernel() -> VarlenKernel | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    return VarlenKernel(varlen_attn)
 
 
 @functools.cache
@@ -310,16 +321,17 @@ def _parameters(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _check_kernel_input(call: _Call, query: torch.Tensor, value: torch.Tensor) -> None:
-    if query.device.type != "cuda":
+def _check_kernel_input(call: _Call, kernel: VarlenKernel, query: torch.Tensor, value: torch.Tensor) -> None:
+    if query.device.type not in kernel.device_types:
         raise ValueError(
-            f"{call.backend} runs on CUDA only; these tensors are on {query.device.type}. Use "
-            f"attn backend 'auto' or 'sdpa_segments'"
+            f"{call.backend} runs on {'/'.join(kernel.device_types).upper()} only; these tensors are on "
+            f"{query.device.type}. Use attn backend 'auto' or 'sdpa_segments'"
         )
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    if query.dtype not in kernel.dtypes:
         raise ValueError(
-            f"{call.backend} takes fp16/bf16 activations, got {query.dtype}: train under bf16 mixed precision or "
-            f"use 'sdpa_segments' (resolve_backend('auto', device, dtype) picks it for fp32)"
+            f"{call.backend} takes {'/'.join(str(d).removeprefix('torch.') for d in kernel.dtypes)} activations, "
+            f"got {query.dtype}: train under bf16 mixed precision or use 'sdpa_segments' "
+            f"(resolve_backend('auto', device, dtype) picks it for fp32)"
         )
     if value.shape[-1] != query.shape[-1]:
         raise _refuse(call.backend, "a value head size different from the query's", "use 'sdpa_segments'")
@@ -345,10 +357,11 @@ def flash_attn_attention(
     call = _read_call(FLASH_ATTN, module, query, key, attention_mask, scaling, dropout, kwargs)
     if call.sinks is not None:
         raise _refuse(FLASH_ATTN, "attention sinks (s_aux)", "use 'sdpa_segments'")
-    fn = _flash_varlen_fn()
-    if fn is None:
+    kernel = _flash_kernel()
+    if kernel is None:
         raise ValueError("attention backend 'flash_attn' needs the flash_attn package; install it or use 'auto'")
-    _check_kernel_input(call, query, value)
+    _check_kernel_input(call, kernel, query, value)
+    fn = kernel.fn
     options: dict[str, Any] = {"dropout_p": call.dropout, "softmax_scale": call.scaling, "causal": call.is_causal}
     if call.sliding_window is not None:
         if "window_size" not in _parameters(fn):
@@ -377,7 +390,8 @@ def torch_varlen_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """torch's `varlen_attn` over the row's segments (GQA via `enable_gqa`, sliding window via `window_size` where
-    the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused."""
+    the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused, and so is a
+    non-default softmax scale where `varlen_attn` takes no `scale` (torch 2.9)."""
     call = _read_call(TORCH_VARLEN, module, query, key, attention_mask, scaling, dropout, kwargs)
     if call.softcap is not None:
         raise _refuse(TORCH_VARLEN, "logit soft-capping", "use 'flash_attn' or 'sdpa_segments'")
@@ -387,12 +401,20 @@ def torch_varlen_attention(
         raise _refuse(
             TORCH_VARLEN, f"attention dropout {call.dropout}", "set attention_dropout=0 or use 'sdpa_segments'"
         )
-    fn = _torch_varlen_fn()
-    if fn is None:
+    kernel = _torch_varlen_kernel()
+    if kernel is None:
         raise ValueError(f"this torch ({torch.__version__}) has no torch.nn.attention.varlen; use 'auto'")
-    _check_kernel_input(call, query, value)
+    _check_kernel_input(call, kernel, query, value)
+    fn = kernel.fn
     params = _parameters(fn)
-    options: dict[str, Any] = {"scale": call.scaling}
+    options: dict[str, Any] = {}
+    if "scale" in params:
+        options["scale"] = call.scaling
+    elif not math.isclose(call.scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
+        # the first varlen_attn (torch 2.9) takes no scale: its kernel always uses 1/sqrt(head_dim)
+        raise _refuse(
+            TORCH_VARLEN, f"softmax scale {call.scaling:g} with this torch", "use 'flash_attn' or 'sdpa_segments'"
+        )
     if "window_size" in params:  # torch >= 2.11: causality and windows are both a window_size
         left = call.sliding_window - 1 if call.sliding_window is not None else -1
         options["window_size"] = (left, 0) if call.is_causal else (-1, -1)
@@ -455,15 +477,21 @@ def _cuda_supports_varlen_kernels(device: torch.device) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def _kernel_runs(kernel: VarlenKernel | None, device: torch.device, dtype: torch.dtype | None) -> bool:
+    if kernel is None or device.type not in kernel.device_types:
+        return False
+    if dtype is not None and dtype not in kernel.dtypes:
+        return False
+    return device.type != "cuda" or _cuda_supports_varlen_kernels(device)
+
+
 def available_backends(device: torch.device | str, dtype: torch.dtype | None = None) -> list[str]:
     """The backends that can run on `device` (and `dtype`, when given), in the order `auto` prefers them."""
     device = torch.device(device)
-    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
-    gpu_ok = device.type == "cuda" and half and _cuda_supports_varlen_kernels(device)
     names = []
-    if gpu_ok and _flash_varlen_fn() is not None:
+    if _kernel_runs(_flash_kernel(), device, dtype):
         names.append(FLASH_ATTN)
-    if gpu_ok and _torch_varlen_fn() is not None:
+    if _kernel_runs(_torch_varlen_kernel(), device, dtype):
         names.append(TORCH_VARLEN)
     names.append(SDPA_SEGMENTS)
     return names
