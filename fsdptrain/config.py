@@ -15,10 +15,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+from fsdptrain.names import ADV_ESTIMATORS, AGG_MODES, KL_ESTIMATORS  # noqa: F401  (torch-free; also the registries' keys)
+
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
-ADV_ESTIMATORS = ("gae", "grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")

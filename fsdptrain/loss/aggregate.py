@@ -22,13 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-    "seq-mean-token-mean",
-)
+from fsdptrain.names import AGG_MODES
 
 _NEEDS_TOKENS = ("token-mean",)
 _NEEDS_SEQS = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")

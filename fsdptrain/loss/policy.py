@@ -15,25 +15,67 @@ from torch import Tensor
 
 from fsdptrain.loss.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.metrics import Loss, Max, Mean, Metrics, Min
+from fsdptrain.names import KL_ESTIMATORS
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
 _LOG_RATIO_CLAMP = 20.0
+KL_CLAMP = 10.0
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
+    return d
+
+
+def _k2(d: Tensor, kl_clamp: float | None) -> Tensor:
+    return 0.5 * d.square()
+
+
+def _abs(d: Tensor, kl_clamp: float | None) -> Tensor:
+    return d.abs()
+
+
+def _k3(d: Tensor, kl_clamp: float | None) -> Tensor:
+    d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    k3 = torch.exp(-d) + d - 1.0
+    return k3 if kl_clamp is None else k3.clamp(-kl_clamp, kl_clamp)
+
+
+def _straight_through_k2(value_fn):
+    def estimate(d: Tensor, kl_clamp: float | None) -> Tensor:
+        k2 = _k2(d, kl_clamp)
+        return value_fn(d, kl_clamp).detach() + (k2 - k2.detach())
+
+    return estimate
+
+
+# Keys are names.KL_ESTIMATORS (a test holds them equal).
+_KL = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "abs": _abs,
+    "mse": _k2,
+    "k1+": _straight_through_k2(_k1),
+    "k3+": _straight_through_k2(_k3),
+}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, *, kl_clamp: float | None = KL_CLAMP) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled tokens, d = logp - ref_logp:
 
-    k1 = d;  k2 = d^2 / 2;  k3 = exp(-d) + d - 1 (unbiased, low variance, >= 0; d clamped to +-20 inside exp).
+        k1 = d;  k2 = mse = d^2 / 2;  abs = |d|;
+        k3 = clamp(exp(-d) + d - 1, -kl_clamp, kl_clamp): unbiased, low variance, >= 0; d is clamped to +-20
+             inside exp, and the value to kl_clamp (zero gradient outside; verl clamps its "low_var_kl" at 10);
+             kl_clamp None: no clamp;
+        k1+, k3+: straight-through, value k1 (k3, clamped as above), gradient k2's (d * grad logp):
+             sg[k] + k2 - sg[k2].
+    k1 and k3 estimate the KL's value without bias but not its gradient; the gradient of k2 is the KL's gradient in
+    expectation over samples of pi, hence the "+" forms (verl's estimators with a "+" suffix).
     """
-    if estimator not in KL_ESTIMATORS:
+    if estimator not in _KL:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
-    d = logprobs - ref_logprobs
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d.square()
-    d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return torch.exp(-d) + d - 1.0
+    if kl_clamp is not None and not kl_clamp > 0:
+        raise ValueError(f"kl_clamp must be > 0 or None (no clamp), got {kl_clamp}")
+    return _KL[estimator](logprobs - ref_logprobs, kl_clamp)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -60,6 +102,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    kl_clamp: float | None = KL_CLAMP,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[Tensor, Metrics]:
@@ -80,7 +123,7 @@ def policy_loss(
         pg_clipfrac (MEAN): share of tokens where the clipped term won (-A clip(r) > -A r).
         pg_clipfrac_lower (MEAN): share of tokens with A < 0 where dual-clip bound (always 0 without dual-clip).
         ppo_kl (MEAN): old_logp - logp per token.
-        kl (MEAN): the KL estimator per token (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
+        kl (MEAN): the KL estimator per token, `kl_penalty(..., kl_clamp=kl_clamp)` (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
         probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX): the ratio r used in the loss.
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """
@@ -130,7 +173,7 @@ def policy_loss(
         "probs_ratio_max": Max.of(ratio, valid),
     }
     if ref_logprobs is not None:
-        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator)
+        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator, kl_clamp=kl_clamp)
         kl_loss = agg_loss_with(kl, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = Loss(kl_loss / norms.dp_size)
