@@ -1,4 +1,4 @@
-"""PPO / GRPO policy loss: clipped surrogate (asymmetric, dual-clip), GSPO sequence ratio, KL penalty, entropy.
+"""Policy loss: a policy-gradient term (`pg_losses`: PPO's clipped surrogate by default), KL penalty, entropy.
 
 Tensors are per token in one of two layouts: padded `[B, T]` (a row is a sequence) or packed `[T]`/`[1, T]` with
 `cu_seqlens` (a segment is a sequence). Every term is aggregated with `agg_loss`, so the same mode and global
@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from fsdptrain.loss.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.metrics import Loss, Max, Mean, Metrics, Min
+from fsdptrain.loss.pg_losses import PolicyLossFn, PolicyLossSettings, vanilla_policy_loss
+from fsdptrain.metrics import Loss, Mean, Metrics
 from fsdptrain.names import KL_ESTIMATORS
 
 _LOG_RATIO_CLAMP = 20.0
@@ -105,33 +106,27 @@ def policy_loss(
     kl_clamp: float | None = KL_CLAMP,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    pg_loss_fn: PolicyLossFn = vanilla_policy_loss,
+    dro_beta: float = 1.0,
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
 
-    Per token, with ratio r and advantage A:
-        pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
-        and for A < 0 with dual-clip: pg = min(pg, -A clip_ratio_c)
-    r = exp(logp - old_logp) per token; with `seq_level_ratio` (GSPO) r is, for every token of sequence i,
-        s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)],  s_i = exp(mean over i's valid tokens of (logp - old_logp)),
-    whose value is s_i and whose gradient is s_i * grad logp_t (use agg_mode seq-mean-token-mean for GSPO's
-    objective). Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are ignored,
-    NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
+    The per-token pg term is `pg_loss_fn(...)` (`fsdptrain.loss.pg_losses`: vanilla PPO by default, with
+    `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
+    `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
+    kl_clamp=kl_clamp)`. Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are
+    ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
         pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the
             mini-batch's value; kl_loss is before kl_coef; present iff `ref_logprobs` is given.
-        pg_clipfrac (MEAN): share of tokens where the clipped term won (-A clip(r) > -A r).
-        pg_clipfrac_lower (MEAN): share of tokens with A < 0 where dual-clip bound (always 0 without dual-clip).
-        ppo_kl (MEAN): old_logp - logp per token.
-        kl (MEAN): the KL estimator per token, `kl_penalty(..., kl_clamp=kl_clamp)` (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
-        probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX): the ratio r used in the loss.
+        the pg term's own metrics; for every built-in: pg_clipfrac, pg_clipfrac_lower, ppo_kl (MEAN) and
+            probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.loss.pg_losses`).
+        kl (MEAN): the KL estimator per token (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """
     check_mode(agg_mode)
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_ratio_c}; use None to turn it off")
+    settings = PolicyLossSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_level_ratio, dro_beta)
     if ref_logprobs is None and kl_coef != 0.0:
         raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef to 0")
     if entropy is None and entropy_coef != 0.0:
@@ -143,35 +138,16 @@ def policy_loss(
     old_logp = masked(old_logprobs, valid).detach()
     adv = masked(advantages, valid).detach()
 
-    log_ratio = logp - old_logp
-    if seq_level_ratio:
-        seq_len = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
-        seq_log_ratio = layout.seq_sum(log_ratio.detach()) / seq_len
-        log_ratio = layout.broadcast(seq_log_ratio) + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pg = torch.maximum(unclipped, clipped)
-    clipfrac = clipped > unclipped
-    if clip_ratio_c is not None:
-        dual = -adv * clip_ratio_c
-        lower = (adv < 0) & (pg > dual)
-        pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
-    else:
-        lower = torch.zeros_like(valid)
-
+    pg, pg_metrics = pg_loss_fn(logp, old_logp, adv, valid, layout=layout, settings=settings)
+    if pg.shape != logp.shape:
+        raise ValueError(f"the policy-loss function returned shape {tuple(pg.shape)}; it must return the per-token "
+                         f"loss in the shape of logprobs, {tuple(logp.shape)} (policy_loss aggregates it)")
+    reserved = {"pg_loss", "kl_loss", "kl", "entropy"} & set(pg_metrics)
+    if reserved:
+        raise ValueError(f"the policy-loss function returned metric {sorted(reserved)[0]!r}, a name policy_loss sets")
     pg_loss = agg_loss_with(pg, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
     loss = pg_loss
-    metrics = {
-        "pg_loss": Loss(pg_loss / norms.dp_size),
-        "pg_clipfrac": Mean.of(clipfrac.to(ratio.dtype), valid),
-        "pg_clipfrac_lower": Mean.of(lower.to(ratio.dtype), valid),
-        "ppo_kl": Mean.of(-(logp - old_logp), valid),
-        "probs_ratio_mean": Mean.of(ratio, valid),
-        "probs_ratio_min": Min.of(ratio, valid),
-        "probs_ratio_max": Max.of(ratio, valid),
-    }
+    metrics = {"pg_loss": Loss(pg_loss / norms.dp_size), **pg_metrics}
     if ref_logprobs is not None:
         kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator, kl_clamp=kl_clamp)
         kl_loss = agg_loss_with(kl, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
