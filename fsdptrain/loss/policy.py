@@ -108,13 +108,15 @@ def policy_loss(
     entropy_coef: float = 0.0,
     pg_loss_fn: PolicyLossFn = vanilla_policy_loss,
     dro_beta: float = 1.0,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
 
     The per-token pg term is `pg_loss_fn(...)` (`fsdptrain.loss.pg_losses`: vanilla PPO by default, with
     `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
     `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
-    kl_clamp=kl_clamp)`. Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are
+    kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
+    term before it is aggregated (not the KL or entropy terms). Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are
     ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
@@ -145,6 +147,8 @@ def policy_loss(
     reserved = {"pg_loss", "kl_loss", "kl", "entropy"} & set(pg_metrics)
     if reserved:
         raise ValueError(f"the policy-loss function returned metric {sorted(reserved)[0]!r}, a name policy_loss sets")
+    if rollout_is_weights is not None:
+        pg = pg * masked(rollout_is_weights, valid).detach()
     pg_loss = agg_loss_with(pg, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
     loss = pg_loss
     metrics = {"pg_loss": Loss(pg_loss / norms.dp_size), **pg_metrics}
