@@ -84,10 +84,11 @@ def _metrics(ratio: Tensor, clipped: Tensor, lower: Tensor, log_ratio: Tensor, v
     })
 
 
-def _token_only(settings: PolicyLossSettings, name: str) -> None:
-    if settings.seq_level_ratio or settings.clip_ratio_c is not None:
-        raise ValueError(f"policy loss {name!r} takes neither seq_level_ratio (GSPO) nor clip_ratio_c (dual-clip): "
-                         "those belong to the vanilla loss; turn them off or choose policy_loss=vanilla")
+def _no_seq_ratio(settings: PolicyLossSettings, name: str) -> None:
+    # clip_ratio_c is ignored outside vanilla (the config default sets it); GSPO's ratio is a deliberate choice.
+    if settings.seq_level_ratio:
+        raise ValueError(f"policy loss {name!r} has no sequence-ratio (GSPO) form: set seq_level_ratio=false "
+                         "or choose policy_loss=vanilla")
 
 
 def vanilla_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settings):
@@ -129,7 +130,7 @@ def cispo_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, sett
     clip would drop it. The value is not a surrogate of the return (it carries logp), only its gradient matters.
     pg_clipfrac: r outside [1 - low, 1 + high]. The paper sets no lower bound in practice (a large clip_ratio_low).
     """
-    _token_only(settings, "cispo")
+    _no_seq_ratio(settings, "cispo")
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
     weight = ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
@@ -150,7 +151,7 @@ def gmpo_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, setti
     paper's recommended range is (e^-0.4, e^0.4), i.e. clip_ratio_low = clip_ratio_high = 0.4). pg_clipfrac: tokens
     with d'_t != d_t; the probs_ratio metrics describe R_i per token.
     """
-    _token_only(settings, "gmpo")
+    _no_seq_ratio(settings, "gmpo")
     log_ratio = logprobs - old_logprobs
     bounded = log_ratio.clamp(-settings.clip_ratio_low, settings.clip_ratio_high)
     clipped_log_ratio = torch.where(advantages > 0, torch.minimum(log_ratio, bounded),
@@ -172,7 +173,7 @@ def dro_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settin
     the sampling distribution q. The penalty keeps the policy near the one that sampled. Departure: Tinker sums
     tokens; here the term is aggregated by `loss.agg_mode`. No clipping (pg_clipfrac 0); ratio = exp(logp - old_logp).
     """
-    _token_only(settings, "dro")
+    _no_seq_ratio(settings, "dro")
     log_ratio = logprobs - old_logprobs
     pg = -(advantages * logprobs - 0.5 * settings.dro_beta * log_ratio.square())
     ratio = torch.exp(log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))

@@ -102,10 +102,13 @@ def test_dro_by_hand():
 
 
 @pytest.mark.parametrize("name", ["cispo", "gmpo", "dro"])
-def test_vanilla_only_settings_are_refused(name):
-    with pytest.raises(ValueError, match="vanilla"):
+def test_gspo_ratio_is_refused_and_dual_clip_ignored_outside_vanilla(name):
+    with pytest.raises(ValueError, match="seq_level_ratio=false"):
         _run(POLICY_LOSS_REGISTRY[name], [[-1.0]], [[-1.0]], [[1.0]], [[1]], "token-mean", 1, 1,
              seq_level_ratio=True)
+    # the config's default dual-clip bound changes nothing: A = -1, r = 5 would be dual-clipped by vanilla
+    args = ([[-1.0 + LOG(5.0)]], [[-1.0]], [[-1.0]], [[1]], "token-mean", 1, 1)
+    assert _run(POLICY_LOSS_REGISTRY[name], *args, clip_ratio_c=3.0)[0] == _run(POLICY_LOSS_REGISTRY[name], *args)[0]
 
 
 @pytest.mark.parametrize("name", POLICY_LOSSES)
