@@ -15,7 +15,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.names import ADV_ESTIMATORS, AGG_MODES, KL_ESTIMATORS  # noqa: F401  (torch-free; also the registries' keys)
+from fsdptrain.names import ADV_ESTIMATORS, AGG_MODES, KL_ESTIMATORS  # noqa: F401  (torch-free; the registry keys)
 
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")

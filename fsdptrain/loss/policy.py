@@ -116,8 +116,8 @@ def policy_loss(
     `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
     `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
     kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
-    term before it is aggregated (not the KL or entropy terms). Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are
-    ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
+    term before it is aggregated (not the KL or entropy terms). Only `logprobs` (and `entropy`) carry gradients;
+    masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
         pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the

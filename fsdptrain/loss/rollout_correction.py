@@ -50,7 +50,9 @@ def rollout_correction_weights(
         rollout_is_capped_frac (MEAN): share with w > C (truncated by tis, zeroed by mis).
     """
     if mode not in ROLLOUT_CORRECTION_MODES:
-        raise ValueError(f"unknown rollout correction mode {mode!r}; choose one of {', '.join(ROLLOUT_CORRECTION_MODES)}")
+        raise ValueError(
+            f"unknown rollout correction mode {mode!r}; choose one of {', '.join(ROLLOUT_CORRECTION_MODES)}"
+        )
     if level not in ROLLOUT_CORRECTION_LEVELS:
         raise ValueError(
             f"unknown rollout correction level {level!r}; choose one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
