@@ -3,7 +3,7 @@
 Legend: `_T` is the packed layout; the attention functions take HF's shapes: query `[1, Hq, T, D]`, key/value
 `[1, Hkv, T, D]` (GQA not expanded) and return `[1, T, Hq, D]`.
 
-A packed row `[1, T]` holds several sequences (see fsdptrain/packing.py). Attention must never cross a sequence
+A packed row `[1, T]` holds several sequences (see fsdptrain/data/packing.py). Attention must never cross a sequence
 boundary. Three backends do that, each an `attn_implementation` name any HF decoder accepts unmodified:
 
 - `flash_attn`:    flash-attention's `flash_attn_varlen_func` (package `flash_attn`, CUDA, fp16/bf16).

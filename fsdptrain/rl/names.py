@@ -1,11 +1,26 @@
-"""The names users choose the numerics by, defined once. Torch-free, so the config validates them in the CLI process
-before any rank (or torch) starts."""
+"""The names users choose from in the config, defined once, with no torch import.
+
+`fsdptrain.config` validates choices against these tuples in the CLI's parent process, before any rank (or torch)
+starts, and the numerics' registries are keyed by the same tuples (a test holds them equal). `fsdptrain/rl/__init__.py`
+imports nothing, so importing this module does not import torch.
+"""
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
-"""Loss aggregation modes (docs/loss.md)."""
+"""`loss.agg_mode`: how per-token losses become one mini-batch scalar (docs/loss.md)."""
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-"""Estimators of KL(pi || pi_ref) from log-ratios (docs/loss.md)."""
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse", "k1+", "k3+")
+"""`algorithm.kl_estimator`: per-token estimators of KL(pi || pi_ref) (docs/algorithms.md)."""
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo")
-"""Advantage estimators (docs/loss.md)."""
+POLICY_LOSSES = ("vanilla", "cispo", "gmpo", "dro")
+"""`algorithm.policy_loss`: the built-in policy-gradient terms; a `module:function` or `file.py:function` names a
+user's own (docs/algorithms.md)."""
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+"""`algorithm.adv_estimator`: the built-in advantage estimators; a `module:function` or `file.py:function` names a
+user's own (docs/algorithms.md)."""
+
+ROLLOUT_CORRECTION_MODES = ("tis", "mis")
+"""Off-policy correction: truncated (tis) or masked (mis) importance sampling (docs/algorithms.md)."""
+
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+"""Off-policy correction: one weight per token, or one per sequence from the product of its token ratios."""

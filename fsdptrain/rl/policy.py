@@ -1,4 +1,4 @@
-"""PPO / GRPO policy loss: clipped surrogate (asymmetric, dual-clip), GSPO sequence ratio, KL penalty, entropy.
+"""Policy loss: a policy-gradient term (`pg_losses`: PPO's clipped surrogate by default), KL penalty, entropy.
 
 Tensors are per token in one of two layouts: padded `[B, T]` (a row is a sequence) or packed `[T]`/`[1, T]` with
 `cu_seqlens` (a segment is a sequence). Every term is aggregated with `agg_loss`, so the same mode and global
@@ -13,27 +13,70 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.rl.metrics import Loss, Max, Mean, Metrics, Min
+from fsdptrain.rl.pg_losses import PolicyLossFn, PolicyLossSettings, vanilla_policy_loss
+from fsdptrain.rl.metrics import Loss, Mean, Metrics
+from fsdptrain.rl.names import KL_ESTIMATORS
 
 _LOG_RATIO_CLAMP = 20.0
+KL_CLAMP = 10.0
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
+    return d
+
+
+def _k2(d: Tensor, kl_clamp: float | None) -> Tensor:
+    return 0.5 * d.square()
+
+
+def _abs(d: Tensor, kl_clamp: float | None) -> Tensor:
+    return d.abs()
+
+
+def _k3(d: Tensor, kl_clamp: float | None) -> Tensor:
+    d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    k3 = torch.exp(-d) + d - 1.0
+    return k3 if kl_clamp is None else k3.clamp(-kl_clamp, kl_clamp)
+
+
+def _straight_through_k2(value_fn):
+    def estimate(d: Tensor, kl_clamp: float | None) -> Tensor:
+        k2 = _k2(d, kl_clamp)
+        return value_fn(d, kl_clamp).detach() + (k2 - k2.detach())
+
+    return estimate
+
+
+# Keys are names.KL_ESTIMATORS (a test holds them equal).
+_KL = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+    "abs": _abs,
+    "mse": _k2,
+    "k1+": _straight_through_k2(_k1),
+    "k3+": _straight_through_k2(_k3),
+}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, *, kl_clamp: float | None = KL_CLAMP) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled tokens, d = logp - ref_logp:
 
-    k1 = d;  k2 = d^2 / 2;  k3 = exp(-d) + d - 1 (unbiased, low variance, >= 0; d clamped to +-20 inside exp).
+        k1 = d;  k2 = mse = d^2 / 2;  abs = |d|;
+        k3 = clamp(exp(-d) + d - 1, -kl_clamp, kl_clamp): unbiased, low variance, >= 0; d is clamped to +-20
+             inside exp, and the value to kl_clamp (zero gradient outside; verl clamps its "low_var_kl" at 10);
+             kl_clamp None: no clamp;
+        k1+, k3+: straight-through, value k1 (k3, clamped as above), gradient k2's (d * grad logp):
+             sg[k] + k2 - sg[k2].
+    k1 and k3 estimate the KL's value without bias but not its gradient; the gradient of k2 is the KL's gradient in
+    expectation over samples of pi, hence the "+" forms (verl's estimators with a "+" suffix).
     """
-    if estimator not in KL_ESTIMATORS:
+    if estimator not in _KL:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
-    d = logprobs - ref_logprobs
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d.square()
-    d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return torch.exp(-d) + d - 1.0
+    if kl_clamp is not None and not kl_clamp > 0:
+        raise ValueError(f"kl_clamp must be > 0 or None (no clamp), got {kl_clamp}")
+    return _KL[estimator](logprobs - ref_logprobs, kl_clamp)
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -60,35 +103,32 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    kl_clamp: float | None = KL_CLAMP,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    pg_loss_fn: PolicyLossFn = vanilla_policy_loss,
+    dro_beta: float = 1.0,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
 
-    Per token, with ratio r and advantage A:
-        pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
-        and for A < 0 with dual-clip: pg = min(pg, -A clip_ratio_c)
-    r = exp(logp - old_logp) per token; with `seq_level_ratio` (GSPO) r is, for every token of sequence i,
-        s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)],  s_i = exp(mean over i's valid tokens of (logp - old_logp)),
-    whose value is s_i and whose gradient is s_i * grad logp_t (use agg_mode seq-mean-token-mean for GSPO's
-    objective). Only `logprobs` (and `entropy`) carry gradients; masked positions of every input are ignored,
-    NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
+    The per-token pg term is `pg_loss_fn(...)` (`fsdptrain.rl.pg_losses`: vanilla PPO by default, with
+    `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
+    `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
+    kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
+    term before it is aggregated (not the KL or entropy terms). Only `logprobs` (and `entropy`) carry gradients;
+    masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
         pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the
             mini-batch's value; kl_loss is before kl_coef; present iff `ref_logprobs` is given.
-        pg_clipfrac (MEAN): share of tokens where the clipped term won (-A clip(r) > -A r).
-        pg_clipfrac_lower (MEAN): share of tokens with A < 0 where dual-clip bound (always 0 without dual-clip).
-        ppo_kl (MEAN): old_logp - logp per token.
+        the pg term's own metrics; for every built-in: pg_clipfrac, pg_clipfrac_lower, ppo_kl (MEAN) and
+            probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.rl.pg_losses`).
         kl (MEAN): the KL estimator per token (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
-        probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX): the ratio r used in the loss.
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """
     check_mode(agg_mode)
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(f"clip ratios must be >= 0, got low={clip_ratio_low}, high={clip_ratio_high}")
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_ratio_c}; use None to turn it off")
+    settings = PolicyLossSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_level_ratio, dro_beta)
     if ref_logprobs is None and kl_coef != 0.0:
         raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef to 0")
     if entropy is None and entropy_coef != 0.0:
@@ -100,37 +140,20 @@ def policy_loss(
     old_logp = masked(old_logprobs, valid).detach()
     adv = masked(advantages, valid).detach()
 
-    log_ratio = logp - old_logp
-    if seq_level_ratio:
-        seq_len = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
-        seq_log_ratio = layout.seq_sum(log_ratio.detach()) / seq_len
-        log_ratio = layout.broadcast(seq_log_ratio) + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pg = torch.maximum(unclipped, clipped)
-    clipfrac = clipped > unclipped
-    if clip_ratio_c is not None:
-        dual = -adv * clip_ratio_c
-        lower = (adv < 0) & (pg > dual)
-        pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
-    else:
-        lower = torch.zeros_like(valid)
-
+    pg, pg_metrics = pg_loss_fn(logp, old_logp, adv, valid, layout=layout, settings=settings)
+    if pg.shape != logp.shape:
+        raise ValueError(f"the policy-loss function returned shape {tuple(pg.shape)}; it must return the per-token "
+                         f"loss in the shape of logprobs, {tuple(logp.shape)} (policy_loss aggregates it)")
+    reserved = {"pg_loss", "kl_loss", "kl", "entropy"} & set(pg_metrics)
+    if reserved:
+        raise ValueError(f"the policy-loss function returned metric {sorted(reserved)[0]!r}, a name policy_loss sets")
+    if rollout_is_weights is not None:
+        pg = pg * masked(rollout_is_weights, valid).detach()
     pg_loss = agg_loss_with(pg, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
     loss = pg_loss
-    metrics = {
-        "pg_loss": Loss(pg_loss / norms.dp_size),
-        "pg_clipfrac": Mean.of(clipfrac.to(ratio.dtype), valid),
-        "pg_clipfrac_lower": Mean.of(lower.to(ratio.dtype), valid),
-        "ppo_kl": Mean.of(-(logp - old_logp), valid),
-        "probs_ratio_mean": Mean.of(ratio, valid),
-        "probs_ratio_min": Min.of(ratio, valid),
-        "probs_ratio_max": Max.of(ratio, valid),
-    }
+    metrics = {"pg_loss": Loss(pg_loss / norms.dp_size), **pg_metrics}
     if ref_logprobs is not None:
-        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator)
+        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator, kl_clamp=kl_clamp)
         kl_loss = agg_loss_with(kl, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
         loss = loss + kl_coef * kl_loss
         metrics["kl_loss"] = Loss(kl_loss / norms.dp_size)

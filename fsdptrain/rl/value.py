@@ -27,7 +27,8 @@ def value_loss(
 
     Metrics (over valid tokens):
         vf_loss (LOSS): agg value / dp_size.
-        vf_clipfrac (MEAN, token-weighted): share of tokens where the clipped error is the larger.
+        vf_clipfrac (MEAN, token-weighted): share of tokens where the clipped error is the larger (so never a token
+            with |v - old| <= c, whose clipped value is v itself).
         values_mean, returns_mean (MEAN, token-weighted); values_min, values_max (MIN/MAX; absent when empty).
         vf_explained_var (DERIVED): 1 - Var(R - v) / Var(R) from [sum R, sum R^2, sum (R-v), sum (R-v)^2, count].
     """
@@ -45,7 +46,9 @@ def value_loss(
         err = unclipped
         clipfrac = torch.zeros_like(valid)
     else:
-        v_clipped = old_v + (v - old_v).clamp(-cliprange_value, cliprange_value)
+        # Clamp v itself: old + clamp(v - old, -c, c) can differ from v by one rounding step when |v - old| < c,
+        # which would count an unclipped token as clipped.
+        v_clipped = torch.clamp(v, old_v - cliprange_value, old_v + cliprange_value)
         clipped = (v_clipped - ret).square()
         err = torch.maximum(unclipped, clipped)
         clipfrac = clipped > unclipped

@@ -1,4 +1,4 @@
-"""The packed attention backends called directly (fsdptrain/attention.py), against a dense masked reference.
+"""The packed attention backends called directly (fsdptrain/model/attention.py), against a dense masked reference.
 
 The reference builds the full [T, T] score matrix and masks it by segment, causality and window: an independent,
 slow formulation of what the per-segment backend must compute.

@@ -1,5 +1,5 @@
 """Packed forwards of tiny HF decoders built from configs: equal to each sequence's own forward, no leakage,
-equal gradients, and generation untouched by the packed backend (fsdptrain/attention.py + packing.py).
+equal gradients, and generation untouched by the packed backend (fsdptrain/model/attention.py + packing.py).
 
 Every packed forward asserts through `call_counts()` that `sdpa_segments` served each layer, so transformers' own
 packed-mask path (plain sdpa) cannot be what makes these tests pass.

@@ -1,4 +1,4 @@
-"""The GPU backends' own code (fsdptrain/attention.py: `flash_attn`, `torch_varlen`) run on the CPU against
+"""The GPU backends' own code (fsdptrain/model/attention.py: `flash_attn`, `torch_varlen`) run on the CPU against
 stand-in kernels written from the kernels' documentation (tests/unit/varlen_standins.py).
 
 What this checks: the packing of q/k/v into the varlen layout, cu_seqlens / max_seqlen, the window conversion,
@@ -15,8 +15,8 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForC
 from transformers import MistralForCausalLM
 from transformers.masking_utils import sliding_window_causal_mask_function
 
-from fsdptrain import attention
-from fsdptrain.attention import (
+from fsdptrain.model import attention
+from fsdptrain.model.attention import (
     call_counts,
     flash_attn_attention,
     packed_attention,
@@ -26,7 +26,7 @@ from fsdptrain.attention import (
     sdpa_segments_attention,
     torch_varlen_attention,
 )
-from fsdptrain.packing import pack_sequences
+from fsdptrain.data.packing import pack_sequences
 from tests.unit import varlen_standins
 from tests.unit.varlen_standins import (
     cpu_kernel,

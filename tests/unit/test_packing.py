@@ -1,4 +1,4 @@
-"""Planner, pack/unpack and padded layout (fsdptrain/packing.py). Pure CPU, no model."""
+"""Planner, pack/unpack and padded layout (fsdptrain/data/packing.py). Pure CPU, no model."""
 
 import math
 import random

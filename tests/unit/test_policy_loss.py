@@ -112,8 +112,66 @@ def test_kl_estimators_by_hand():
     # k3 = exp(-d) + d - 1 = [e^-0.5 - 0.5, e - 2] = [0.10653065971263342, 0.7182818284590451]
     k3 = kl_penalty(logp, ref, "k3")
     torch.testing.assert_close(k3, torch.tensor([0.10653065971263342, 0.7182818284590451], dtype=torch.float64))
-    with pytest.raises(ValueError, match="k1, k2, k3"):
+    with pytest.raises(ValueError, match="k1, k2, k3, abs, mse, k1\\+, k3\\+"):
         kl_penalty(logp, ref, "low_var_kl")
+
+
+def _kl_value_and_grad(estimator, d, kl_clamp=10.0):
+    """Value and d/d logp of one token's estimate with ref_logp = -1 and logp = -1 + d."""
+    logp = torch.tensor([-1.0 + d], dtype=torch.float64, requires_grad=True)
+    kl = kl_penalty(logp, torch.tensor([-1.0], dtype=torch.float64), estimator, kl_clamp=kl_clamp)
+    kl.sum().backward()
+    return kl.item(), logp.grad.item()
+
+
+@pytest.mark.parametrize("estimator, d, value, grad", [
+    # k1 = d, grad 1; k2 = mse = d^2/2, grad d; abs = |d|, grad sign(d)
+    ("k1", 0.5, 0.5, 1.0),
+    ("k2", 0.5, 0.125, 0.5),
+    ("mse", -1.0, 0.5, -1.0),
+    ("abs", -1.0, 1.0, -1.0),
+    ("abs", 0.5, 0.5, 1.0),
+    # k3 = e^-d + d - 1, grad 1 - e^-d: d = -1 -> e - 2, grad 1 - e
+    ("k3", -1.0, math.e - 2.0, 1.0 - math.e),
+    # straight-through: the value of k1 / k3, the gradient of k2 (= d)
+    ("k1+", 0.5, 0.5, 0.5),
+    ("k1+", -1.0, -1.0, -1.0),
+    ("k3+", -1.0, math.e - 2.0, -1.0),
+    ("k3+", 0.5, math.exp(-0.5) - 0.5, 0.5),
+])
+def test_kl_estimator_values_and_gradients(estimator, d, value, grad):
+    got_value, got_grad = _kl_value_and_grad(estimator, d)
+    assert got_value == pytest.approx(value, abs=1e-12)
+    assert got_grad == pytest.approx(grad, abs=1e-12)
+
+
+def test_k3_is_clamped_at_ten_with_zero_gradient():
+    # d = -6: k3 = e^6 - 6 - 1 = 396.43 > 10 -> 10, and the clamp passes no gradient
+    assert _kl_value_and_grad("k3", -6.0) == (10.0, 0.0)
+    # k3+ clamps its value, and keeps k2's gradient d = -6
+    assert _kl_value_and_grad("k3+", -6.0) == (10.0, -6.0)
+    # no clamp: the full value and gradient 1 - e^6
+    value, grad = _kl_value_and_grad("k3", -6.0, kl_clamp=None)
+    assert value == pytest.approx(math.exp(6.0) - 6.0 - 1.0, abs=1e-10)
+    assert grad == pytest.approx(1.0 - math.exp(6.0), abs=1e-10)
+    # a clamp above the value changes nothing; the clamp never touches k1/k2
+    assert _kl_value_and_grad("k3", -1.0, kl_clamp=1.0) == pytest.approx((math.e - 2.0, 1.0 - math.e), abs=1e-12)
+    assert _kl_value_and_grad("k2", -6.0) == (18.0, -6.0)
+    with pytest.raises(ValueError, match="kl_clamp"):
+        _kl_value_and_grad("k3", -6.0, kl_clamp=0.0)
+
+
+def test_kl_clamp_reaches_the_policy_loss():
+    old = torch.tensor([[-1.0]], dtype=torch.float64)
+    logp = old.clone().requires_grad_(True)
+    ref = torch.tensor([[5.0]], dtype=torch.float64)  # d = -6
+    kw = dict(norms=_norms(1, 1), agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
+              ref_logprobs=ref, kl_coef=1.0)
+    zero = torch.zeros(1, 1, dtype=torch.float64)
+    loss, metrics = policy_loss(logp, old, zero, torch.ones(1, 1), **kw)
+    assert loss.item() == 10.0 and finalize(metrics)["kl"] == 10.0
+    loss, metrics = policy_loss(logp, old, zero, torch.ones(1, 1), kl_clamp=None, **kw)
+    assert loss.item() == pytest.approx(math.exp(6.0) - 7.0, abs=1e-10)
 
 
 def test_entropy_of_known_distributions():

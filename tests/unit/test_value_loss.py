@@ -123,3 +123,33 @@ def test_masked_nan_is_harmless():
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(v.grad).all() and v.grad[0, 1] == 0
         assert all(math.isfinite(x) for x in finalize(metrics).values())
+
+
+def test_unclipped_token_is_not_counted_as_clipped():
+    # v = -0.2, old = -0.5, c = 0.5: |v - old| = 0.3 < c, so clip(v) = v and the clipped error equals the unclipped
+    # one. Rebuilding clip(v) as old + (v - old).clamp(-c, c) gives -0.19999998808 in fp32, one step from v, whose
+    # error to R = -1.9 is the larger: the old code logged vf_clipfrac 1.0.
+    v = torch.tensor([[-0.2]], requires_grad=True)
+    loss, metrics = value_loss(v, torch.tensor([[-0.5]]), torch.tensor([[-1.9]]), torch.ones(1, 1),
+                               norms=LossNormalizers(1, 1), agg_mode="token-mean", cliprange_value=0.5)
+    loss.backward()
+    assert finalize(metrics)["vf_clipfrac"] == 0.0
+    assert loss.item() == pytest.approx(0.5 * 1.7**2, abs=1e-6)
+    assert v.grad.item() == pytest.approx(-0.2 + 1.9, abs=1e-6)  # d/dv 0.5 (v - R)^2 on the unclipped branch
+
+
+def test_clipfrac_matches_an_independent_count_on_normal_samples():
+    # fp32 N(0, 1) values, old values and returns; the reference count is done in float64 from the definition:
+    # a token is clipped iff |v - old| > c and the error of the bound it hits, |old + sign(v - old) c - R|, exceeds
+    # |v - R|. (Ties have probability 0.)
+    gen = torch.Generator().manual_seed(0)
+    n, c = 200_000, 0.5
+    v, old, ret = (torch.randn(1, n, generator=gen) for _ in range(3))
+    _, metrics = value_loss(v, old, ret, torch.ones(1, n), norms=LossNormalizers(n, 1), agg_mode="token-mean",
+                            cliprange_value=c)
+    v64, old64, ret64 = v.double(), old.double(), ret.double()
+    bound = old64 + torch.sign(v64 - old64) * c
+    expected = (((v64 - old64).abs() > c) & ((bound - ret64).abs() > (v64 - ret64).abs())).sum().item()
+    got = metrics["vf_clipfrac"]
+    assert got.count.item() == n
+    assert got.total.item() == expected

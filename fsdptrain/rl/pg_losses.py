@@ -1,0 +1,204 @@
+"""Policy-gradient terms: vanilla PPO (asymmetric clip, dual-clip, GSPO), CISPO, GMPO, DRO, and user functions.
+
+Every term has one signature, `PolicyLossFn`:
+
+    fn(logprobs, old_logprobs, advantages, valid, *, layout, settings) -> (pg_per_token, Metrics)
+
+- `logprobs` (carries the gradient), `old_logprobs`, `advantages` (detached): per token, in the padded `[B, T]` or
+  the packed `[T]`/`[1, T]` layout, already 0 wherever `valid` is false (NaN never reaches a term);
+- `valid`: bool, the tokens that count; `layout`: the `SeqLayout` (`seq_sum`, `broadcast`) for sequence terms;
+- `settings`: `PolicyLossSettings`, the algorithm's knobs.
+
+It returns the per-token loss (same shape; its values at invalid positions are ignored) and its metrics. It never
+aggregates: `policy_loss` aggregates the term with `agg_loss` under the configured mode and the global normalizers,
+and logs it as `pg_loss` (LOSS), the same for every loss, a user's included, so none can get the dp factor or a
+count wrong. A sequence-level term (GMPO) puts the sequence's loss on each of its tokens; under
+`seq-mean-token-mean` the aggregate is then the mean over sequences of those losses, the paper's objective.
+A function must return the same metric names for every batch, empty or not, so ranks agree on the schema.
+
+Metrics of every built-in (token-weighted MEANs over valid tokens): pg_clipfrac (share of tokens where a clip
+bound took effect), pg_clipfrac_lower (share of tokens where dual-clip bound; 0 outside vanilla), ppo_kl
+(old_logp - logp), probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) of the ratio the loss uses.
+
+Legend: `_N` one value per sequence; unsuffixed tensors are per token in the layout of `logprobs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from fsdptrain.config import ConfigError
+from fsdptrain.rl.aggregate import SeqLayout
+from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
+from fsdptrain.rl.names import POLICY_LOSSES
+from fsdptrain.plugins import check_signature, load_callable
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The knobs of the built-in terms (config `algorithm.*`); a user's function receives them too.
+
+    `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the
+    log-ratio [-low, high] (GMPO); `clip_ratio_c`: dual-clip bound (> 1; None off; vanilla only);
+    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0).
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float | None = None
+    seq_level_ratio: bool = False
+    dro_beta: float = 1.0
+
+    def __post_init__(self):
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(f"clip ratios must be >= 0, got low={self.clip_ratio_low}, high={self.clip_ratio_high}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {self.clip_ratio_c}; use None to turn it off")
+        if not self.dro_beta > 0:
+            raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
+
+
+class PolicyLossFn(Protocol):
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, valid: Tensor, *,
+                 layout: SeqLayout, settings: PolicyLossSettings) -> tuple[Tensor, Metrics]: ...
+
+
+POLICY_LOSS_ARGS = ("logprobs", "old_logprobs", "advantages", "valid", "layout", "settings")
+"""The keyword names a policy-loss function must accept (checked when a user's function is loaded)."""
+
+
+def _metrics(ratio: Tensor, clipped: Tensor, lower: Tensor, log_ratio: Tensor, valid: Tensor) -> Metrics:
+    return Metrics({
+        "pg_clipfrac": Mean.of(clipped.to(ratio.dtype), valid),
+        "pg_clipfrac_lower": Mean.of(lower.to(ratio.dtype), valid),
+        "ppo_kl": Mean.of(-log_ratio, valid),
+        "probs_ratio_mean": Mean.of(ratio, valid),
+        "probs_ratio_min": Min.of(ratio, valid),
+        "probs_ratio_max": Max.of(ratio, valid),
+    })
+
+
+def _no_seq_ratio(settings: PolicyLossSettings, name: str) -> None:
+    # clip_ratio_c is ignored outside vanilla (the config default sets it); GSPO's ratio is a deliberate choice.
+    if settings.seq_level_ratio:
+        raise ValueError(f"policy loss {name!r} has no sequence-ratio (GSPO) form: set seq_level_ratio=false "
+                         "or choose policy_loss=vanilla")
+
+
+def vanilla_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settings):
+    """PPO's clipped surrogate with asymmetric clip and optional dual-clip; GSPO's ratio with `seq_level_ratio`.
+
+    Per token, with ratio r and advantage A:
+        pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        and for A < 0 with dual-clip: pg = min(pg, -A clip_ratio_c)
+    r = exp(logp - old_logp) (log-ratio clamped to +-20); with `seq_level_ratio` (GSPO) r is, for every token of
+    sequence i, s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)], s_i = exp(mean over i's valid tokens of (logp - old_logp)),
+    whose value is s_i and whose gradient is s_i * grad logp_t (GSPO's objective under seq-mean-token-mean).
+    pg_clipfrac: -A clip(r) > -A r; pg_clipfrac_lower: A < 0 and the dual-clip bound.
+    """
+    log_ratio = logprobs - old_logprobs
+    if settings.seq_level_ratio:
+        seq_len_N = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
+        seq_log_ratio_N = layout.seq_sum(log_ratio.detach()) / seq_len_N
+        log_ratio = layout.broadcast(seq_log_ratio_N) + logprobs - logprobs.detach()
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
+    pg = torch.maximum(unclipped, clipped)
+    clipfrac = clipped > unclipped
+    if settings.clip_ratio_c is not None:
+        dual = -advantages * settings.clip_ratio_c
+        lower = (advantages < 0) & (pg > dual)
+        pg = torch.where(advantages < 0, torch.minimum(pg, dual), pg)
+    else:
+        lower = torch.zeros_like(valid)
+    return pg, _metrics(ratio, clipfrac, lower, logprobs - old_logprobs, valid)
+
+
+def cispo_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settings):
+    """CISPO (MiniMax-M1, arXiv 2506.13585): the clipped importance weight, detached, times A log pi.
+
+        pg = -sg[clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)] * A * logp,   r = exp(logp - old_logp)
+    gradient -clip(r) A grad logp: a token whose ratio left the range still gets a (bounded) gradient, where PPO's
+    clip would drop it. The value is not a surrogate of the return (it carries logp), only its gradient matters.
+    pg_clipfrac: r outside [1 - low, 1 + high]. The paper sets no lower bound in practice (a large clip_ratio_low).
+    """
+    _no_seq_ratio(settings, "cispo")
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    weight = ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
+    pg = -weight * advantages * logprobs
+    return pg, _metrics(ratio, weight != ratio, torch.zeros_like(valid), log_ratio, valid)
+
+
+def gmpo_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settings):
+    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): the geometric mean of token ratios per sequence.
+
+    Per token, d_t = logp_t - old_logp_t is clipped in log space, pessimistically for the sign of A_t:
+        d'_t = sgn(A_t) * min(sgn(A_t) d_t, sgn(A_t) clip(d_t, -clip_ratio_low, clip_ratio_high))
+    (A > 0: capped above at clip_ratio_high; A < 0: floored at -clip_ratio_low; A = 0: d_t itself, where verl's
+    sgn(0) = 0 gives 0; advantages are meant to be constant over a sequence). Per sequence i with c_i valid
+    tokens: R_i = exp(sum_t d'_t / c_i) (the geometric mean of the clipped ratios), A_i = mean_t A_t, and
+        loss_i = -A_i R_i,   on every token of i.
+    Under seq-mean-token-mean the mini-batch loss is mean_i loss_i, the paper's objective (verl's "geo_mean"; the
+    paper's recommended range is (e^-0.4, e^0.4), i.e. clip_ratio_low = clip_ratio_high = 0.4). pg_clipfrac: tokens
+    with d'_t != d_t; the probs_ratio metrics describe R_i per token.
+    """
+    _no_seq_ratio(settings, "gmpo")
+    log_ratio = logprobs - old_logprobs
+    bounded = log_ratio.clamp(-settings.clip_ratio_low, settings.clip_ratio_high)
+    clipped_log_ratio = torch.where(advantages > 0, torch.minimum(log_ratio, bounded),
+                                    torch.where(advantages < 0, torch.maximum(log_ratio, bounded), log_ratio))
+    seq_len_N = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
+    seq_ratio_N = torch.exp((layout.seq_sum(clipped_log_ratio) / seq_len_N).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    seq_adv_N = layout.seq_sum(advantages) / seq_len_N
+    pg = layout.broadcast(-seq_adv_N * seq_ratio_N)
+    ratio = layout.broadcast(seq_ratio_N.detach())
+    return pg, _metrics(ratio, clipped_log_ratio != log_ratio, torch.zeros_like(valid), log_ratio, valid)
+
+
+def dro_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settings):
+    """DRO, the regularised (quadratic-penalty) off-policy objective, per token:
+
+        pg = -(A logp - dro_beta / 2 * (logp - old_logp)^2),   gradient (-A + dro_beta (logp - old_logp)) grad logp
+    Source: "Offline Regularised Reinforcement Learning for LLM Alignment" (Richemond et al., arXiv 2405.19107)
+    and Kimi k1.5 (arXiv 2501.12599), as the per-token loss of Thinking Machines' Tinker `dro` loss; old_logp plays
+    the sampling distribution q. The penalty keeps the policy near the one that sampled. Departure: Tinker sums
+    tokens; here the term is aggregated by `loss.agg_mode`. No clipping (pg_clipfrac 0); ratio = exp(logp - old_logp).
+    """
+    _no_seq_ratio(settings, "dro")
+    log_ratio = logprobs - old_logprobs
+    pg = -(advantages * logprobs - 0.5 * settings.dro_beta * log_ratio.square())
+    ratio = torch.exp(log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    none = torch.zeros_like(valid)
+    return pg, _metrics(ratio, none, none, log_ratio, valid)
+
+
+POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
+    "vanilla": vanilla_policy_loss,
+    "cispo": cispo_policy_loss,
+    "gmpo": gmpo_policy_loss,
+    "dro": dro_policy_loss,
+}
+
+
+def resolve_policy_loss(name_or_spec: str, *, what: str = "algorithm.policy_loss") -> PolicyLossFn:
+    """A built-in by name (`POLICY_LOSSES`), or a user's `module:function` / `path.py:function` whose signature takes
+    `POLICY_LOSS_ARGS` by keyword. Raises ConfigError (one line) for an unknown name or a function that does not fit.
+    """
+    if name_or_spec in POLICY_LOSS_REGISTRY:
+        return POLICY_LOSS_REGISTRY[name_or_spec]
+    if ":" not in name_or_spec:
+        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(POLICY_LOSSES)}) "
+                          "nor of the form module:function or path/to/file.py:function")
+    fn = load_callable(name_or_spec, what=what)
+    check_signature(fn, spec=name_or_spec, what=what, required=POLICY_LOSS_ARGS)
+    return fn
+

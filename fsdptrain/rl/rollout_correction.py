@@ -1,0 +1,83 @@
+"""Off-policy correction: importance weights from the policy that sampled (behaviour) to the one trained (old).
+
+When rollouts come from another engine or an older policy, the old log-probs (recomputed by the trainer's forward)
+and the behaviour log-probs (reported by the sampler) differ. The PPO ratio is taken against the old policy; these
+weights correct for the sampler's drift and multiply the per-token policy-gradient loss (`policy_loss(...,
+rollout_is_weights=)`). They are detached: no gradient flows through them.
+
+Legend: `_N` one value per sequence; unsuffixed tensors are per token, padded `[B, T]` or packed `[T]`/`[1, T]` with
+`cu_seqlens`. Departures from verl's rollout correction: one upper cap, no lower threshold; a weight of 0 (MIS)
+keeps its token in the loss's normalizers (verl's rejection sampling removes it from the mask instead).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fsdptrain.rl.aggregate import SeqLayout, masked
+from fsdptrain.rl.metrics import Max, Mean, Metrics
+from fsdptrain.rl.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+def rollout_correction_weights(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    mode: str,
+    level: str,
+    cap: float,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Detached importance weights w (0 at invalid positions) and their metrics.
+
+    Token level: log w_t = old_logp_t - behaviour_logp_t. Sequence level: every valid token of sequence i has
+    log w_i = sum over i's valid tokens of (old_logp - behaviour_logp), the log of the product of its token ratios.
+    With cap C:
+        tis (truncated IS): w' = min(w, C);      mis (masked IS): w' = w if w <= C else 0.
+    Decisions are taken in log space (log w > log C), so a ratio too large for exp is still capped exactly; the
+    weights themselves use exp of the log-ratio clamped to +-20.
+
+    Metrics (token level: token-weighted over valid tokens; sequence level: sequence-weighted over sequences with a
+    valid token), all exact under any split over ranks and micro-batches:
+        rollout_is_mean (MEAN), rollout_is_max (MAX): the weights w' applied;
+        rollout_is_ratio_max (MAX): the raw w before the cap;
+        rollout_is_capped_frac (MEAN): share with w > C (truncated by tis, zeroed by mis).
+    """
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(
+            f"unknown rollout correction mode {mode!r}; choose one of {', '.join(ROLLOUT_CORRECTION_MODES)}"
+        )
+    if level not in ROLLOUT_CORRECTION_LEVELS:
+        raise ValueError(
+            f"unknown rollout correction level {level!r}; choose one of {', '.join(ROLLOUT_CORRECTION_LEVELS)}"
+        )
+    if not cap > 0:
+        raise ValueError(f"the rollout correction cap must be > 0, got {cap}")
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        log_w = masked(old_logprobs.detach(), valid) - masked(behaviour_logprobs.detach(), valid)
+        if level == "sequence":
+            log_w = layout.seq_sum(log_w)  # [n]
+            unit_valid = layout.seq_sum(valid.to(torch.int64)) > 0
+        else:
+            unit_valid = valid
+        over = log_w > math.log(cap)
+        w = torch.exp(log_w.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        capped = torch.full_like(w, cap) if mode == "tis" else torch.zeros_like(w)
+        applied = torch.where(over, capped, w)
+        metrics = Metrics({
+            "rollout_is_mean": Mean.of(applied, unit_valid),
+            "rollout_is_max": Max.of(applied, unit_valid),
+            "rollout_is_ratio_max": Max.of(w, unit_valid),
+            "rollout_is_capped_frac": Mean.of(over.to(w.dtype), unit_valid),
+        })
+        if level == "sequence":
+            applied = layout.broadcast(applied)
+        return masked(applied, valid), metrics

@@ -1,0 +1,134 @@
+"""Off-policy correction weights (TIS/MIS, token/sequence) and DAPO's dynamic-sampling filter, by hand."""
+
+import math
+
+import pytest
+import torch
+
+from fsdptrain.rl.dynamic_sampling import groups_with_signal
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.rollout_correction import rollout_correction_weights
+from fsdptrain.rl.metrics import Kind, finalize, merge
+
+F64 = torch.float64
+LN2 = math.log(2.0)
+
+# token log-ratios old - behaviour = [0, ln 2, ln 4, -ln 2] -> w = [1, 2, 4, 0.5]; a fifth, masked token is NaN
+OLD = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0]], dtype=F64)
+BEHAVIOUR = torch.tensor([[-1.0, -1.0 - LN2, -1.0 - 2 * LN2, -1.0 + LN2, math.nan]], dtype=F64)
+MASK = torch.tensor([[1, 1, 1, 1, 0]])
+
+
+@pytest.mark.parametrize("mode, weights, mean, max_", [
+    ("tis", [1.0, 2.0, 3.0, 0.5, 0.0], 6.5 / 4, 3.0),   # min(w, 3)
+    ("mis", [1.0, 2.0, 0.0, 0.5, 0.0], 3.5 / 4, 2.0),   # w if w <= 3 else 0
+])
+def test_token_level_by_hand(mode, weights, mean, max_):
+    w, metrics = rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode=mode, level="token", cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([weights], dtype=F64), rtol=0, atol=1e-12)
+    out = finalize(metrics)
+    assert out["rollout_is_mean"] == pytest.approx(mean, abs=1e-12)
+    assert out["rollout_is_max"] == pytest.approx(max_, abs=1e-12)
+    assert out["rollout_is_ratio_max"] == pytest.approx(4.0, abs=1e-12)
+    assert out["rollout_is_capped_frac"] == 0.25
+    assert [metrics[k].kind for k in metrics] == [Kind.MEAN, Kind.MAX, Kind.MAX, Kind.MEAN]
+    assert not w.requires_grad
+
+
+def test_token_metrics_merge_exactly_over_a_split():
+    whole = finalize(rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="tis", level="token", cap=3.0)[1])
+    a = rollout_correction_weights(OLD[:, :1], BEHAVIOUR[:, :1], MASK[:, :1], mode="tis", level="token", cap=3.0)[1]
+    b = rollout_correction_weights(OLD[:, 1:], BEHAVIOUR[:, 1:], MASK[:, 1:], mode="tis", level="token", cap=3.0)[1]
+    assert finalize(merge(a, b)) == whole
+
+
+# sequence level, padded [3, 3]: seq 0 log-ratios [ln 2, ln 2, masked] -> w = 4; seq 1 [-ln 2, 0, 0] -> 0.5;
+# seq 2 fully masked (not in the metrics)
+SEQ_OLD = torch.zeros(3, 3, dtype=F64)
+SEQ_BEHAVIOUR = torch.tensor([[-LN2, -LN2, 7.0], [LN2, 0.0, 0.0], [1.0, 1.0, 1.0]], dtype=F64)
+SEQ_MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+
+
+@pytest.mark.parametrize("mode, w0, mean", [("tis", 3.0, 3.5 / 2), ("mis", 0.0, 0.5 / 2)])
+def test_sequence_level_by_hand(mode, w0, mean):
+    w, metrics = rollout_correction_weights(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK, mode=mode, level="sequence", cap=3.0)
+    torch.testing.assert_close(w, torch.tensor([[w0, w0, 0.0], [0.5, 0.5, 0.5], [0.0, 0.0, 0.0]], dtype=F64),
+                               rtol=0, atol=1e-12)
+    out = finalize(metrics)
+    assert out["rollout_is_mean"] == pytest.approx(mean, abs=1e-12)  # sequence-weighted: 2 sequences
+    assert out["rollout_is_ratio_max"] == pytest.approx(4.0, abs=1e-12)
+    assert out["rollout_is_capped_frac"] == 0.5
+
+
+def test_sequence_level_packed_equals_padded():
+    padded, m_pad = rollout_correction_weights(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK, mode="tis", level="sequence", cap=3.0)
+    flat_b = torch.tensor([-LN2, -LN2, 7.0, LN2, 0.0, 0.0, 5.0], dtype=F64)  # seqs 0 and 1, then a padding tail
+    flat_m = torch.tensor([1, 1, 0, 1, 1, 1, 1])
+    packed, m_pack = rollout_correction_weights(torch.zeros(7, dtype=F64), flat_b, flat_m, mode="tis",
+                                                level="sequence", cap=3.0, cu_seqlens=torch.tensor([0, 3, 6]))
+    torch.testing.assert_close(packed[:6], padded[:2].reshape(-1))
+    assert packed[6] == 0.0 and finalize(m_pack) == finalize(m_pad)
+
+
+def test_a_huge_ratio_is_capped_exactly():
+    # log w = 100: exp would overflow fp32; the cap is decided in log space
+    old = torch.tensor([[0.0]])
+    w, metrics = rollout_correction_weights(old, torch.tensor([[-100.0]]), torch.ones(1, 1), mode="tis",
+                                            level="token", cap=2.0)
+    assert w.item() == 2.0 and finalize(metrics)["rollout_is_ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-6)
+    w, _ = rollout_correction_weights(old, torch.tensor([[-100.0]]), torch.ones(1, 1), mode="mis", level="token",
+                                      cap=2.0)
+    assert w.item() == 0.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="tis, mis"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="is", level="token", cap=2.0)
+    with pytest.raises(ValueError, match="token, sequence"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="tis", level="seq", cap=2.0)
+    with pytest.raises(ValueError, match="cap"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="tis", level="token", cap=0.0)
+
+
+def test_weights_multiply_the_pg_term_only():
+    # on-policy ratio 1, A = 1: vanilla pg = -1 per token, d/dlogp = -1; weights [2, 0.5] -> loss -2.5 (token-sum),
+    # grad [-2, -0.5]; the KL term (k1, logp - ref = 1 each, coef 1) is not weighted: + 2
+    old = torch.tensor([[-1.0, -1.0]], dtype=F64)
+    logp = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, torch.ones(1, 2, dtype=F64), torch.ones(1, 2), norms=LossNormalizers(2, 1),
+                          agg_mode="token-sum", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                          rollout_is_weights=torch.tensor([[2.0, 0.5]], dtype=F64),
+                          ref_logprobs=old - 1.0, kl_coef=1.0, kl_estimator="k1")
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.5 + 2.0, abs=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 + 1.0, -0.5 + 1.0]], dtype=F64))
+
+
+# groups: 5 -> [1, 1, 1] all equal, dropped; 2 -> [0, 1] kept; 9 -> [2] alone, dropped; 4 -> [3, 3] dropped
+DS_SCORES = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0, 3.0, 3.0])
+DS_GROUPS = torch.tensor([5, 5, 5, 2, 2, 9, 4, 4])
+
+
+def test_dynamic_sampling_by_hand():
+    keep, kept_ids, metrics = groups_with_signal(DS_SCORES, DS_GROUPS)
+    assert keep.tolist() == [False, False, False, True, True, False, False, False]
+    assert kept_ids.tolist() == [2]
+    out = finalize(metrics)
+    assert out["dynamic_sampling_filtered_frac"] == 0.75 and out["dynamic_sampling_kept_groups"] == 1.0
+    # exact comparison: 0.1 + 0.2 != 0.3 in floating point, so that group has signal
+    keep, _, _ = groups_with_signal(torch.tensor([0.1 + 0.2, 0.3], dtype=F64), torch.tensor([0, 0]))
+    assert keep.tolist() == [True, True]
+
+
+def test_dynamic_sampling_does_not_depend_on_order_or_world_size():
+    perm = torch.tensor([7, 3, 0, 5, 1, 6, 4, 2])
+    keep, kept_ids, metrics = groups_with_signal(DS_SCORES, DS_GROUPS)
+    keep_p, kept_p, metrics_p = groups_with_signal(DS_SCORES[perm], DS_GROUPS[perm])
+    assert keep_p.tolist() == keep[perm].tolist() and kept_p.tolist() == kept_ids.tolist()
+    assert finalize(metrics_p) == finalize(metrics)
+    # two "ranks" holding disjoint groups: the summed metrics are the whole batch's
+    rank0, rank1 = [0, 1, 2, 3, 4], [5, 6, 7]
+    parts = [groups_with_signal(DS_SCORES[r], DS_GROUPS[r]) for r in (rank0, rank1)]
+    assert torch.cat([p[0] for p in parts]).tolist() == keep.tolist()
+    assert finalize(merge(parts[0][2], parts[1][2])) == finalize(metrics)
