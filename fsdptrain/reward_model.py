@@ -40,7 +40,9 @@ HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
+)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ No activation checkpointing (it never runs backward), no gradients, eval mode, a
 Memory: `offload=True` applies FSDP2's CPUOffloadPolicy, so the sharded parameters live on the CPU and FSDP copies
 each unit to the accelerator for its forward; after a scoring phase `model.reshard()` frees the root unit (which
 never reshards after forward), and the reward model then holds no accelerator memory until the next phase.
+User-facing description: docs/reward-models.md.
 """
 
 from __future__ import annotations

@@ -7,13 +7,14 @@ all-reduces them (SUM) and hands the GLOBAL moments in, so every rank normalises
 
     none:     s' = s
     batch:    s' = (s - mean_batch) / sqrt(var_batch + eps), moments of this step's global batch
-    running:  the running (count, mean, m2) first absorbs this step's global moments (Chan et al.'s parallel merge,
+    running:  the running (count, mean, m2) first absorbs this step's global moments (the parallel-variance merge,
               exact for any split of the data), then s' = (s - mean_run) / sqrt(var_run + eps)
     then, if `clip` is set: s'' = clamp(s', -clip, clip)
 
 Both variances are unbiased (Bessel), as advantage whitening in fsdptrain/advantages.py. With fewer than 2 scores seen
 the running variance is undefined and taken as 1 (the scores are only centred); batch mode needs 2 scores per step.
 The running state is three floats (`RunningMoments.state_dict`) for the checkpoint's plain-data `extra`.
+User-facing description: docs/reward-models.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class RunningMoments:
     m2: float = 0.0
 
     def merged(self, global_moments: Tensor) -> RunningMoments:
-        """These moments merged with a batch's global (sum, sum of squares, count) (Chan et al.)."""
+        """These moments merged with a batch's global (sum, sum of squares, count): the parallel-variance merge."""
         total, total_sq, count_b = (float(x) for x in global_moments.to(torch.float64))
         if count_b <= 0:
             return self

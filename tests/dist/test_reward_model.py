@@ -1,4 +1,4 @@
-"""Sharded reward models over 2 gloo ranks == the plain transformers model in one process (workers/reward_model_checks.py).
+"""Sharded reward models over 2 gloo ranks == the plain model in one process (workers/reward_model_checks.py).
 
 One launch: each rank scores its share of the sequences (uneven: 4 and 1, so rank 1 runs an empty pack) with the
 reward model sharded over both ranks, with and without CPU offload; the all-gathered scores must equal each sequence

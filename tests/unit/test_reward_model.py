@@ -124,7 +124,8 @@ def test_a_bad_folder_is_one_config_error_naming_it(folders, tmp_path, name):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_good_folder_loads_with_its_own_tokenizer(folders, arch):
     spec = load_reward_model_spec(folders[arch])
-    assert spec.architecture == {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[arch]
+    want = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[arch]
+    assert spec.architecture == want
     assert spec.config.num_labels == 1 and not spec.uses_chat_template
     assert spec.tokenizer.get_vocab() != load_bundled_tokenizer().get_vocab()
 
