@@ -21,9 +21,9 @@ forward keeps two `[T]` log-sum-exps, and the backward recomputes each chunk's l
 
 Departures from NeMo RL's `DraftCrossEntropyLossFn` (soft CE = -sum p log_softmax(student), token-mean by the
 policy's global valid-token count): the draft loss here is aggregated with the run's `agg_loss` mode and with its OWN
-global counts (`count_draft_tokens_and_seqs`), because the draft mask is not the response mask (each response loses
-its last positions, a one-token response has none); dividing by the policy's counts would make the draft loss's
-scale depend on the response lengths. No training-time-test (multi-step unrolled) passes: one draft step.
+global counts (`count_draft_tokens_and_seqs`), because the draft mask is not the response mask (the draft
+positions of a response are P-2 .. P+R-3, one fewer when the prompt is one token, none for a 2-token sequence; with
+`on='all'` a sequence of n tokens has n-2); the policy's counts would be the wrong denominator. No training-time-test (multi-step unrolled) passes: one draft step.
 """
 
 from __future__ import annotations
