@@ -17,7 +17,7 @@ drafter's raw logits imitate the policy's raw logits, which is what an engine th
 to both models needs.
 
 Memory: `chunked_soft_cross_entropy` never holds a `[T, D]` (nor, a fortiori, `[T, V]`) tensor across chunks: the
-forward keeps two `[T]` log-sum-exps, and the backward recomputes each chunk's logits (as `loss/logprobs.py` does).
+forward keeps two `[T]` log-sum-exps, and the backward recomputes each chunk's logits (as `chunked_logprobs_entropy` does).
 
 Departures from NeMo RL's `DraftCrossEntropyLossFn` (soft CE = -sum p log_softmax(student), token-mean by the
 policy's global valid-token count): the draft loss here is aggregated with the run's `agg_loss` mode and with its OWN
