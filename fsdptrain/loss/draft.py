@@ -17,13 +17,15 @@ drafter's raw logits imitate the policy's raw logits, which is what an engine th
 to both models needs.
 
 Memory: `chunked_soft_cross_entropy` never holds a `[T, D]` (nor, a fortiori, `[T, V]`) tensor across chunks: the
-forward keeps two `[T]` log-sum-exps, and the backward recomputes each chunk's logits (as `chunked_logprobs_entropy` does).
+forward keeps two `[T]` log-sum-exps, and the backward recomputes each chunk's logits (as
+`chunked_logprobs_entropy` does).
 
 Departures from NeMo RL's `DraftCrossEntropyLossFn` (soft CE = -sum p log_softmax(student), token-mean by the
 policy's global valid-token count): the draft loss here is aggregated with the run's `agg_loss` mode and with its OWN
 global counts (`count_draft_tokens_and_seqs`), because the draft mask is not the response mask (the draft
 positions of a response are P-2 .. P+R-3, one fewer when the prompt is one token, none for a 2-token sequence; with
-`on='all'` a sequence of n tokens has n-2); the policy's counts would be the wrong denominator. No training-time-test (multi-step unrolled) passes: one draft step.
+`on='all'` a sequence of n tokens has n-2); the policy's counts would be the wrong denominator. No
+training-time-test (multi-step unrolled) passes: one draft step.
 """
 
 from __future__ import annotations

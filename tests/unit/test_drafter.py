@@ -154,8 +154,8 @@ def test_policy_gradients_are_bit_identical_with_the_draft_loss_added():
                                   seq_level_ratio=False, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.01,
                                   temperature=TEMPERATURE, chunk_size=4)
     gen = torch.Generator().manual_seed(2)
-    targets = [SeqTargets(old_logprobs=-torch.rand(len(r), generator=gen), advantages=torch.randn(len(r), generator=gen))
-               for r in RESPONSES]
+    targets = [SeqTargets(old_logprobs=-torch.rand(len(r), generator=gen),
+                          advantages=torch.randn(len(r), generator=gen)) for r in RESPONSES]
     norms = LossNormalizers(global_num_tokens=sum(map(len, RESPONSES)), global_num_seqs=len(RESPONSES))
     draft_norms = _draft_norms("response")
     pack = [1, 2, 4]
