@@ -241,7 +241,8 @@ class Eagle3Drafter(nn.Module):
         """Final (normed) hidden states `[T, H]` of one row. features_TK: the three feature layers concatenated
         `[T, 3 H_target]`; next_embeds_TH: row t holds the embedding of token t+1; position_ids `[1, T]`;
         attention_kwargs: the packed segments (`cu_seq_lens_q/k`, `max_length_q/k`) for a packed backend."""
-        fused = self.fc(features_TK)[None]
+        # the policy's features arrive in its compute dtype (bf16 under mixed precision)
+        fused = self.fc(features_TK.to(self.fc.weight.dtype))[None]
         embeds = next_embeds_TH.to(fused.dtype)[None]
         position_embeddings = self.rotary_emb(fused, position_ids)
         mlp_out, residual = self.midlayer(embeds, fused, position_embeddings, position_ids=position_ids,
