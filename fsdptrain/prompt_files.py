@@ -80,7 +80,7 @@ def _offline_datasets():
     datasets.config.HF_DATASETS_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # our ConfigError says it once
     return datasets
 
 
