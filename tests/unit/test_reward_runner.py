@@ -225,3 +225,26 @@ def test_a_missing_optional_package_names_the_extra():
 def test_runner_settings_are_checked(kwargs, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[")):
         RewardRunner(load_reward_functions(["think_format"]), **kwargs)
+
+
+def test_the_worked_example_of_the_docs(tmp_path):
+    (tmp_path / "rewards.py").write_text(
+        "def correct(prompts, completions, completion_ids, answer, kind, **kwargs):\n"
+        "    return [None if k != 'math' else float(c.strip() == str(a)) for c, a, k in zip(completions, answer, kind)]\n"
+        "\n"
+        "def brevity(prompts, completions, completion_ids, **kwargs):\n"
+        "    return [1.0 if len(ids) <= 8 else 0.0 for ids in completion_ids]\n")
+    from fsdptrain.metrics import finalize
+    from fsdptrain.rewards.reward_metrics import reward_metrics
+
+    functions = load_reward_functions([f"{tmp_path}/rewards.py:correct", f"{tmp_path}/rewards.py:brevity"],
+                                      [1.0, 0.2], columns=["answer", "kind"])
+    b = RewardBatch(prompts=["q"] * 2 + ["c"] * 2, completions=["7", "eight", "red", "blue is a primary colour of light"],
+                    completion_ids=[[1], [1], [1], [1] * 9], rows=[0, 0, 1, 1], groups=[0, 0, 1, 1],
+                    columns={"answer": [7, 7, None, None], "kind": ["math", "math", "open", "open"]})
+    with RewardRunner(functions) as runner:
+        scores = runner.score(b)
+    assert scores.total == [1.2, 0.2, 0.2, 0.0]
+    got = finalize(reward_metrics(scores, groups=b.groups))
+    assert (got["reward/correct/mean"], got["reward/brevity/mean"]) == (0.5, 0.75)
+    assert abs(got["reward/mean"] - 0.4) < 1e-12
