@@ -248,3 +248,30 @@ def test_the_worked_example_of_the_docs(tmp_path):
     got = finalize(reward_metrics(scores, groups=b.groups))
     assert (got["reward/correct/mean"], got["reward/brevity/mean"]) == (0.5, 0.75)
     assert abs(got["reward/mean"] - 0.4) < 1e-12
+
+
+def test_workers_exit_when_the_training_process_leaves_through_os_exit(user, tmp_path):
+    # The trainer leaves through os._exit (no atexit handler runs); a hung worker must not outlive it.
+    script = tmp_path / "parent.py"
+    script.write_text(  # spawn re-imports the main module: it needs the __main__ guard, as fsdptrain.worker has
+        "import os, threading, time\n"
+        "from fsdptrain.rewards.loading import load_reward_functions\n"
+        "from fsdptrain.rewards.runner import RewardBatch, RewardRunner\n"
+        "if __name__ == '__main__':\n"
+        f"    runner = RewardRunner(load_reward_functions([{user('slow_on_b')!r}]), num_workers=2)\n"
+        "    print(*runner.pool.pids, flush=True)\n"
+        "    batch = RewardBatch(['p'], ['b'], [[1]], [0], [0])\n"
+        "    threading.Thread(target=runner.score, args=(batch,), daemon=True).start()\n"
+        "    time.sleep(4)  # the call is running in a worker now\n"
+        "    os._exit(0)\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and done.stderr == "", done.stderr
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
