@@ -1,0 +1,169 @@
+"""Read a prompt dataset from local files with the ``datasets`` library: never a download, one line per mistake.
+
+A source is one path or a list of paths. A path is a ``.jsonl``, ``.json``, ``.parquet`` or ``.csv`` file, or a folder
+written by ``Dataset.save_to_disk``. Anything that is not an existing local path (a hub name such as
+``openai/gsm8k``, or anything with a scheme such as ``http://`` or ``hf://``) is a :class:`ConfigError`: the loader
+runs with ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` and only ever hands ``datasets`` local file names.
+
+Each file is checked before ``datasets`` sees it (empty, binary, not UTF-8, malformed JSON line, not Parquet), so the
+error names the file and the line instead of surfacing as a pyarrow traceback; a failure ``datasets`` still finds
+afterwards is wrapped into one line naming the file. Lines in these messages are 1-based, as editors number them.
+Files are read one by one (so each error names its file), held in memory, and ``datasets``' cache goes to a temporary
+folder that is removed afterwards: nothing is written under the user's home.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from fsdptrain.config import ConfigError
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+@dataclass(frozen=True)
+class TablePart:
+    """One file (or saved folder) of a source, read into memory: ``label`` names it in errors."""
+
+    label: str
+    table: object  # a datasets.Dataset
+
+
+def read_table(source: str | Sequence[str], *, what: str) -> list[TablePart]:
+    """The parts of ``source`` in order, each an in-memory ``datasets.Dataset`` with at least one row.
+
+    ``what`` names the config field in errors (e.g. ``data.path``). Raises ConfigError (one line) for a URL or hub
+    name, a missing path, an unknown extension, an empty, binary or non-UTF-8 file, a malformed JSON line, a file
+    that is not Parquet, or a folder that is not a saved ``Dataset``.
+    """
+    paths = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if not paths:
+        raise ConfigError(f"{what}: an empty list of files")
+    checked = [_local_path(str(p), what=what) for p in paths]
+    datasets = _offline_datasets()
+    parts = []
+    with tempfile.TemporaryDirectory(prefix="fsdptrain-datasets-") as cache_dir:
+        for path in checked:
+            table = _read_folder(path, datasets, what) if path.is_dir() else _read_file(path, datasets, cache_dir)
+            if len(table) == 0:
+                raise ConfigError(f"{path}: no rows")
+            parts.append(TablePart(str(path), table))
+    return parts
+
+
+def _local_path(text: str, *, what: str) -> Path:
+    if _SCHEME.match(text):
+        raise ConfigError(f"{what}={text!r}: only local files are read (no URLs, no hub datasets); "
+                          f"download it yourself and pass the local path")
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{what}={text!r}: no such file or folder (hub dataset names are not downloaded; "
+                          f"pass a local .jsonl, .json, .parquet or .csv file, or a save_to_disk folder)")
+    if path.is_file() and path.suffix.lower() not in FORMATS:
+        raise ConfigError(f"{what}={text!r}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
+    return path
+
+
+def _offline_datasets():
+    # Set before (and after) import: datasets reads these at import, huggingface_hub at each call.
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+
+    datasets.config.HF_DATASETS_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # our ConfigError says it once
+    return datasets
+
+
+def _read_folder(path: Path, datasets, what: str):
+    try:
+        table = datasets.load_from_disk(str(path), keep_in_memory=True)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise ConfigError(f"{what}={str(path)!r}: not a folder written by Dataset.save_to_disk "
+                          f"({_first_line(err)})") from None
+    if isinstance(table, datasets.DatasetDict):
+        raise ConfigError(f"{path}: a DatasetDict with splits {sorted(table)}; pass one split's folder, "
+                          f"e.g. {path / sorted(table)[0]}")
+    return table
+
+
+def _read_file(path: Path, datasets, cache_dir: str):
+    builder = FORMATS[path.suffix.lower()]
+    if builder == "parquet":
+        _check_parquet(path)
+    else:
+        _check_text(path, is_json=builder == "json")
+    try:
+        return datasets.load_dataset(builder, data_files=[str(path)], split="train", keep_in_memory=True,
+                                     cache_dir=cache_dir)
+    except Exception as err:  # datasets wraps pyarrow's errors in its own; surface the root cause in one line
+        raise ConfigError(f"{path}: cannot read as a {builder} table: {_root_cause(err)}") from None
+
+
+def _check_parquet(path: Path) -> None:
+    with path.open("rb") as handle:
+        head = handle.read(4)
+        handle.seek(max(path.stat().st_size - 4, 0))
+        tail = handle.read(4)
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{path}: empty file")
+    if head != b"PAR1" or tail != b"PAR1":
+        raise ConfigError(f"{path}: not a Parquet file (no PAR1 magic bytes)")
+
+
+def _check_text(path: Path, *, is_json: bool) -> None:
+    data = path.read_bytes()
+    if not data.strip():
+        raise ConfigError(f"{path}: empty file")
+    if b"\x00" in data:
+        line = data[:data.index(b"\x00")].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: binary data (a NUL byte); expected UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
+    if is_json:
+        _check_json(path, text)
+
+
+def _check_json(path: Path, text: str) -> None:
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: line {err.lineno}: invalid JSON ({err.msg})") from None
+        if not rows:
+            raise ConfigError(f"{path}: empty JSON array")
+        if not all(isinstance(r, dict) for r in rows):
+            raise ConfigError(f"{path}: expected a JSON array of objects (one per row)")
+        return
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: line {line_no}: invalid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}: line {line_no}: expected a JSON object, got {type(row).__name__}")
+
+
+def _root_cause(err: BaseException) -> str:
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    return f"{type(err).__name__}: {_first_line(err)}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

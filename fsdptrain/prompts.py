@@ -1,0 +1,175 @@
+"""Prompt datasets: rows read from local files, rendered to text, filtered by length, split, visited in seeded order.
+
+A row is a :class:`PromptRow`: its 0-based index over the whole source (files in the order given), the prompt text
+given to the tokenizer, and every other column of the row, which travels with it to the reward functions. The prompt
+column holds a string (used as is) or a chat: a list of ``{"role": ..., "content": ...}`` messages, rendered with the
+tokenizer's chat template and the generation prompt appended. Row numbers in errors are 0-based positions within the
+named file (what ``Dataset[i]`` returns), and the message says so.
+
+Departures from TRL: no on-the-fly "conversational" detection per batch (a row is a chat or a string, decided at
+load), and prompts longer than ``max_prompt_length`` are dropped (or an error), never truncated from the left.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+from fsdptrain.config import ConfigError
+from fsdptrain.prompt_files import read_table
+
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+"""Keyword arguments every reward function receives; a dataset column with one of these names would clash."""
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt: ``index`` is its 0-based row over the whole source, ``columns`` every other column's value."""
+
+    index: int
+    text: str
+    columns: dict
+    is_chat: bool = False
+
+
+def load_prompts(source: str | Sequence[str], *, tokenizer, prompt_key: str = "prompt",
+                 what: str = "data.path") -> list[PromptRow]:
+    """Every row of ``source`` (see :mod:`fsdptrain.prompt_files`) as a :class:`PromptRow`, in file order.
+
+    Raises ConfigError naming the file, the 0-based row and the column for: a missing prompt column, a column named
+    like a reward argument, a prompt that is neither a non-empty string nor a chat, or a chat when the tokenizer has
+    no chat template.
+    """
+    rows: list[PromptRow] = []
+    for part in read_table(source, what=what):
+        names = list(part.table.column_names)
+        if prompt_key not in names:
+            raise ConfigError(f"{part.label}: no column {prompt_key!r} (data.prompt_key); columns are {names}")
+        clash = [c for c in names if c in RESERVED_COLUMNS]
+        if clash:
+            raise ConfigError(f"{part.label}: column {clash[0]!r} clashes with the reward function argument of "
+                              f"that name; rename it")
+        for local, record in enumerate(part.table):
+            where = f"{part.label}: row {local} (0-based), column {prompt_key!r}"
+            text, is_chat = render_prompt(record[prompt_key], tokenizer=tokenizer, where=where)
+            columns = {k: v for k, v in record.items() if k != prompt_key}
+            rows.append(PromptRow(index=len(rows), text=text, columns=columns, is_chat=is_chat))
+    return rows
+
+
+def render_prompt(value, *, tokenizer, where: str) -> tuple[str, bool]:
+    """``(text, is_chat)`` for one prompt cell: a string as is, a chat through the tokenizer's chat template."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{where}: empty prompt")
+        return value, False
+    if isinstance(value, list) and value and all(_is_message(m) for m in value):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError(f"{where}: the prompt is a chat but the tokenizer has no chat template; give plain "
+                              f"string prompts or a tokenizer with a chat_template")
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+    raise ConfigError(f"{where}: expected a string or a chat (a non-empty list of {{role, content}} messages with "
+                      f"string values), got {_describe(value)}")
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def prompt_token_ids(tokenizer, row: PromptRow) -> list[int]:
+    """The ids generation starts from: special tokens added for a plain prompt, none for a rendered chat (its template
+    already wrote them)."""
+    return list(tokenizer(row.text, add_special_tokens=not row.is_chat)["input_ids"])
+
+
+def drop_long_prompts(rows: Sequence[PromptRow], *, tokenizer, max_prompt_length: int | None,
+                      long_prompts: str = "skip", label: str = "data.path") -> tuple[list[PromptRow], int]:
+    """The rows of at most ``max_prompt_length`` tokens (:func:`prompt_token_ids`) and how many were dropped.
+
+    ``long_prompts='error'`` raises ConfigError naming the first long row instead. ``None`` keeps every row.
+    A source whose rows are all too long is an error either way.
+    """
+    if long_prompts not in ("skip", "error"):
+        raise ConfigError(f"data.long_prompts={long_prompts!r} is not a valid choice; choose one of: skip, error")
+    if max_prompt_length is None:
+        return list(rows), 0
+    kept = []
+    for row in rows:
+        length = len(prompt_token_ids(tokenizer, row))
+        if length <= max_prompt_length:
+            kept.append(row)
+        elif long_prompts == "error":
+            raise ConfigError(f"{label}: row {row.index} (0-based, over all files) has {length} prompt tokens, more "
+                              f"than data.max_prompt_length={max_prompt_length} (or set data.long_prompts=skip)")
+    if not kept:
+        raise ConfigError(f"{label}: every prompt is longer than data.max_prompt_length={max_prompt_length}")
+    return kept, len(rows) - len(kept)
+
+
+def hold_out_eval(rows: Sequence[PromptRow], *, eval_size: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """``(train, eval)``: ``eval_size`` rows drawn with ``seed`` and never trained on; both keep file order.
+
+    The draw depends only on the number of rows, ``eval_size`` and ``seed``. Hold out before filtering by length,
+    so the split does not move when ``max_prompt_length`` changes.
+    """
+    if eval_size < 0 or eval_size >= len(rows):
+        raise ConfigError(f"data.eval_size={eval_size} must be in [0, {len(rows)}) for a dataset of {len(rows)} rows "
+                          f"(at least one row must remain to train on)")
+    held = set(random.Random(f"eval:{seed}").sample(range(len(rows)), eval_size))
+    train = [r for i, r in enumerate(rows) if i not in held]
+    evals = [r for i, r in enumerate(rows) if i in held]
+    return train, evals
+
+
+class EpochOrder:
+    """The training rows visited in a seeded shuffled order, a new permutation per epoch, across step boundaries.
+
+    Epoch ``e`` visits ``permutation(e)`` of ``range(num_rows)``, derived from ``(seed, e)`` only. The state is
+    ``(epoch, position)``: two integers, saved with :meth:`state_dict` and restored with :meth:`load_state_dict`, so
+    a resumed run takes exactly the rows an uninterrupted one would. The order is global (the same on every rank and
+    for any world size); which rank owns which of a step's rows is the caller's business.
+    """
+
+    def __init__(self, num_rows: int, *, seed: int):
+        if num_rows < 1:
+            raise ConfigError(f"no training prompts left (num_rows={num_rows})")
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.position = 0, 0
+        self._perm = self.permutation(0)
+
+    def permutation(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s visiting order: a pure function of (seed, epoch, num_rows)."""
+        order = list(range(self.num_rows))
+        random.Random(f"epoch:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def take(self, count: int) -> list[int]:
+        """The next ``count`` row positions (into the training rows), crossing into the next epoch(s) as needed."""
+        out = []
+        while len(out) < count:
+            if self.position == self.num_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._perm = self.permutation(self.epoch)
+            step = min(count - len(out), self.num_rows - self.position)
+            out.extend(self._perm[self.position:self.position + step])
+            self.position += step
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a saved position; a different seed or number of rows means another dataset: ConfigError."""
+        if state["seed"] != self.seed or state["num_rows"] != self.num_rows:
+            raise ConfigError(f"the checkpoint's prompt order was for {state['num_rows']} rows with seed "
+                              f"{state['seed']}, this run has {self.num_rows} rows with seed {self.seed}: the "
+                              f"dataset or data.seed changed since the checkpoint")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._perm = self.permutation(self.epoch)

@@ -1,0 +1,277 @@
+"""Reward functions: loading by name, the weighted total with None, every run-time failure as one RewardError, and
+worker processes that time out, get replaced and leave nothing behind."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from fsdptrain.config import ConfigError
+from fsdptrain.rewards.loading import load_reward_functions, require_module
+from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardRunner
+
+USER_FILE = '''
+import time
+
+def length(prompts, completions, completion_ids, **kwargs):
+    return [float(len(c)) for c in completions]
+
+def only_even(prompts, completions, completion_ids, parity, **kwargs):
+    return [1.0 if p == "even" else None for p in parity]
+
+def boom(prompts, completions, completion_ids, **kwargs):
+    return helper(completions)
+
+def helper(completions):
+    raise ValueError("no luck with " + completions[0])
+
+def short(prompts, completions, completion_ids, **kwargs):
+    return [1.0]
+
+def scalar(prompts, completions, completion_ids, **kwargs):
+    return 1.0
+
+def text(prompts, completions, completion_ids, **kwargs):
+    return ["high"] * len(completions)
+
+def nan(prompts, completions, completion_ids, **kwargs):
+    return [float("nan")] * len(completions)
+
+def flags(prompts, completions, completion_ids, **kwargs):
+    return [c == "bb" for c in completions]
+
+def slow_on_b(prompts, completions, completion_ids, **kwargs):
+    if completions[0].startswith("b"):
+        time.sleep(60)
+    return [2.0] * len(completions)
+
+def pid(prompts, completions, completion_ids, **kwargs):
+    import os
+    return [float(os.getpid())] * len(completions)
+
+def exits(prompts, completions, completion_ids, **kwargs):
+    import os
+    os._exit(3)
+'''
+
+
+@pytest.fixture
+def user(tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(USER_FILE)
+    return lambda name: f"{path}:{name}"
+
+
+def batch():
+    # two prompt groups (rows 10 and 11), two samples each
+    return RewardBatch(prompts=["p0", "p0", "p1", "p1"], completions=["a", "aaa", "bb", "b"],
+                       completion_ids=[[1], [1, 1, 1], [2, 2], [2]], rows=[10, 10, 11, 11], groups=[0, 0, 1, 1],
+                       columns={"parity": ["even", "even", "odd", "odd"]})
+
+
+def test_weighted_total_leaves_none_out_and_counts_samples_without_reward(user):
+    functions = load_reward_functions([user("length"), user("only_even")], [0.5, 2.0], columns=["parity"])
+    with RewardRunner(functions) as runner:
+        scores = runner.score(batch())
+    assert scores.raw == {"length": [1.0, 3.0, 2.0, 1.0], "only_even": [1.0, 1.0, None, None]}
+    assert scores.total == [0.5 * 1 + 2.0, 0.5 * 3 + 2.0, 0.5 * 2, 0.5 * 1]
+    assert scores.num_no_reward == 0 and scores.num_timed_out == {"length": 0, "only_even": 0}
+    with RewardRunner(load_reward_functions([user("only_even")])) as runner:
+        scores = runner.score(batch())
+    assert scores.total == [1.0, 1.0, 0.0, 0.0] and scores.num_no_reward == 2
+
+
+def test_bools_count_as_one_and_zero(user):
+    with RewardRunner(load_reward_functions([user("flags")])) as runner:
+        assert runner.score(batch()).total == [0.0, 0.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("boom", "reward function 'boom' on row 10 (0-based): raised ValueError: no luck with a (the call covered 4 "
+             "samples)"),
+    ("short", "reward function 'short' on row 10 (0-based): returned 1 values for 4 samples"),
+    ("scalar", "reward function 'scalar' on row 10 (0-based): returned a float, not a list with one value per sample "
+                "(the call covered 4 samples)"),
+    ("text", "reward function 'text' on row 10 (0-based): returned str 'high', not a number or None"),
+    ("nan", "reward function 'nan' on row 10 (0-based): returned nan, not a finite number"),
+])
+def test_each_runtime_failure_is_one_reward_error(user, name, message):
+    with RewardRunner(load_reward_functions([user(name)])) as runner:
+        with pytest.raises(RewardError) as err:
+            runner.score(batch())
+    assert str(err.value) == message
+
+
+def test_the_error_carries_the_users_traceback_not_ours(user):
+    with RewardRunner(load_reward_functions([user("boom")])) as runner:
+        with pytest.raises(RewardError) as err:
+            runner.score(batch())
+    tb = err.value.user_traceback
+    assert "in boom" in tb and "in helper" in tb and "ValueError: no luck with a" in tb
+    assert "runner.py" not in tb and "pool.py" not in tb
+
+
+def test_errors_name_the_samples_row_in_workers_too(user):
+    with RewardRunner(load_reward_functions([user("boom")]), num_workers=1) as runner:
+        with pytest.raises(RewardError) as err:
+            runner.score(batch())
+    assert str(err.value) == ("reward function 'boom' on row 10 (0-based): raised ValueError: no luck with a "
+                              "(the call covered 2 samples)")
+    assert "in helper" in err.value.user_traceback and "pool.py" not in err.value.user_traceback
+
+
+def test_workers_give_the_in_process_scores(user):
+    functions = load_reward_functions([user("length"), user("only_even"), "word_match"], [0.5, 2.0, 1.0],
+                                      columns=["parity", "answer"])
+    b = batch()
+    b = RewardBatch(b.prompts, b.completions, b.completion_ids, b.rows, b.groups,
+                    {**b.columns, "answer": ["a", "a a a", "b", "b b"]})
+    with RewardRunner(functions) as here, RewardRunner(functions, num_workers=2) as pooled:
+        assert pooled.score(b) == here.score(b)
+
+
+def test_a_call_past_the_timeout_scores_timeout_score_and_its_worker_is_replaced(user):
+    functions = load_reward_functions([user("slow_on_b"), user("pid")])
+    with RewardRunner(functions, num_workers=1, timeout_s=1.0, timeout_score=-1.0) as runner:
+        before = runner.pool.pids
+        start = time.monotonic()
+        scores = runner.score(batch())
+        assert time.monotonic() - start < 20
+        after = runner.pool.pids
+    assert scores.raw["slow_on_b"] == [2.0, 2.0, -1.0, -1.0]  # group 1's call timed out
+    assert scores.num_timed_out == {"slow_on_b": 2, "pid": 0}
+    assert before != after and not _alive(before[0])  # killed, not abandoned
+    assert scores.raw["pid"][0] == float(after[0])  # the replacement ran the next calls
+
+
+def test_a_worker_that_dies_is_an_error_and_the_pool_closes(user):
+    runner = RewardRunner(load_reward_functions([user("exits")]), num_workers=1)
+    pids = runner.pool.pids
+    with pytest.raises(RewardError, match=r"'exits' on row 10 \(0-based\): the reward worker process died "
+                                          r"\(exit code 3\) \(the call covered 2 samples\)"):
+        runner.score(batch())
+    runner.close()
+    assert not any(_alive(p) for p in pids + runner.pool.pids)
+
+
+def test_close_and_interrupts_leave_no_worker_behind(user):
+    runner = RewardRunner(load_reward_functions([user("length")]), num_workers=3)
+    pids = runner.pool.pids
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    runner.close()
+    runner.close()  # idempotent
+    assert not any(_alive(p) for p in pids) and runner.pool.pids == []
+
+    runner = RewardRunner(load_reward_functions([user("slow_on_b")]), num_workers=2)
+    pids = runner.pool.pids
+    ctrl_c = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C while a call hangs
+    ctrl_c.start()
+    with pytest.raises(KeyboardInterrupt):
+        runner.score(batch())
+    ctrl_c.join()
+    assert not any(_alive(p) for p in pids) and runner.pool.pids == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("specs, weights, columns, fragment", [
+    ([], None, None, "reward.functions is empty"),
+    (["exact_match"], [1.0, 2.0], None, "reward.weights has 2 entries for 1 reward.functions"),
+    (["exact_match"], [float("inf")], None, "reward.weights: inf is not a finite number"),
+    (["no_such_builtin"], None, None, "is not of the form module:function"),
+    (["{dir}/missing.py:f"], None, None, "file '{dir}/missing.py' not found"),
+    (["{user}:nope"], None, None, "has no attribute 'nope'"),
+    (["{user}:helper"], None, None, "must accept (prompts, completions, completion_ids, **kwargs)"),
+    (["{user}:only_even"], None, ["answer"], "needs a column 'parity' that the dataset does not have (columns: "
+                                            "['answer'])"),
+    (["exact_match"], None, ["parity"], "'exact_match' needs a column 'answer'"),
+    (["{user}:length", "{dir}/other/user_rewards.py:length"], None, None, "two functions are named 'length'"),
+])
+def test_each_bad_configuration_is_one_config_error(tmp_path, user, specs, weights, columns, fragment):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "user_rewards.py").write_text(USER_FILE)
+    user_file = user("x").rpartition(":")[0]
+    specs = [s.format(dir=tmp_path, user=user_file) for s in specs]
+    with pytest.raises(ConfigError) as err:
+        load_reward_functions(specs, weights, columns=columns)
+    assert fragment.format(dir=tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_optional_package_names_the_extra():
+    require_module("math_verify", extra="fsdptrain[math]", what="x")  # installed here
+    with pytest.raises(ConfigError, match=r"^reward.functions: 'math' needs the no_such_pkg_xyz package: "
+                                          r"pip install fsdptrain\[math\]$"):
+        require_module("no_such_pkg_xyz", extra="fsdptrain[math]", what="reward.functions: 'math'")
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(num_workers=-1), "reward.num_workers=-1 must be >= 0"),
+    (dict(timeout_s=0), "reward.timeout_s=0 must be > 0"),
+    (dict(timeout_s=5), "reward.timeout_s needs reward.num_workers >= 1"),
+    (dict(num_workers=1, timeout_score=float("nan")), "reward.timeout_score=nan must be a finite number"),
+])
+def test_runner_settings_are_checked(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[")):
+        RewardRunner(load_reward_functions(["think_format"]), **kwargs)
+
+
+def test_the_worked_example_of_the_docs(tmp_path):
+    (tmp_path / "rewards.py").write_text(
+        "def correct(prompts, completions, completion_ids, answer, kind, **kwargs):\n"
+        "    return [None if k != 'math' else float(c.strip() == str(a)) for c, a, k in zip(completions, answer, kind)]\n"
+        "\n"
+        "def brevity(prompts, completions, completion_ids, **kwargs):\n"
+        "    return [1.0 if len(ids) <= 8 else 0.0 for ids in completion_ids]\n")
+    from fsdptrain.metrics import finalize
+    from fsdptrain.rewards.reward_metrics import reward_metrics
+
+    functions = load_reward_functions([f"{tmp_path}/rewards.py:correct", f"{tmp_path}/rewards.py:brevity"],
+                                      [1.0, 0.2], columns=["answer", "kind"])
+    b = RewardBatch(prompts=["q"] * 2 + ["c"] * 2, completions=["7", "eight", "red", "blue is a primary colour of light"],
+                    completion_ids=[[1], [1], [1], [1] * 9], rows=[0, 0, 1, 1], groups=[0, 0, 1, 1],
+                    columns={"answer": [7, 7, None, None], "kind": ["math", "math", "open", "open"]})
+    with RewardRunner(functions) as runner:
+        scores = runner.score(b)
+    assert scores.total == [1.2, 0.2, 0.2, 0.0]
+    got = finalize(reward_metrics(scores, groups=b.groups))
+    assert (got["reward/correct/mean"], got["reward/brevity/mean"]) == (0.5, 0.75)
+    assert abs(got["reward/mean"] - 0.4) < 1e-12
+
+
+def test_workers_exit_when_the_training_process_leaves_through_os_exit(user, tmp_path):
+    # The trainer leaves through os._exit (no atexit handler runs); a hung worker must not outlive it.
+    script = tmp_path / "parent.py"
+    script.write_text(  # spawn re-imports the main module: it needs the __main__ guard, as fsdptrain.worker has
+        "import os, threading, time\n"
+        "from fsdptrain.rewards.loading import load_reward_functions\n"
+        "from fsdptrain.rewards.runner import RewardBatch, RewardRunner\n"
+        "if __name__ == '__main__':\n"
+        f"    runner = RewardRunner(load_reward_functions([{user('slow_on_b')!r}]), num_workers=2)\n"
+        "    print(*runner.pool.pids, flush=True)\n"
+        "    batch = RewardBatch(['p'], ['b'], [[1]], [0], [0])\n"
+        "    threading.Thread(target=runner.score, args=(batch,), daemon=True).start()\n"
+        "    time.sleep(4)  # the call is running in a worker now\n"
+        "    os._exit(0)\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and done.stderr == "", done.stderr
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
