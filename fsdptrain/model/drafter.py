@@ -22,7 +22,7 @@ policy's sizes and RoPE parameters, also for a Qwen2 policy (sliding windows and
 engines' EAGLE-3 heads are Llama heads for every target; no training-time-test unrolling (one draft step).
 
 The attention runs through transformers' AttentionInterface with the drafter's `config._attn_implementation`, so the
-packed backends of `fsdptrain.attention` serve it over the same segments as the policy: no position sees another
+packed backends of `fsdptrain.model.attention` serve it over the same segments as the policy: no position sees another
 sequence of the pack. This module never imports a loss.
 """
 
@@ -42,9 +42,9 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from fsdptrain.attention import packed_model_inputs
-from fsdptrain.models import decoder_layers
-from fsdptrain.packing import PackedBatch
+from fsdptrain.model.attention import packed_model_inputs
+from fsdptrain.distributed.fsdp import decoder_layers
+from fsdptrain.data.packing import PackedBatch
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 """The architecture name both engines map to their EAGLE-3 Llama head (vLLM also accepts Eagle3LlamaForCausalLM)."""
@@ -293,7 +293,7 @@ def _first_tensor(args, kwargs) -> Tensor:
 
 def capture_policy_features(model: nn.Module, packed: PackedBatch, *, feature_layers: Sequence[int]) -> PolicyFeatures:
     """One forward of the ROOT policy model over the packed row, capturing by hooks (they only read and detach, so
-    the policy's graph, and hence its gradients, are those of `fsdptrain.loss.packed._final_hidden_states`)."""
+    the policy's graph, and hence its gradients, are those of `fsdptrain.train.packed_loss._final_hidden_states`)."""
     captured: dict = {}
     layers = decoder_layers(model)
     handles = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdptrain.tokenizer import load_bundled_tokenizer
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from tests.dist.launch import launch
 from tests.reward_models import save_policy_shaped_reward_model, save_reward_model
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fsdptrain.attention import call_counts, reset_call_counts, set_attention
-from fsdptrain.drafter import (
+from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
+from fsdptrain.model.drafter import (
     ARCHITECTURE,
     DraftVocab,
     Eagle3Drafter,
@@ -25,8 +25,9 @@ from fsdptrain.drafter import (
     save_draft_vocab,
     teacher_head_rows,
 )
-from fsdptrain.loss import AGG_MODES, LossNormalizers
-from fsdptrain.loss.draft import (
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.rl.draft_loss import (
     count_draft_tokens_and_seqs,
     draft_loss,
     draft_mask,
@@ -34,11 +35,11 @@ from fsdptrain.loss.draft import (
     packed_draft_mask,
     per_sequence_draft_loss,
 )
-from fsdptrain.loss.logprobs import chunked_logprobs_entropy
-from fsdptrain.loss.packed import PolicyLossSettings, SeqTargets, packed_policy_loss, scatter_responses
-from fsdptrain.loss.policy import policy_loss
-from fsdptrain.metrics import finalize, merge_all
-from fsdptrain.packing import pack_sequences
+from fsdptrain.rl.logprobs import chunked_logprobs_entropy
+from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss, scatter_responses
+from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.data.packing import pack_sequences
 
 VOCAB = 32
 # the fourth and sixth sequences are shorter than the shift (lengths 2 and 1), the fifth has a one-token response

@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsdptrain.prompts import load_prompts, prompt_token_ids
+from fsdptrain.data.prompts import load_prompts, prompt_token_ids
 from fsdptrain.rewards import exact_match, word_match
-from fsdptrain.tokenizer import load_bundled_tokenizer
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic"
 

@@ -5,11 +5,11 @@ import random
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.prompt_tasks import DIGIT_TASKS, digit_task_rows, write_jsonl
-from fsdptrain.prompts import load_prompts
+from fsdptrain.data.prompt_tasks import DIGIT_TASKS, digit_task_rows, write_jsonl
+from fsdptrain.data.prompts import load_prompts
 from fsdptrain.rewards import word_match
-from fsdptrain.tasks import TASKS, answer_from_prompt, reward
-from fsdptrain.tokenizer import WORDS, load_bundled_tokenizer
+from fsdptrain.data.tasks import TASKS, answer_from_prompt, reward
+from fsdptrain.data.tokenizer import WORDS, load_bundled_tokenizer
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

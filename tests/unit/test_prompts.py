@@ -5,8 +5,8 @@ import json
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.prompts import EpochOrder, drop_long_prompts, hold_out_eval, load_prompts, prompt_token_ids
-from fsdptrain.tokenizer import load_bundled_tokenizer
+from fsdptrain.data.prompts import EpochOrder, drop_long_prompts, hold_out_eval, load_prompts, prompt_token_ids
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
 ROWS = [
     {"prompt": "3 + 4 =", "answer": 7, "level": "easy"},
@@ -142,7 +142,7 @@ def test_long_prompts_are_skipped_and_counted_or_an_error(tmp_path, tok):
 
 
 def test_eval_hold_out_is_seeded_disjoint_and_complete():
-    from fsdptrain.prompts import PromptRow
+    from fsdptrain.data.prompts import PromptRow
 
     rows = [PromptRow(i, str(i), {}) for i in range(50)]
     train, evals = hold_out_eval(rows, eval_size=10, seed=3)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from fsdptrain.metrics import Kind, Schema, finalize, flatten, merge, unflatten
+from fsdptrain.rl.metrics import Kind, Schema, finalize, flatten, merge, unflatten
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardScores
 

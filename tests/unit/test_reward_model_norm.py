@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fsdptrain.config import ConfigError
-from fsdptrain.metrics import Kind, finalize, merge
-from fsdptrain.reward_model_norm import RunningMoments, combine, scale_scores, score_metrics, score_moments
+from fsdptrain.rl.metrics import Kind, finalize, merge
+from fsdptrain.rl.reward_scale import RunningMoments, combine, scale_scores, score_metrics, score_moments
 
 SCORES = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
 # sum 10, sum of squares 30, count 4: mean 2.5, unbiased variance (30 - 4 * 2.5^2) / 3 = 5/3

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fsdptrain import dist as fdist
-from fsdptrain.attention import set_attention
+from fsdptrain.distributed import world as fdist
+from fsdptrain.model.attention import set_attention
 from fsdptrain.config import ConfigError
-from fsdptrain.models import TINY_CONFIG
-from fsdptrain.reward_model import load_full_reward_model, load_reward_model_spec, score_sequences
-from fsdptrain.reward_model_build import build_reward_model, build_value_model_from_reward_model
-from fsdptrain.tokenizer import load_bundled_tokenizer
-from fsdptrain.train_step import plan_agreed
+from fsdptrain.distributed.fsdp import TINY_CONFIG
+from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, score_sequences
+from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
+from fsdptrain.train.step import plan_agreed
 
 SEQUENCES = [[1, 7, 9, 11, 30], [1, 5, 6, 7, 8, 9, 10, 12, 40], [1, 22, 23], [1, 14, 15, 16, 17, 18, 19],
              [1, 8, 8, 9]]

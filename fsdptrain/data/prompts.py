@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from fsdptrain.config import ConfigError
-from fsdptrain.prompt_files import read_table
+from fsdptrain.data.prompt_files import read_table
 
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 """Keyword arguments every reward function receives; a dataset column with one of these names would clash."""
@@ -35,7 +35,7 @@ class PromptRow:
 
 def load_prompts(source: str | Sequence[str], *, tokenizer, prompt_key: str = "prompt",
                  what: str = "data.path") -> list[PromptRow]:
-    """Every row of ``source`` (see :mod:`fsdptrain.prompt_files`) as a :class:`PromptRow`, in file order.
+    """Every row of ``source`` (see :mod:`fsdptrain.data.prompt_files`) as a :class:`PromptRow`, in file order.
 
     Raises ConfigError naming the file, the 0-based row and the column for: a missing prompt column, a column named
     like a reward argument, a prompt that is neither a non-empty string nor a chat, or a chat when the tokenizer has

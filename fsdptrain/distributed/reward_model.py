@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig, PreTrainedModel
 
 from fsdptrain.config import ConfigError
-from fsdptrain.models import (
+from fsdptrain.distributed.fsdp import (
     _config_for,
     _load_full_weights,
     _meta_model,
@@ -30,7 +30,7 @@ from fsdptrain.models import (
     parallelize,
     resolve_config,
 )
-from fsdptrain.reward_model import HEAD, RewardModelSpec, _meta_reward_model, load_full_reward_model
+from fsdptrain.model.reward_model import HEAD, RewardModelSpec, _meta_reward_model, load_full_reward_model
 
 # Config fields that change a decoder's math without changing a weight's shape: they must agree for the critic to
 # reproduce the reward model (the weight shapes are compared separately).

@@ -10,7 +10,7 @@ it, raised on every rank before any weight is read (the checks read headers only
 Scoring departs from transformers' own head in one way: `*ForSequenceClassification.forward` pools at the last token
 that is not `pad_token_id`, which in a packed row is the row's end (or a pad token inside a sequence). Here the score
 head's output is captured for every position and read at each sequence's own last token, `cu_seqlens[1:] - 1`.
-The FSDP2-sharded build (a frozen model like the reference model) is in fsdptrain/reward_model_build.py.
+The FSDP2-sharded build (a frozen model like the reference model) is in fsdptrain/distributed/reward_model.py.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from transformers import (
     PreTrainedModel,
 )
 
-from fsdptrain.attention import BACKENDS, packed_model_inputs
+from fsdptrain.model.attention import BACKENDS, packed_model_inputs
 from fsdptrain.config import ConfigError
-from fsdptrain.models import _zero_dropout_in_config, _zero_dropout_modules
-from fsdptrain.packing import PackedBatch, pack_sequences
+from fsdptrain.distributed.fsdp import _zero_dropout_in_config, _zero_dropout_modules
+from fsdptrain.data.packing import PackedBatch, pack_sequences
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""

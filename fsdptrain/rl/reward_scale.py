@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fsdptrain.advantages import mean_var, moment_stats, whiten
+from fsdptrain.rl.advantages import mean_var, moment_stats, whiten
 from fsdptrain.config import ConfigError
-from fsdptrain.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
+from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
 
 NORMALIZE_MODES = ("none", "batch", "running")
 
