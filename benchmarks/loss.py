@@ -32,10 +32,10 @@ import time
 
 import torch
 
+from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss, per_sequence_policy_loss
-from fsdptrain.data.packing import pack_sequences, plan_packs
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}
 
@@ -90,7 +90,8 @@ def _loss(fn, hidden_TH, weight_VH, targets_T, coef_T, *, entropy, chunk_size):
 def _worker_memory_and_time(args) -> dict:
     fn = METHODS[args.method]
     hidden_TH, weight_VH, targets_T, coef_T = _build_inputs(args.tokens, args.vocab, args.hidden, args.seed)
-    step = lambda: _loss(fn, hidden_TH, weight_VH, targets_T, coef_T, entropy=args.entropy, chunk_size=args.chunk_size)
+    def step():
+        return _loss(fn, hidden_TH, weight_VH, targets_T, coef_T, entropy=args.entropy, chunk_size=args.chunk_size)
     gc.collect()
     measure = _reset_peak_rss()
     base_kib = _read_status_kib("VmRSS")

@@ -57,7 +57,7 @@ def _run_dir(cfg: DictConfig) -> Path:
 
 def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
               print_cfg: bool, nproc: int) -> None:
-    from fsdptrain.launch import torchrun_world_size, under_torchrun
+    from fsdptrain.distributed.torchrun import torchrun_world_size, under_torchrun
 
     if nproc != 1 and under_torchrun():
         _fail_usage(f"--nproc {nproc} was given under torchrun: torchrun already started the ranks; drop --nproc")

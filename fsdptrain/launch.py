@@ -14,17 +14,6 @@ import sys
 import uuid
 from pathlib import Path
 
-TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE")
-
-
-def under_torchrun() -> bool:
-    """True when this process is a rank started by torchrun (or any torch elastic agent)."""
-    return all(name in os.environ for name in TORCHRUN_ENV)
-
-
-def torchrun_world_size() -> int:
-    return int(os.environ["WORLD_SIZE"])
-
 
 def launch_local(nproc: int, worker_args: list[str]) -> int:
     """Run ``python -m fsdptrain.worker *worker_args`` on ``nproc`` local ranks; return the first failing rank's code.

@@ -24,13 +24,13 @@ import torch
 import torch.distributed
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.distributed import world
 from fsdptrain.config import ConfigError
-from fsdptrain.train.experience import critic_values
-from fsdptrain.train.packed_loss import SeqTargets
 from fsdptrain.data.rollout import Rollout
-from fsdptrain.train.step import MiniBatch
+from fsdptrain.distributed import world
+from fsdptrain.train.experience import critic_values
 from fsdptrain.train.loop import Trainer
+from fsdptrain.train.packed_loss import SeqTargets
+from fsdptrain.train.step import MiniBatch
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN
 

@@ -30,12 +30,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from fsdptrain.data.packing import PaddedBatch, pack_sequences, pad_sequences, plan_packs
 from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.model.attention import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
 from fsdptrain.rl.metrics import (
     Metrics,
     ReduceBuffers,
@@ -47,8 +46,9 @@ from fsdptrain.rl.metrics import (
     merge_all,
     unflatten,
 )
-from fsdptrain.distributed.fsdp import gather_full_grads
-from fsdptrain.data.packing import PaddedBatch, pack_sequences, pad_sequences, plan_packs
+from fsdptrain.rl.policy import entropy_from_logits, policy_loss
+from fsdptrain.rl.value import value_loss
+from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, reduce_metrics
 
 Grads = dict[str, Tensor]

@@ -26,8 +26,13 @@ import torch
 from torch import Tensor
 
 from fsdptrain.check.batch import RolloutFacts
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings, reference_policy_outputs, reference_values
 from fsdptrain.rl.policy import kl_penalty
+from fsdptrain.train.packed_loss import (
+    PolicyLossSettings,
+    ValueLossSettings,
+    reference_policy_outputs,
+    reference_values,
+)
 from fsdptrain.train.step import MiniBatch
 
 _LOG_RATIO_CLAMP = 20.0

@@ -18,7 +18,6 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from fsdptrain.distributed import world
 from fsdptrain.check.batch import CheckSession, build_session
 from fsdptrain.check.compare import (
     Check,
@@ -44,17 +43,18 @@ from fsdptrain.check.layouts import (
 )
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
 from fsdptrain.config import validate_world
+from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
+from fsdptrain.rl.metrics import comparable, finalize
+from fsdptrain.train.loop import resolve_device_type
 from fsdptrain.train.packed_loss import (
     packed_policy_loss,
     packed_value_loss,
     per_sequence_policy_loss,
     per_sequence_value_loss,
 )
-from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.distributed.fsdp import gather_full_grads
-from fsdptrain.train.loop import resolve_device_type
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"

@@ -52,6 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from fsdptrain.distributed import world
+
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "complete.json"
@@ -141,16 +143,8 @@ def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False)
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
 def _barrier() -> None:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if torch.distributed.is_initialized() and torch.distributed.getworld.world_size() > 1:
         torch.distributed.barrier()
 
 
@@ -285,7 +279,7 @@ def save_checkpoint(
         raise ValueError(f"step must be >= 0, got {step}")
     _check_names(models, optimizers)
     _check_plain(dict(extra), "")
-    rank, world_size = _rank(), _world_size()
+    rank, world_size = world.rank(), world.world_size()
     final = checkpoint_dir(run_dir, step)
     tmp = _tmp_dir(final)
     if rank == 0:
@@ -358,7 +352,7 @@ def load_checkpoint(
                 f"checkpoint {path} holds {kind} {info[kind]} but {sorted(given)} were given: build the same "
                 f"{kind} as the run that saved it"
             )
-    if _rank() == 0:
+    if world.rank() == 0:
         remove_stale_temp_dirs(path.parent.parent)
 
     state = _sharded_state(models, optimizers)
@@ -378,6 +372,6 @@ def load_checkpoint(
     for name, scheduler in schedulers.items():
         scheduler.load_state_dict(trainer_state["schedulers"][name])
     if restore_rng:
-        _restore_rng(path, _rank())
+        _restore_rng(path, world.rank())
     _barrier()
     return trainer_state["extra"]

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
+from fsdptrain.distributed import world
+
 
 def unsharded_class(model: nn.Module) -> type[PreTrainedModel]:
     """The transformers class of `model`: fully_shard swaps in a subclass (FSDP<Name>) whose bases are FSDPModule and
@@ -55,7 +57,7 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, *, tokenizer: Any = 
     """
     out_dir = Path(out_dir)
     cls = unsharded_class(model)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = world.rank()
     # cpu_offload: rank 0 receives the full tensors on the CPU, other ranks an empty dict (bounded memory).
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:

@@ -44,6 +44,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from fsdptrain.distributed import world
+
 # The embedded default: a tiny Llama that trains in seconds on a CPU.
 TINY_CONFIG: dict[str, Any] = {
     "model_type": "llama",
@@ -262,7 +264,7 @@ def _load_full_weights(
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # set_model_state_dict replaces the values of the dict it is given (platform notes): hand it a copy.
     set_model_state_dict(model, dict(full_state_dict), options=options)
-    rank = torch.distributed.get_rank()
+    rank = world.rank()
     for name, buf in _non_persistent_buffers(model).items():
         value = buffers[_clean_name(name)].to(device) if rank == 0 else torch.empty_like(buf, device=device)
         if torch.distributed.get_world_size() > 1:
@@ -308,7 +310,7 @@ def build_sharded_model(
     resolved = resolve_config(path=path, config=config)
     full_state_dict: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    if torch.distributed.get_rank() == 0:
+    if world.rank() == 0:
         backbone = None
         if backbone_from_path is not None or backbone_from_config is not None:
             backbone = build_full_model(

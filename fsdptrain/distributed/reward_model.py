@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig, PreTrainedModel
 
 from fsdptrain.config import ConfigError
+from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import (
     _config_for,
     _load_full_weights,
@@ -49,13 +50,13 @@ def _on_rank0(load: Callable[[], tuple[dict, dict]]) -> tuple[dict, dict]:
     is raised on every rank (one broadcast), so no rank waits for weights that never come."""
     loaded: tuple[dict, dict] = ({}, {})
     message: list[str | None] = [None]
-    if dist.get_rank() == 0:
+    if world.rank() == 0:
         try:
             loaded = load()
         except ConfigError as err:
             message[0] = str(err)
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(message, src=0)
+    if world.world_size() > 1:
+        torch.distributed.broadcast_object_list(message, src=0)
     if message[0] is not None:
         raise ConfigError(message[0])
     return loaded

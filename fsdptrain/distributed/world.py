@@ -23,11 +23,11 @@ import torch
 import torch.distributed
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdptrain.config import validate_mesh_shape  # noqa: F401  (re-exported: the mesh's one shape rule)
+from fsdptrain.config import validate_mesh_shape
+from fsdptrain.distributed.torchrun import under_torchrun
 
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,6 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def launched_by_torchrun() -> bool:
-    """True when torchrun (or any launcher setting the same variables) started this process."""
-    return all(key in os.environ for key in _TORCHRUN_ENV)
 
 
 def _free_port() -> int:
@@ -65,7 +60,7 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device_type='cuda' but no CUDA device is visible; use device_type='cpu'")
-    if launched_by_torchrun():
+    if under_torchrun():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
         init_method = "env://"
@@ -87,7 +82,8 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(), local_rank=local_rank, device=device)
+    return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                    local_rank=local_rank, device=device)
 
 
 def destroy_distributed() -> None:
@@ -138,10 +134,17 @@ def dp_size(mesh: DeviceMesh) -> int:
 # Small collectives (world-wide, on CPU tensors)
 # ---------------------------------------------------------------------------------------------------------------
 
-_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN, "max": torch.distributed.ReduceOp.MAX}
+_REDUCE_OPS = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
+               "max": torch.distributed.ReduceOp.MAX}
 
 
-def _world_size() -> int:
+def rank() -> int:
+    """This process's global rank (0 with no process group)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 with no process group)."""
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
@@ -152,7 +155,7 @@ def all_reduce_f64(values: torch.Tensor, op: str) -> torch.Tensor:
         raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     assert values.dtype == torch.float64 and values.dim() == 1, (values.dtype, values.shape)
     out = values.detach().to("cpu", copy=True)
-    if _world_size() > 1:
+    if world_size() > 1:
         torch.distributed.all_reduce(out, op=_REDUCE_OPS[op])
     return out
 
@@ -175,7 +178,7 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
 def agree_max_int(value: int) -> int:
     """The largest `value` over all ranks (e.g. so every rank runs the same number of micro-batches)."""
     out = torch.tensor([int(value)], dtype=torch.int64)
-    if _world_size() > 1:
+    if world_size() > 1:
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
     return int(out.item())
 

@@ -42,9 +42,9 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from fsdptrain.model.attention import packed_model_inputs
-from fsdptrain.distributed.fsdp import decoder_layers
 from fsdptrain.data.packing import PackedBatch
+from fsdptrain.distributed.fsdp import decoder_layers
+from fsdptrain.model.attention import packed_model_inputs
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 """The architecture name both engines map to their EAGLE-3 Llama head (vLLM also accepts Eagle3LlamaForCausalLM)."""

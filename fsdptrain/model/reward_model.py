@@ -31,10 +31,10 @@ from transformers import (
     PreTrainedModel,
 )
 
-from fsdptrain.model.attention import BACKENDS, packed_model_inputs
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.fsdp import _zero_dropout_in_config, _zero_dropout_modules
 from fsdptrain.data.packing import PackedBatch, pack_sequences
+from fsdptrain.distributed.fsdp import _zero_dropout_in_config, _zero_dropout_modules
+from fsdptrain.model.attention import BACKENDS, packed_model_inputs
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from fsdptrain.rl.metrics import Derived, Mean, Metrics, Sum, std_from_moments
 from fsdptrain.rewards.runner import RewardScores
+from fsdptrain.rl.metrics import Derived, Mean, Metrics, Sum, std_from_moments
 
 
 def reward_metrics(scores: RewardScores, *, groups: Sequence[int]) -> Metrics:

@@ -26,10 +26,10 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
 from fsdptrain.config import ConfigError
-from fsdptrain.rl.names import ADV_ESTIMATORS
 from fsdptrain.plugins import check_signature, load_callable
+from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
+from fsdptrain.rl.names import ADV_ESTIMATORS
 
 
 @dataclass(frozen=True)

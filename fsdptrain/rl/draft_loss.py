@@ -35,10 +35,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from fsdptrain.data.packing import PackedBatch
 from fsdptrain.model.attention import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Loss, Mean, Metrics, merge_all
-from fsdptrain.data.packing import PackedBatch
 
 DRAFT_ON = ("response", "all")
 ACCEPT_WINDOW = 3

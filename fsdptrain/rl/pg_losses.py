@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 
 from fsdptrain.config import ConfigError
+from fsdptrain.plugins import check_signature, load_callable
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
 from fsdptrain.rl.names import POLICY_LOSSES
-from fsdptrain.plugins import check_signature, load_callable
 
 _LOG_RATIO_CLAMP = 20.0
 

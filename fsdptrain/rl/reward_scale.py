@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.advantages import mean_var, moment_stats, whiten
 from fsdptrain.config import ConfigError
+from fsdptrain.rl.advantages import mean_var, moment_stats, whiten
 from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
 
 NORMALIZE_MODES = ("none", "batch", "running")

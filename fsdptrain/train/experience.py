@@ -19,10 +19,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
+from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
+from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
 from fsdptrain.train.step import plan_agreed
 
 

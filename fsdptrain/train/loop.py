@@ -1,7 +1,7 @@
 """The training loop: rollouts -> experience -> epochs x mini-batches of the FSDP2 update -> metrics -> log.
 
-Set-up is split into ``build_*`` helpers; :meth:`Trainer.run_step` reads top to bottom as the design's data path
-(section 2). Every rank runs this code; rank 0 alone prints and writes the run directory.
+Set-up is split into ``build_*`` helpers; :meth:`Trainer.run_step` reads top to bottom as the data path of
+docs/architecture.md. Every rank runs this code; rank 0 alone prints and writes the run directory.
 
 Prompt groups are owned by rank ``index % world_size`` and belong to mini-batch ``index // (P / M)``, both fixed by
 the group's global index within the step, so the mini-batches hold the same data at any world size.
@@ -9,25 +9,17 @@ the group's global index within the step, so the mini-batches hold the same data
 
 from __future__ import annotations
 
-import json
 import random
-import signal
-import sys
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.config import validate_world
+from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.model.attention import generation_attention, resolve_backend, set_attention
-from fsdptrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdptrain.config import ConfigError, validate_world
-from fsdptrain.data.offline import get_task, load_jsonl_rollouts, task_prompts
-from fsdptrain.distributed.export import export_hf
+from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.train.experience import (
     critic_values,
     gae_targets,
@@ -36,256 +28,32 @@ from fsdptrain.train.experience import (
     reward_to_go,
     token_rewards,
 )
-from fsdptrain.rl.grad_scale import grad_scale_report
-from fsdptrain.train.packed_loss import (
-    PolicyLossSettings,
-    SeqTargets,
-    ValueLossSettings,
-    packed_policy_loss,
-    packed_value_loss,
+from fsdptrain.train.optim import NonFiniteGuard
+from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
+from fsdptrain.train.progress import (
+    GradNormWatch,
+    log,
+    open_tensorboard,
+    print_start_report,
+    print_summary,
+    progress_columns,
+    quiet_known_warnings,
+    stats_line,
+    write_metrics_line,
+    write_tensorboard,
 )
-from fsdptrain.rl.metrics import Diagnostic, Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model, describe_model_memory
-from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from fsdptrain.data.rollout import Rollout, generate_responses
-from fsdptrain.data.tasks import reward as task_reward
+from fsdptrain.train.run_dir import export, keep_metrics_before, resume, save
+from fsdptrain.train.setup import (
+    build_models,
+    build_tokenizer,
+    loss_scale_factor,
+    policy_settings,
+    resolve_device_type,
+    value_settings,
+)
+from fsdptrain.train.signals import StopRequest
+from fsdptrain.train.sources import OfflineSource, TaskSource
 from fsdptrain.train.step import MiniBatch, reduce_metrics, update_on_minibatch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GRAD_NORM_WARN_STEPS = 5
-
-
-def log(message: str) -> None:
-    """Print on rank 0 only."""
-    if dist_rank() == 0:
-        print(message, flush=True)
-
-
-def dist_rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-# ---- set-up -------------------------------------------------------------------------------------------------------
-
-
-def build_tokenizer(cfg: DictConfig):
-    """The bundled tokenizer, or the one in the user's model folder (left padding; pad falls back to EOS)."""
-    if cfg.model.path is None:
-        from fsdptrain.data.tokenizer import load_bundled_tokenizer
-
-        return load_bundled_tokenizer()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
-    """The config-built model's transformers config, sized to the tokenizer."""
-    return {
-        "model_type": cfg.model.arch,
-        "vocab_size": len(tokenizer),
-        "hidden_size": cfg.model.hidden_size,
-        "intermediate_size": cfg.model.intermediate_size,
-        "num_hidden_layers": cfg.model.num_layers,
-        "num_attention_heads": cfg.model.num_heads,
-        "num_key_value_heads": cfg.model.num_kv_heads,
-        "max_position_embeddings": 1024,
-        "tie_word_embeddings": cfg.model.tie_word_embeddings,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-
-
-def max_response_length(cfg: DictConfig) -> int:
-    return cfg.data.max_response_length if cfg.data.source == "jsonl" else cfg.rollout.max_new_tokens
-
-
-def loss_scale_factor(cfg: DictConfig) -> float:
-    """The -norm constant: configured, else the configured maximum response length (never a packed row length)."""
-    return float(cfg.loss.loss_scale_factor) if cfg.loss.loss_scale_factor is not None else float(
-        max_response_length(cfg))
-
-
-def needs_reference(cfg: DictConfig) -> bool:
-    return cfg.algorithm.use_kl_loss or cfg.algorithm.kl_in_reward_coef > 0
-
-
-@dataclass
-class Models:
-    policy: torch.nn.Module
-    policy_optimizer: torch.optim.Optimizer
-    policy_scheduler: object
-    critic: Optional[torch.nn.Module] = None
-    critic_optimizer: Optional[torch.optim.Optimizer] = None
-    critic_scheduler: Optional[object] = None
-    reference: Optional[torch.nn.Module] = None
-    backend: str = "sdpa_segments"
-
-
-def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Models:
-    """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend."""
-    source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
-    parallel = dict(mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
-                    reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype],
-                    reshard_after_forward=cfg.parallel.reshard_after_forward,
-                    cpu_offload=cfg.parallel.cpu_offload)
-    seed = cfg.trainer.seed
-    policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing)
-    backend = resolve_backend(cfg.model.attn_backend, device, _DTYPES[cfg.parallel.param_dtype])
-    set_attention(policy, backend)
-    total_steps = cfg.trainer.steps
-    schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=total_steps,
-                    schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
-    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, betas=(0.9, 0.999), weight_decay=cfg.trainer.weight_decay,
-                                eps=1e-8)
-    models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),
-                    backend=backend)
-    if cfg.algorithm.use_critic:
-        backbone = {}
-        if cfg.model.value_init == "policy":
-            backbone = (dict(backbone_from_path=cfg.model.path) if cfg.model.path else
-                        dict(backbone_from_config=source["config"], backbone_seed=seed))
-        critic = build_value_model(**source, **parallel, seed=seed + 1,
-                                   activation_checkpointing=cfg.parallel.activation_checkpointing, **backbone)
-        set_attention(critic, backend)
-        critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, betas=(0.9, 0.999),
-                                     weight_decay=cfg.trainer.weight_decay, eps=1e-8)
-        models.critic, models.critic_optimizer = critic, critic_opt
-        models.critic_scheduler = build_scheduler(critic_opt, **schedule)
-    if needs_reference(cfg):
-        reference = build_reference_model(**source, **parallel, seed=seed)
-        set_attention(reference, backend)
-        models.reference = reference
-    return models
-
-
-def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
-    alg = cfg.algorithm
-    return PolicyLossSettings(
-        agg_mode=cfg.loss.agg_mode, clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
-        clip_ratio_c=alg.clip_ratio_c, seq_level_ratio=alg.seq_level_ratio, kl_coef=alg.kl_loss_coef,
-        kl_estimator=alg.kl_estimator, entropy_coef=alg.entropy_coef, temperature=cfg.rollout.temperature,
-        chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss),
-    )
-
-
-def value_settings(cfg: DictConfig) -> ValueLossSettings:
-    return ValueLossSettings(agg_mode=cfg.loss.agg_mode, cliprange_value=cfg.algorithm.cliprange_value)
-
-
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """A rank's sampling seed for a step: reproducible across runs and resumes, different across ranks."""
-    return (seed * 1_000_003 + step * 1_009 + rank) % (2**31)
-
-
-# ---- experience sources ---------------------------------------------------------------------------------------------
-
-
-class TaskSource:
-    """The bundled task: each step's prompts from the seed, ``n`` samples each, generated by the policy."""
-
-    def __init__(self, cfg: DictConfig, tokenizer):
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.task = get_task(cfg.data.task)
-        self.max_response_length = cfg.rollout.max_new_tokens
-
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device) -> list[Rollout]:
-        cfg = self.cfg
-        groups = task_prompts(self.task, seed=cfg.data.seed, step=step, num_prompts=cfg.rollout.prompts_per_step)
-        mine = [g for g in groups if g.index % world_size == rank]
-        texts = [g.text for g in mine for _ in range(cfg.rollout.n)]
-        with generation_attention(models.policy):
-            outputs = generate_responses(
-                models.policy, self.tokenizer, texts, max_new_tokens=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, do_sample=True,
-                generator_seed=sampling_seed(cfg.trainer.seed, step, rank), device=device,
-            )
-        rollouts = []
-        for k, (prompt_ids, response_ids, truncated) in enumerate(outputs):
-            group = mine[k // cfg.rollout.n]
-            text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-            rollouts.append(Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
-                                    reward=task_reward(text, group.answer), group=group.index, truncated=truncated,
-                                    prompt_text=group.text, response_text=text))
-        return rollouts
-
-    @torch.no_grad()
-    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
-        """Greedy mean reward over the held-out prompts (the same prompts every time), averaged over ranks."""
-        cfg = self.cfg
-        groups = task_prompts(self.task, seed=cfg.data.seed, step=0, num_prompts=cfg.data.num_eval_prompts,
-                              stream="eval")
-        mine = [g for g in groups if g.index % world_size == rank]
-        total = 0.0
-        with generation_attention(models.policy):
-            outputs = generate_responses(
-                models.policy, self.tokenizer, [g.text for g in mine],
-                max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, top_p=1.0, do_sample=False,
-                generator_seed=0, device=device)
-        for g, (_, response_ids, _) in zip(mine, outputs):
-            total += task_reward(self.tokenizer.decode(response_ids, skip_special_tokens=True), g.answer)
-        sums = world.all_reduce_sum(torch.tensor([total, float(len(mine))], dtype=torch.float64))
-        return float(sums[0] / sums[1])
-
-
-class OfflineSource:
-    """Offline JSONL rollouts: each step takes the next ``prompts_per_step`` groups, cycling over the file."""
-
-    def __init__(self, cfg: DictConfig, tokenizer):
-        self.cfg = cfg
-        rollouts, self.num_skipped = load_jsonl_rollouts(cfg.data.path, tokenizer,
-                                                         max_response_length=cfg.data.max_response_length,
-                                                         skip_bad_rows=cfg.data.skip_bad_rows)
-        self.groups: dict[int, list[Rollout]] = {}
-        for r in rollouts:
-            self.groups.setdefault(r.group, []).append(r)
-        self.max_response_length = cfg.data.max_response_length
-
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device) -> list[Rollout]:
-        per_step = self.cfg.rollout.prompts_per_step
-        out = []
-        for index in range(per_step):
-            if index % world_size != rank:
-                continue
-            source_group = (step * per_step + index) % len(self.groups)
-            for r in self.groups[source_group]:
-                out.append(Rollout(prompt_ids=r.prompt_ids, response_ids=r.response_ids, reward=r.reward,
-                                   group=index, truncated=r.truncated, behaviour_logprobs=r.behaviour_logprobs,
-                                   prompt_text=r.prompt_text, response_text=r.response_text))
-        return out
-
-
-# ---- the loop -------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class GradNormWatch:
-    """Warns when the pre-clip grad norm stays above ``factor x clip`` for several steps in a row."""
-
-    factor: float
-    clip: float
-    name: str
-    in_a_row: int = 0
-
-    def observe(self, grad_norm: float) -> None:
-        if self.clip <= 0:
-            return
-        self.in_a_row = self.in_a_row + 1 if grad_norm > self.factor * self.clip else 0
-        if self.in_a_row == GRAD_NORM_WARN_STEPS:
-            log(f"warning: {self.name} pre-clip grad norm has been above {self.factor:g} x grad_clip "
-                f"({self.factor * self.clip:g}) for {GRAD_NORM_WARN_STEPS} steps (now {grad_norm:.4g}): clipping "
-                f"dominates the update; lower the learning rate or use a mode whose scale is near 1")
-
-
-@dataclass
-class RunState:
-    step: int = 0
-    history: list = field(default_factory=list)
 
 
 class Trainer:
@@ -306,7 +74,6 @@ class Trainer:
         self.critic_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.policy_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.grad_clip, "policy")
         self.critic_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.critic_grad_clip, "critic")
-        self.state = RunState()
 
     # -- experience --------------------------------------------------------------------------------------------------
 
@@ -441,179 +208,6 @@ class Trainer:
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 
-def resolve_device_type(cfg: DictConfig) -> str:
-    if cfg.trainer.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return cfg.trainer.device
-
-
-def print_start_report(trainer: "Trainer") -> None:
-    """Model sizes, the backend, and the gradient scale of the configured mode with its normalisation in words."""
-    cfg = trainer.cfg
-    log(f"fsdptrain: {trainer.info.world_size} rank(s) on {trainer.device.type}, mesh {tuple(trainer.mesh.shape)}, "
-        f"packed attention: {trainer.models.backend}")
-    log("policy: " + describe_model_memory(trainer.models.policy, num_shards=trainer.dp_size))
-    seqs = cfg.rollout.prompts_per_step // cfg.trainer.mini_batches_per_step * (
-        cfg.rollout.n if cfg.data.source == "task" else 1)
-    max_len = max_response_length(cfg)
-    if cfg.loss.loss_scale_factor is None and cfg.loss.agg_mode == "seq-mean-token-sum-norm":
-        log(f"loss.loss_scale_factor is null: using the configured maximum response length {max_len}")
-    report = grad_scale_report(cfg.loss.agg_mode, num_tokens=seqs * max_len, num_seqs=seqs,
-                               seq_lengths=[max_len] * seqs, dp_size=trainer.dp_size,
-                               loss_scale_factor=trainer.loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
-    log(f"normalisation (a mini-batch of {seqs} sequences at the maximum length {max_len}): " + report.describe())
-
-
-def write_metrics_line(path: Path, result: dict) -> None:
-    with path.open("a") as handle:
-        handle.write(json.dumps(result) + "\n")
-
-
-def open_tensorboard(cfg: DictConfig, run_dir: Path):
-    """A SummaryWriter under ``run_dir/tensorboard`` when enabled and installed (rank 0 only), else None."""
-    if not cfg.logging.tensorboard or dist_rank() != 0:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log("warning: logging.tensorboard=true but the tensorboard package is not installed "
-            "(pip install tensorboard); metrics go to metrics.jsonl only")
-        return None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-
-
-def write_tensorboard(writer, result: dict) -> None:
-    if writer is None:
-        return
-    for key, value in result.items():
-        if key != "step" and isinstance(value, (int, float)):
-            writer.add_scalar(key, value, global_step=result["step"])
-    writer.flush()
-
-
-def _progress_columns():
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-
-    return (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
-            TimeRemainingColumn())
-
-
-def _stats_line(result: dict) -> str:
-    parts = [f"reward {result['reward/mean']:.3f}", f"tok/s {result['perf/tokens_per_s']:.0f}"]
-    for key, label in (("actor/pg_loss", "pg"), ("critic/vf_loss", "vf"), ("actor/grad_norm", "|g|")):
-        if key in result:
-            parts.append(f"{label} {result[key]:.3g}")
-    return "  ".join(parts)
-
-
-def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="fsdptrain summary")
-    table.add_column("what")
-    table.add_column("value", justify="right")
-    first = history[: min(5, len(history))]
-    last = history[-min(5, len(history)):]
-    table.add_row("steps", str(len(history)))
-    table.add_row("initial policy's mean reward (first step, sampled)", f"{history[0]['reward/mean']:.3f}")
-    table.add_row("mean reward, first 5 steps", f"{sum(r['reward/mean'] for r in first) / len(first):.3f}")
-    table.add_row("mean reward, last 5 steps", f"{sum(r['reward/mean'] for r in last) / len(last):.3f}")
-    if eval_rewards:
-        steps = sorted(eval_rewards)
-        table.add_row(f"eval reward (greedy) at step {steps[0]}", f"{eval_rewards[steps[0]]:.3f}")
-        table.add_row(f"eval reward (greedy) at step {steps[-1]}", f"{eval_rewards[steps[-1]]:.3f}")
-    Console(file=sys.stdout).print(table)
-
-
-class StopRequest:
-    """SIGTERM or Ctrl-C asks for a clean stop at the next step boundary; a second Ctrl-C stops at once."""
-
-    def __init__(self):
-        self.requested = False
-
-    def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if not self.requested:
-            log(f"{signal.Signals(signum).name}: stopping at the next step boundary after a checkpoint "
-                "(Ctrl-C again to stop at once, without saving)")
-        self.requested = True
-
-
-def _checkpoint_state(trainer: "Trainer") -> tuple[dict, dict, dict]:
-    m = trainer.models
-    models = {"policy": m.policy}
-    optimizers = {"policy": m.policy_optimizer}
-    schedulers = {"policy": m.policy_scheduler}
-    if m.critic is not None:
-        models["critic"], optimizers["critic"], schedulers["critic"] = m.critic, m.critic_optimizer, m.critic_scheduler
-    return models, optimizers, schedulers
-
-
-def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
-    """A checkpoint after ``done`` steps (collective): models, optimizers, schedulers, counters; RNG per rank."""
-    models, optimizers, schedulers = _checkpoint_state(trainer)
-    extra = {
-        "step": done,
-        "data_position": done * trainer.cfg.rollout.prompts_per_step,  # prompt groups consumed
-        "nonfinite": {"policy": [trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row],
-                      "critic": [trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row]},
-        "grad_norm_watch": [trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row],
-    }
-    return save_checkpoint(run_dir, done, models=models, optimizers=optimizers, schedulers=schedulers, extra=extra,
-                           keep=trainer.cfg.checkpoint.keep)
-
-
-def resume(trainer: "Trainer", run_dir: Path) -> int:
-    """With ``trainer.resume=auto``, restore the newest complete checkpoint of the run; return the steps done."""
-    if trainer.cfg.trainer.resume != "auto":
-        return 0
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        log(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting fresh")
-        return 0
-    models, optimizers, schedulers = _checkpoint_state(trainer)
-    extra = load_checkpoint(path, models=models, optimizers=optimizers, schedulers=schedulers)
-    per_step = trainer.cfg.rollout.prompts_per_step
-    if extra["data_position"] != extra["step"] * per_step:
-        raise ConfigError(
-            f"{path} consumed {extra['data_position']} prompt groups in {extra['step']} steps, which "
-            f"rollout.prompts_per_step={per_step} does not give: resume with the run's own rollout.prompts_per_step")
-    if extra["step"] > trainer.cfg.trainer.steps:
-        raise ConfigError(f"{path} is after step {extra['step']} but trainer.steps={trainer.cfg.trainer.steps}: "
-                          f"raise trainer.steps to continue this run")
-    trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row = extra["nonfinite"]["policy"]
-    trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row = extra["nonfinite"]["critic"]
-    trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row = extra["grad_norm_watch"]
-    log(f"resumed from {path} after step {extra['step']}")
-    return int(extra["step"])
-
-
-def _keep_metrics_before(path: Path, step: int) -> None:
-    """Drop logged steps at or after ``step`` (they are about to be redone after a resume)."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
-
-
-def export(trainer: "Trainer", run_dir: Path) -> None:
-    """The final policy (and critic) as Hugging Face folders with safetensors and the tokenizer (collective)."""
-    export_hf(trainer.models.policy, run_dir / "export" / "policy", tokenizer=trainer.tokenizer)
-    if trainer.models.critic is not None:
-        export_hf(trainer.models.critic, run_dir / "export" / "critic", tokenizer=trainer.tokenizer)
-
-
-def quiet_known_warnings() -> None:
-    """FSDP2 warns once that the root returned a view of its output (we take ``logits[0, :, 0]`` and the hidden
-    states); we never modify those views in place, which is the case the warning is about."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-
-
 def train(cfg: DictConfig, run_dir: str) -> int:
     """The ``fsdptrain train`` job on this rank; returns the exit code."""
     quiet_known_warnings()
@@ -631,7 +225,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     if info.is_main:
         run_path.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_path / "config.yaml")
-        _keep_metrics_before(metrics_path, start)
+        keep_metrics_before(metrics_path, start)
     print_start_report(trainer)
     eval_rewards: dict[int, float] = {}
     evaluate = cfg.trainer.eval_every > 0 and isinstance(trainer.source, TaskSource)
@@ -643,7 +237,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     show = info.is_main and cfg.logging.progress
     from rich.progress import Progress
 
-    with Progress(*_progress_columns(), disable=not show, transient=False) as progress:
+    with Progress(*progress_columns(), disable=not show, transient=False) as progress:
         task = progress.add_task("train", total=cfg.trainer.steps, completed=start, stats="")
         for step in range(start, cfg.trainer.steps):
             result = trainer.run_step(step)
@@ -656,7 +250,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
             if info.is_main:
                 write_metrics_line(metrics_path, result)
                 write_tensorboard(tensorboard, result)
-            progress.update(task, advance=1, stats=_stats_line(result))
+            progress.update(task, advance=1, stats=stats_line(result))
             stopping = world.any_flag(stop.requested)
             every = cfg.checkpoint.every
             if stopping or (every > 0 and done % every == 0 and done < cfg.trainer.steps):

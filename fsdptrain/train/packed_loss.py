@@ -18,13 +18,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from fsdptrain.data.packing import PackedBatch
 from fsdptrain.model.attention import generation_attention, packed_model_inputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
+from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
-from fsdptrain.rl.metrics import Metrics, merge_all
-from fsdptrain.data.packing import PackedBatch
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fsdptrain.distributed import world
 from fsdptrain.config import ConfigError
+from fsdptrain.data.packing import PackPlan, pack_sequences, plan_packs
+from fsdptrain.distributed import world
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.train.packed_loss import SeqTargets
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Schema, Sum, flatten, merge_all, unflatten
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.data.packing import PackPlan, pack_sequences, plan_packs
+from fsdptrain.train.packed_loss import SeqTargets
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from fsdptrain.config import ConfigError
 from fsdptrain.rl.adv_estimators import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageResult,
@@ -14,7 +15,6 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.advantages import gae, grpo_advantages, rloo_advantages
-from fsdptrain.config import ConfigError
 from fsdptrain.rl.names import ADV_ESTIMATORS
 
 F64 = torch.float64

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model import attention
 from fsdptrain.model.attention import (
     available_backends,
@@ -20,7 +21,6 @@ from fsdptrain.model.attention import (
     sdpa_segments_attention,
     torch_varlen_attention,
 )
-from fsdptrain.data.packing import pack_sequences
 
 SEGMENTS = [5, 9, 3, 2]  # three sequences and a 2-token padding tail
 TOTAL = sum(SEGMENTS)

@@ -22,6 +22,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from fsdptrain.data.packing import pack_sequences, unpack
 from fsdptrain.model.attention import (
     call_counts,
     generation_attention,
@@ -30,7 +31,6 @@ from fsdptrain.model.attention import (
     reset_call_counts,
     set_attention,
 )
-from fsdptrain.data.packing import pack_sequences, unpack
 
 VOCAB = 64
 NUM_LAYERS = 2

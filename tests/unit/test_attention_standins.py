@@ -11,10 +11,17 @@ assert the comparison fails, so the equalities here can fail.
 import pytest
 import torch
 from torch import nn
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig
-from transformers import MistralForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 from transformers.masking_utils import sliding_window_causal_mask_function
 
+from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model import attention
 from fsdptrain.model.attention import (
     call_counts,
@@ -26,7 +33,6 @@ from fsdptrain.model.attention import (
     sdpa_segments_attention,
     torch_varlen_attention,
 )
-from fsdptrain.data.packing import pack_sequences
 from tests.unit import varlen_standins
 from tests.unit.varlen_standins import (
     cpu_kernel,

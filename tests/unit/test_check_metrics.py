@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from fsdptrain.model import attention
-from fsdptrain.distributed import world
-from fsdptrain.check.run import run_checks
 from fsdptrain.check.batch import build_session
 from fsdptrain.check.compare import Outcome, compare, self_checks
 from fsdptrain.check.layouts import reduce_like_ranks
 from fsdptrain.check.reference import Counts, explained_variance_direct, seq_share
+from fsdptrain.check.run import run_checks
 from fsdptrain.compose import compose_config
+from fsdptrain.distributed import world
+from fsdptrain.model import attention
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from fsdptrain.data.prompts import load_prompts, prompt_token_ids
-from fsdptrain.rewards import exact_match, word_match
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
+from fsdptrain.rewards import exact_match, word_match
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic"
 

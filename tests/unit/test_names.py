@@ -3,8 +3,7 @@
 import subprocess
 import sys
 
-from fsdptrain.rl import names
-from fsdptrain.rl import aggregate, policy
+from fsdptrain.rl import aggregate, names, policy
 
 
 def test_kl_registry_keys_are_the_names():

@@ -6,8 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
+from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.rl.names import AGG_MODES
 from fsdptrain.train.packed_loss import (
     PolicyLossSettings,
@@ -20,8 +22,6 @@ from fsdptrain.train.packed_loss import (
     reference_policy_outputs,
     scatter_responses,
 )
-from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.data.packing import pack_sequences, unpack_responses
 
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]
 RESPONSES = [[4, 4, 6, 2], [9, 2], [10, 13, 2], [5, 6, 7, 8, 9, 2], [3]]

@@ -7,7 +7,8 @@ import torch
 
 from fsdptrain.config import ConfigError
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.metrics import Kind, finalize
+from fsdptrain.rl.names import POLICY_LOSSES
 from fsdptrain.rl.pg_losses import (
     POLICY_LOSS_REGISTRY,
     cispo_policy_loss,
@@ -16,8 +17,7 @@ from fsdptrain.rl.pg_losses import (
     resolve_policy_loss,
     vanilla_policy_loss,
 )
-from fsdptrain.rl.metrics import Kind, finalize
-from fsdptrain.rl.names import POLICY_LOSSES
+from fsdptrain.rl.policy import policy_loss
 
 F64 = torch.float64
 LOG = math.log

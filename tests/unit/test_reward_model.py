@@ -10,11 +10,17 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification
 
-from fsdptrain.distributed import world as fdist
-from fsdptrain.model.attention import packed_attention, set_attention
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.fsdp import TINY_CONFIG, _config_for, resolve_config
 from fsdptrain.data.packing import pack_sequences
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
+from fsdptrain.distributed import world as fdist
+from fsdptrain.distributed.fsdp import TINY_CONFIG, _config_for, resolve_config
+from fsdptrain.distributed.reward_model import (
+    build_reward_model,
+    build_value_model_from_reward_model,
+    value_state_dict_from_reward_model,
+)
+from fsdptrain.model.attention import packed_attention, set_attention
 from fsdptrain.model.reward_model import (
     load_full_reward_model,
     load_reward_model_spec,
@@ -22,12 +28,6 @@ from fsdptrain.model.reward_model import (
     score_packed,
     score_sequences,
 )
-from fsdptrain.distributed.reward_model import (
-    build_reward_model,
-    build_value_model_from_reward_model,
-    value_state_dict_from_reward_model,
-)
-from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from tests.reward_models import (
     CHAT_TEMPLATE,
     char_tokenizer,

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from fsdptrain.rl.dynamic_sampling import groups_with_signal
 from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.dynamic_sampling import groups_with_signal
+from fsdptrain.rl.metrics import Kind, finalize, merge
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
-from fsdptrain.rl.metrics import Kind, finalize, merge
 
 F64 = torch.float64
 LN2 = math.log(2.0)

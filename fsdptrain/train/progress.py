@@ -1,0 +1,133 @@
+"""What a run tells its user: rank-0 printing, the start report, the progress bar, metrics.jsonl, the summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig
+
+from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import describe_model_memory
+from fsdptrain.rl.grad_scale import grad_scale_report
+from fsdptrain.train.setup import max_response_length
+
+if TYPE_CHECKING:
+    from fsdptrain.train.loop import Trainer
+
+
+GRAD_NORM_WARN_STEPS = 5
+
+
+def log(message: str) -> None:
+    """Print on rank 0 only."""
+    if world.rank() == 0:
+        print(message, flush=True)
+
+
+@dataclass
+class GradNormWatch:
+    """Warns when the pre-clip grad norm stays above ``factor x clip`` for several steps in a row."""
+
+    factor: float
+    clip: float
+    name: str
+    in_a_row: int = 0
+
+    def observe(self, grad_norm: float) -> None:
+        if self.clip <= 0:
+            return
+        self.in_a_row = self.in_a_row + 1 if grad_norm > self.factor * self.clip else 0
+        if self.in_a_row == GRAD_NORM_WARN_STEPS:
+            log(f"warning: {self.name} pre-clip grad norm has been above {self.factor:g} x grad_clip "
+                f"({self.factor * self.clip:g}) for {GRAD_NORM_WARN_STEPS} steps (now {grad_norm:.4g}): clipping "
+                f"dominates the update; lower the learning rate or use a mode whose scale is near 1")
+
+
+def print_start_report(trainer: "Trainer") -> None:
+    """Model sizes, the backend, and the gradient scale of the configured mode with its normalisation in words."""
+    cfg = trainer.cfg
+    log(f"fsdptrain: {trainer.info.world_size} rank(s) on {trainer.device.type}, mesh {tuple(trainer.mesh.shape)}, "
+        f"packed attention: {trainer.models.backend}")
+    log("policy: " + describe_model_memory(trainer.models.policy, num_shards=trainer.dp_size))
+    seqs = cfg.rollout.prompts_per_step // cfg.trainer.mini_batches_per_step * (
+        cfg.rollout.n if cfg.data.source == "task" else 1)
+    max_len = max_response_length(cfg)
+    if cfg.loss.loss_scale_factor is None and cfg.loss.agg_mode == "seq-mean-token-sum-norm":
+        log(f"loss.loss_scale_factor is null: using the configured maximum response length {max_len}")
+    report = grad_scale_report(cfg.loss.agg_mode, num_tokens=seqs * max_len, num_seqs=seqs,
+                               seq_lengths=[max_len] * seqs, dp_size=trainer.dp_size,
+                               loss_scale_factor=trainer.loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
+    log(f"normalisation (a mini-batch of {seqs} sequences at the maximum length {max_len}): " + report.describe())
+
+
+def write_metrics_line(path: Path, result: dict) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(result) + "\n")
+
+
+def open_tensorboard(cfg: DictConfig, run_dir: Path):
+    """A SummaryWriter under ``run_dir/tensorboard`` when enabled and installed (rank 0 only), else None."""
+    if not cfg.logging.tensorboard or world.rank() != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log("warning: logging.tensorboard=true but the tensorboard package is not installed "
+            "(pip install tensorboard); metrics go to metrics.jsonl only")
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def write_tensorboard(writer, result: dict) -> None:
+    if writer is None:
+        return
+    for key, value in result.items():
+        if key != "step" and isinstance(value, (int, float)):
+            writer.add_scalar(key, value, global_step=result["step"])
+    writer.flush()
+
+
+def progress_columns():
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+
+    return (TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn())
+
+
+def stats_line(result: dict) -> str:
+    parts = [f"reward {result['reward/mean']:.3f}", f"tok/s {result['perf/tokens_per_s']:.0f}"]
+    for key, label in (("actor/pg_loss", "pg"), ("critic/vf_loss", "vf"), ("actor/grad_norm", "|g|")):
+        if key in result:
+            parts.append(f"{label} {result[key]:.3g}")
+    return "  ".join(parts)
+
+
+def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fsdptrain summary")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    first = history[: min(5, len(history))]
+    last = history[-min(5, len(history)):]
+    table.add_row("steps", str(len(history)))
+    table.add_row("initial policy's mean reward (first step, sampled)", f"{history[0]['reward/mean']:.3f}")
+    table.add_row("mean reward, first 5 steps", f"{sum(r['reward/mean'] for r in first) / len(first):.3f}")
+    table.add_row("mean reward, last 5 steps", f"{sum(r['reward/mean'] for r in last) / len(last):.3f}")
+    if eval_rewards:
+        steps = sorted(eval_rewards)
+        table.add_row(f"eval reward (greedy) at step {steps[0]}", f"{eval_rewards[steps[0]]:.3f}")
+        table.add_row(f"eval reward (greedy) at step {steps[-1]}", f"{eval_rewards[steps[-1]]:.3f}")
+    Console(file=sys.stdout).print(table)
+
+
+def quiet_known_warnings() -> None:
+    """FSDP2 warns once that the root returned a view of its output (we take ``logits[0, :, 0]`` and the hidden
+    states); we never modify those views in place, which is the case the warning is about."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

@@ -1,0 +1,83 @@
+"""The run directory's durable state: checkpoints of the whole trainer, resume, the final export.
+
+See docs/checkpointing.md for what a checkpoint holds and what resuming reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdptrain.config import ConfigError
+from fsdptrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdptrain.distributed.export import export_hf
+from fsdptrain.train.progress import log
+
+if TYPE_CHECKING:
+    from fsdptrain.train.loop import Trainer
+
+
+
+
+def _checkpoint_state(trainer: "Trainer") -> tuple[dict, dict, dict]:
+    m = trainer.models
+    models = {"policy": m.policy}
+    optimizers = {"policy": m.policy_optimizer}
+    schedulers = {"policy": m.policy_scheduler}
+    if m.critic is not None:
+        models["critic"], optimizers["critic"], schedulers["critic"] = m.critic, m.critic_optimizer, m.critic_scheduler
+    return models, optimizers, schedulers
+
+
+def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
+    """A checkpoint after ``done`` steps (collective): models, optimizers, schedulers, counters; RNG per rank."""
+    models, optimizers, schedulers = _checkpoint_state(trainer)
+    extra = {
+        "step": done,
+        "data_position": done * trainer.cfg.rollout.prompts_per_step,  # prompt groups consumed
+        "nonfinite": {"policy": [trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row],
+                      "critic": [trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row]},
+        "grad_norm_watch": [trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row],
+    }
+    return save_checkpoint(run_dir, done, models=models, optimizers=optimizers, schedulers=schedulers, extra=extra,
+                           keep=trainer.cfg.checkpoint.keep)
+
+
+def resume(trainer: "Trainer", run_dir: Path) -> int:
+    """With ``trainer.resume=auto``, restore the newest complete checkpoint of the run; return the steps done."""
+    if trainer.cfg.trainer.resume != "auto":
+        return 0
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        log(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting fresh")
+        return 0
+    models, optimizers, schedulers = _checkpoint_state(trainer)
+    extra = load_checkpoint(path, models=models, optimizers=optimizers, schedulers=schedulers)
+    per_step = trainer.cfg.rollout.prompts_per_step
+    if extra["data_position"] != extra["step"] * per_step:
+        raise ConfigError(
+            f"{path} consumed {extra['data_position']} prompt groups in {extra['step']} steps, which "
+            f"rollout.prompts_per_step={per_step} does not give: resume with the run's own rollout.prompts_per_step")
+    if extra["step"] > trainer.cfg.trainer.steps:
+        raise ConfigError(f"{path} is after step {extra['step']} but trainer.steps={trainer.cfg.trainer.steps}: "
+                          f"raise trainer.steps to continue this run")
+    trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row = extra["nonfinite"]["policy"]
+    trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row = extra["nonfinite"]["critic"]
+    trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row = extra["grad_norm_watch"]
+    log(f"resumed from {path} after step {extra['step']}")
+    return int(extra["step"])
+
+
+def keep_metrics_before(path: Path, step: int) -> None:
+    """Drop logged steps at or after ``step`` (they are about to be redone after a resume)."""
+    if path.exists():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+def export(trainer: "Trainer", run_dir: Path) -> None:
+    """The final policy (and critic) as Hugging Face folders with safetensors and the tokenizer (collective)."""
+    export_hf(trainer.models.policy, run_dir / "export" / "policy", tokenizer=trainer.tokenizer)
+    if trainer.models.critic is not None:
+        export_hf(trainer.models.critic, run_dir / "export" / "critic", tokenizer=trainer.tokenizer)

@@ -1,0 +1,135 @@
+"""Set-up of one run from its config: the tokenizer, the sharded models and their optimizers, the loss settings.
+
+Every rank runs these collectively, in the same order (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+
+from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model
+from fsdptrain.model.attention import resolve_backend, set_attention
+from fsdptrain.train.optim import build_optimizer, build_scheduler
+from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_tokenizer(cfg: DictConfig):
+    """The bundled tokenizer, or the one in the user's model folder (left padding; pad falls back to EOS)."""
+    if cfg.model.path is None:
+        from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+        return load_bundled_tokenizer()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
+    """The config-built model's transformers config, sized to the tokenizer."""
+    return {
+        "model_type": cfg.model.arch,
+        "vocab_size": len(tokenizer),
+        "hidden_size": cfg.model.hidden_size,
+        "intermediate_size": cfg.model.intermediate_size,
+        "num_hidden_layers": cfg.model.num_layers,
+        "num_attention_heads": cfg.model.num_heads,
+        "num_key_value_heads": cfg.model.num_kv_heads,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": cfg.model.tie_word_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def max_response_length(cfg: DictConfig) -> int:
+    return cfg.data.max_response_length if cfg.data.source == "jsonl" else cfg.rollout.max_new_tokens
+
+
+def loss_scale_factor(cfg: DictConfig) -> float:
+    """The -norm constant: configured, else the configured maximum response length (never a packed row length)."""
+    return float(cfg.loss.loss_scale_factor) if cfg.loss.loss_scale_factor is not None else float(
+        max_response_length(cfg))
+
+
+def needs_reference(cfg: DictConfig) -> bool:
+    return cfg.algorithm.use_kl_loss or cfg.algorithm.kl_in_reward_coef > 0
+
+
+@dataclass
+class Models:
+    policy: torch.nn.Module
+    policy_optimizer: torch.optim.Optimizer
+    policy_scheduler: object
+    critic: Optional[torch.nn.Module] = None
+    critic_optimizer: Optional[torch.optim.Optimizer] = None
+    critic_scheduler: Optional[object] = None
+    reference: Optional[torch.nn.Module] = None
+    backend: str = "sdpa_segments"
+
+
+def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Models:
+    """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend."""
+    source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
+    parallel = dict(mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
+                    reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype],
+                    reshard_after_forward=cfg.parallel.reshard_after_forward,
+                    cpu_offload=cfg.parallel.cpu_offload)
+    seed = cfg.trainer.seed
+    policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing)
+    backend = resolve_backend(cfg.model.attn_backend, device, _DTYPES[cfg.parallel.param_dtype])
+    set_attention(policy, backend)
+    total_steps = cfg.trainer.steps
+    schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=total_steps,
+                    schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
+    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, betas=(0.9, 0.999), weight_decay=cfg.trainer.weight_decay,
+                                eps=1e-8)
+    models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),
+                    backend=backend)
+    if cfg.algorithm.use_critic:
+        backbone = {}
+        if cfg.model.value_init == "policy":
+            backbone = (dict(backbone_from_path=cfg.model.path) if cfg.model.path else
+                        dict(backbone_from_config=source["config"], backbone_seed=seed))
+        critic = build_value_model(**source, **parallel, seed=seed + 1,
+                                   activation_checkpointing=cfg.parallel.activation_checkpointing, **backbone)
+        set_attention(critic, backend)
+        critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, betas=(0.9, 0.999),
+                                     weight_decay=cfg.trainer.weight_decay, eps=1e-8)
+        models.critic, models.critic_optimizer = critic, critic_opt
+        models.critic_scheduler = build_scheduler(critic_opt, **schedule)
+    if needs_reference(cfg):
+        reference = build_reference_model(**source, **parallel, seed=seed)
+        set_attention(reference, backend)
+        models.reference = reference
+    return models
+
+
+def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
+    alg = cfg.algorithm
+    return PolicyLossSettings(
+        agg_mode=cfg.loss.agg_mode, clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
+        clip_ratio_c=alg.clip_ratio_c, seq_level_ratio=alg.seq_level_ratio, kl_coef=alg.kl_loss_coef,
+        kl_estimator=alg.kl_estimator, entropy_coef=alg.entropy_coef, temperature=cfg.rollout.temperature,
+        chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss),
+    )
+
+
+def value_settings(cfg: DictConfig) -> ValueLossSettings:
+    return ValueLossSettings(agg_mode=cfg.loss.agg_mode, cliprange_value=cfg.algorithm.cliprange_value)
+
+
+def resolve_device_type(cfg: DictConfig) -> str:
+    if cfg.trainer.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.trainer.device
