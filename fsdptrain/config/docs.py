@@ -10,8 +10,8 @@ import ast
 import dataclasses
 import inspect
 
-from fsdptrain import config as config_module
 from fsdptrain.config import SCHEMA_GROUPS
+from fsdptrain.config import schema as config_module
 
 GROUP_INTROS = {
     "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config.",
@@ -58,7 +58,7 @@ def render_configuration_md() -> str:
     lines = [
         "# Configuration",
         "",
-        "Generated from `fsdptrain/config/__init__.py` by `python scripts/gen_config_docs.py`; a test keeps it in step.",
+        "Generated from `fsdptrain/config/schema.py` by `python scripts/gen_config_docs.py`; a test keeps it in step.",
         "",
         "Set any field on the command line as `group.field=value` (`fsdptrain train trainer.steps=5`), pick a preset",
         "with `group=name` (`algorithm=grpo`, `data=jsonl`, `model=local`), print the result with `--cfg`, or bring",

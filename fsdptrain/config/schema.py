@@ -1,0 +1,257 @@
+"""The typed configuration schema, registered with hydra's ConfigStore.
+
+Every group of ``conf/`` has a dataclass here; each field carries a one-line attribute docstring (the string literal
+right below it), which ``docs/configuration.md`` mirrors and a test keeps in step. Choices are plain strings (an Enum
+would reject the hyphenated names users type, such as ``token-sum``); :mod:`fsdptrain.config.validate` checks them
+right after composition. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
+ALGORITHM_NAMES = ("ppo", "grpo")
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "cosine")
+DATA_SOURCES = ("task", "jsonl")
+TASKS = ("repeat_digit", "copy_digits", "reverse_digits", "sort_digits")
+DEVICES = ("auto", "cpu", "cuda")
+RESUME_MODES = ("never", "auto")
+VALUE_INITS = ("policy", "seed")
+MODEL_ARCHS = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local Hugging Face model folder (weights + config + tokenizer); null builds the tiny model below from its config."""
+    arch: str = "llama"
+    """Architecture of the config-built model when `path` is null."""
+    hidden_size: int = 64
+    """Hidden width of the config-built model."""
+    num_layers: int = 2
+    """Decoder layers of the config-built model."""
+    num_heads: int = 4
+    """Attention heads of the config-built model."""
+    num_kv_heads: int = 2
+    """Key/value heads of the config-built model (grouped-query attention when below num_heads)."""
+    intermediate_size: int = 128
+    """MLP width of the config-built model."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the output projection (config-built model)."""
+    attn_backend: str = "auto"
+    """Packed attention for training forwards: auto, flash_attn, torch_varlen or sdpa_segments (generation uses sdpa)."""
+    value_init: str = "policy"
+    """Where the value model's backbone starts: policy (copy of the policy's weights) or seed (fresh init)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "ppo"
+    """Preset name, for the record: ppo or grpo."""
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae (needs the value model), grpo or rloo (group baselines, no value model)."""
+    use_critic: bool = True
+    """Train a value model (PPO). GAE requires it."""
+    gamma: float = 1.0
+    """Discount for GAE."""
+    lam: float = 1.0
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages with mean and variance taken over the whole global batch."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's standard deviation (false gives Dr. GRPO's mean-only baseline)."""
+    ppo_epochs: int = 1
+    """Passes over each step's experience."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_ratio_high."""
+    clip_ratio_c: Optional[float] = 3.0
+    """Dual-clip bound for negative advantages (> 1); null turns dual-clip off."""
+    seq_level_ratio: bool = False
+    """Use the sequence-level importance ratio (GSPO) instead of the per-token one."""
+    cliprange_value: float = 0.2
+    """Value clipping range around the old values."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the policy loss."""
+    use_kl_loss: bool = False
+    """Add a KL penalty to a frozen reference policy to the loss (builds the reference model)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss term."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1, k2 or k3 (low variance)."""
+    kl_in_reward_coef: float = 0.0
+    """Per-token KL penalty subtracted from the reward (0 turns it off; needs the reference model)."""
+
+
+@dataclass
+class LossConfig:
+    agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean."""
+    loss_scale_factor: Optional[float] = None
+    """Constant divisor of seq-mean-token-sum-norm; null uses the configured maximum response length."""
+    logprob_chunk_size: int = 256
+    """Tokens per chunk of the fused output projection (bounds the logits held at once)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "task"
+    """Where experience comes from: task (built-in task, the policy generates) or jsonl (offline rollouts)."""
+    task: str = "repeat_digit"
+    """Built-in task when source=task: repeat_digit, copy_digits, reverse_digits or sort_digits."""
+    path: Optional[str] = None
+    """JSONL file of offline rollouts when source=jsonl."""
+    max_response_length: Optional[int] = None
+    """Declared maximum response length of offline rollouts (required for source=jsonl)."""
+    skip_bad_rows: bool = False
+    """Offline data: skip and count malformed rows instead of stopping with an error."""
+    num_eval_prompts: int = 32
+    """Held-out prompts for the greedy evaluation reward."""
+    seed: int = 1234
+    """Seed of the task's prompt stream."""
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16
+    """Prompts per training step, across all ranks."""
+    n: int = 4
+    """Samples per prompt (a group; never split across ranks)."""
+    max_new_tokens: int = 6
+    """Largest response length generated."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs in training use the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    """Number of training steps."""
+    seed: int = 0
+    """Seed for model init and sampling."""
+    mini_batches_per_step: int = 1
+    """Optimizer steps per epoch: the step's prompt groups are split into this many mini-batches."""
+    token_budget: int = 2048
+    """Most tokens in one packed micro-batch on one rank."""
+    lr: float = 5.0e-3
+    """Policy learning rate."""
+    critic_lr: float = 5.0e-3
+    """Value model learning rate."""
+    lr_schedule: str = "constant"
+    """Learning-rate schedule after warmup: constant or cosine."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of the peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Policy gradient-norm clip (0 turns clipping off; the norm is still logged)."""
+    critic_grad_clip: float = 1.0
+    """Value model gradient-norm clip (0 turns clipping off)."""
+    max_nonfinite_in_a_row: int = 3
+    """Stop the run after this many consecutive steps skipped for a non-finite gradient norm."""
+    grad_norm_warn_factor: float = 10.0
+    """Warn when the pre-clip grad norm stays above this factor times the clip threshold for 5 steps."""
+    eval_every: int = 25
+    """Greedy evaluation every this many steps (0 turns it off)."""
+    run_name: Optional[str] = None
+    """Run name; null uses a timestamp. Naming it keeps the run directory stable across invocations."""
+    run_dir: Optional[str] = None
+    """Run directory; null means runs/<run_name> under the current directory."""
+    resume: str = "never"
+    """Resume: never, or auto (newest complete checkpoint in the run directory)."""
+    device: str = "auto"
+    """Device: auto (cuda when available), cpu or cuda."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """HSDP replica groups (1 = plain FSDP)."""
+    dp_shard: str = "auto"
+    """Ranks each replica shards over; auto = world size / dp_replicate."""
+    param_dtype: str = "float32"
+    """Dtype of unsharded parameters in forward/backward (MixedPrecisionPolicy)."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter (MixedPrecisionPolicy)."""
+    reshard_after_forward: bool = True
+    """Free unsharded parameters after each layer's forward (trades memory for an all-gather in backward)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on the CPU (GPU runs only)."""
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    tensorboard: bool = False
+    """Also write TensorBoard events when tensorboard is installed."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0 turns periodic checkpoints off)."""
+    keep: int = 2
+    """Keep this many newest checkpoints."""
+
+
+@dataclass
+class CheckConfig:
+    rtol: float = 1.0e-5
+    """check-metrics: relative tolerance of every comparison."""
+    atol: float = 1.0e-6
+    """check-metrics: absolute tolerance of every comparison."""
+    simulated_dp: int = 2
+    """check-metrics: data-parallel size simulated in one process."""
+    num_prompts: int = 4
+    """check-metrics: prompt groups in the checked mini-batch (at most rollout.prompts_per_step; >= the ranks)."""
+    masked_fixture: bool = True
+    """check-metrics: add a prompt-only sequence (no response token) so empty-extremum sentinels show."""
+    negative_values: bool = True
+    """check-metrics: shift the critic's outputs below zero for the check, so a 0.0 sentinel would win values_max."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+
+
+SCHEMA_GROUPS = {
+    "model": ModelConfig,
+    "algorithm": AlgorithmConfig,
+    "loss": LossConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "parallel": ParallelConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+    "check": CheckConfig,
+}
+
+
+def register_schemas() -> None:
+    """Register the root schema; ``conf/config.yaml`` lists it first, so every YAML preset and override merged on top
+    of it is type-checked (an unknown key or a wrong type fails composition)."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
