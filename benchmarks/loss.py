@@ -32,10 +32,11 @@ import time
 
 import torch
 
+from fsdptrain.check.oracles import per_sequence_policy_loss
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss, per_sequence_policy_loss
+from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}
 

@@ -3,7 +3,7 @@
 Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-batch, back to back.
 
 Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
-:func:`~fsdptrain.train.packed_loss.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
+:func:`~fsdptrain.check.oracles.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
 the contract of design section 3 with the batch's own counts N (response tokens) and S (sequences with a response
 token), then backward, one sequence at a time:
 
@@ -26,13 +26,9 @@ import torch
 from torch import Tensor
 
 from fsdptrain.check.batch import RolloutFacts
+from fsdptrain.check.oracles import reference_policy_outputs, reference_values
 from fsdptrain.rl.policy import kl_penalty
-from fsdptrain.train.packed_loss import (
-    PolicyLossSettings,
-    ValueLossSettings,
-    reference_policy_outputs,
-    reference_values,
-)
+from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
 _LOG_RATIO_CLAMP = 20.0

@@ -41,6 +41,7 @@ from fsdptrain.check.layouts import (
     real_ranks,
     token_mean_grad_norm,
 )
+from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
@@ -48,13 +49,8 @@ from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.train.loop import resolve_device_type
-from fsdptrain.train.packed_loss import (
-    packed_policy_loss,
-    packed_value_loss,
-    per_sequence_policy_loss,
-    per_sequence_value_loss,
-)
+from fsdptrain.train.packed_loss import packed_policy_loss, packed_value_loss
+from fsdptrain.train.setup import resolve_device_type
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"

@@ -23,14 +23,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import (
-    _config_for,
-    _load_full_weights,
-    _meta_model,
-    _non_persistent_buffers,
-    parallelize,
-    resolve_config,
-)
+from fsdptrain.distributed.fsdp import _load_full_weights, parallelize
+from fsdptrain.model.build import config_for, meta_model, non_persistent_buffers, resolve_config
 from fsdptrain.model.reward_model import HEAD, RewardModelSpec, _meta_reward_model, load_full_reward_model
 
 # Config fields that change a decoder's math without changing a weight's shape: they must agree for the critic to
@@ -97,7 +91,7 @@ def build_reward_model(
 
     def load():
         full = load_full_reward_model(spec)
-        return full.state_dict(), _non_persistent_buffers(full)
+        return full.state_dict(), non_persistent_buffers(full)
 
     full_state_dict, buffers = _on_rank0(load)
     model = _shard_and_fill(_meta_reward_model(spec.config), full_state_dict=full_state_dict, buffers=buffers,
@@ -134,7 +128,7 @@ def value_state_dict_from_reward_model(
     Raises ConfigError naming both architectures when the math fields or any weight's shape differ.
     """
     mismatch = [f for f in _MATH_FIELDS if getattr(reward_config, f, None) != getattr(value_config, f, None)]
-    expected = _meta_model("value", value_config).state_dict()
+    expected = meta_model("value", value_config).state_dict()
     out = {name: tensor for name, tensor in reward_state_dict.items() if name in expected}
     bias = f"{HEAD}.bias"
     if bias in expected and bias not in out:
@@ -181,16 +175,16 @@ def build_value_model_from_reward_model(
     Collective.
     """
     check_same_vocabulary(spec, policy_tokenizer)
-    value_config = _config_for("value", resolve_config(path=path, config=config))
+    value_config = config_for("value", resolve_config(path=path, config=config))
 
     def load():
         full = load_full_reward_model(spec)
         state = value_state_dict_from_reward_model(full.state_dict(), reward_config=spec.config,
                                                    value_config=value_config, reward_path=spec.path)
-        return state, _non_persistent_buffers(full)
+        return state, non_persistent_buffers(full)
 
     full_state_dict, buffers = _on_rank0(load)
-    model = _shard_and_fill(_meta_model("value", value_config), full_state_dict=full_state_dict, buffers=buffers,
+    model = _shard_and_fill(meta_model("value", value_config), full_state_dict=full_state_dict, buffers=buffers,
                             mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                             reshard_after_forward=reshard_after_forward,
                             activation_checkpointing=activation_checkpointing, cpu_offload=cpu_offload)

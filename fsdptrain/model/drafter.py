@@ -43,8 +43,8 @@ from transformers import LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from fsdptrain.data.packing import PackedBatch
-from fsdptrain.distributed.fsdp import decoder_layers
 from fsdptrain.model.attention import packed_model_inputs
+from fsdptrain.model.build import decoder_layers
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 """The architecture name both engines map to their EAGLE-3 Llama head (vLLM also accepts Eagle3LlamaForCausalLM)."""
@@ -293,7 +293,7 @@ def _first_tensor(args, kwargs) -> Tensor:
 
 def capture_policy_features(model: nn.Module, packed: PackedBatch, *, feature_layers: Sequence[int]) -> PolicyFeatures:
     """One forward of the ROOT policy model over the packed row, capturing by hooks (they only read and detach, so
-    the policy's graph, and hence its gradients, are those of `fsdptrain.train.packed_loss._final_hidden_states`)."""
+    the policy's graph, and hence its gradients, are those of `fsdptrain.train.packed_loss.final_hidden_states`)."""
     captured: dict = {}
     layers = decoder_layers(model)
     handles = []

@@ -33,8 +33,8 @@ from transformers import (
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackedBatch, pack_sequences
-from fsdptrain.distributed.fsdp import _zero_dropout_in_config, _zero_dropout_modules
 from fsdptrain.model.attention import BACKENDS, packed_model_inputs
+from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""
@@ -96,7 +96,7 @@ def _load_config(folder: Path, where: str) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # corrupt JSON, unknown model_type, custom code: all the user's folder
         raise ConfigError(f"{where}: cannot read config.json ({type(err).__name__}: {_first_line(err)})") from err
-    _zero_dropout_in_config(config)
+    zero_dropout_in_config(config)
     return config
 
 
@@ -175,7 +175,7 @@ def _first_line(err: Exception) -> str:
 def _meta_reward_model(config: PretrainedConfig) -> PreTrainedModel:
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    _zero_dropout_modules(model)
+    zero_dropout_modules(model)
     return model
 
 
@@ -194,7 +194,7 @@ def load_full_reward_model(spec: RewardModelSpec) -> PreTrainedModel:
         raise ConfigError(f"{where}: cannot load its weights ({type(err).__name__}: {_first_line(err)})") from err
     if info.get("missing_keys"):
         raise ConfigError(f"{where}: its weights lack {sorted(info['missing_keys'])[:3]} (and maybe more)")
-    _zero_dropout_modules(model)
+    zero_dropout_modules(model)
     model.requires_grad_(False)
     return model.eval()
 

@@ -30,15 +30,13 @@ training-time-test (multi-step unrolled) passes: one draft step.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model.attention import generation_attention
-from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode, count_tokens_and_seqs
-from fsdptrain.rl.metrics import Loss, Mean, Metrics, merge_all
+from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode
+from fsdptrain.rl.metrics import Loss, Mean, Metrics
 
 DRAFT_ON = ("response", "all")
 ACCEPT_WINDOW = 3
@@ -69,17 +67,6 @@ def draft_mask(label_mask_T: Tensor, response_mask_T: Tensor, *, on: str) -> Ten
     label_T, response_T = label_mask_T.reshape(-1).bool(), response_mask_T.reshape(-1).bool()
     later_T = _next(response_T if on == "response" else label_T, 1, False)
     return (label_T & later_T).reshape(shape)
-
-
-def packed_draft_mask(packed: PackedBatch, *, on: str) -> Tensor:
-    """`draft_mask` of a pack's row, `[T]`."""
-    return draft_mask(packed.label_mask[0], packed.response_mask[0], on=on)
-
-
-def count_draft_tokens_and_seqs(packed: PackedBatch, *, on: str) -> tuple[int, int]:
-    """(scored draft positions, sequences with at least one) of one pack: what the train step all-reduces into the
-    draft loss's own `LossNormalizers` (never the policy's: the masks differ)."""
-    return count_tokens_and_seqs(packed_draft_mask(packed, on=on), packed.cu_seqlens)
 
 
 # ---- the chunked soft cross-entropy ----------------------------------------------------------------------------
@@ -245,54 +232,3 @@ def draft_loss(draft_hidden_TH: Tensor, draft_head_DH: Tensor, policy_hidden_TH:
 # ---- the per-sequence reference ------------------------------------------------------------------------------
 
 
-def _sequence_draft_mask(num_prompt: int, num_tokens: int, on: str) -> Tensor:
-    t = torch.arange(num_tokens)
-    ok = t + 2 < num_tokens
-    return ok & (t + 2 >= num_prompt) if on == "response" else ok
-
-
-def reference_draft_outputs(policy, drafter, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
-                            temperature: float) -> tuple[Tensor, Tensor]:
-    """One sequence alone, unfused: (draft logits `[n, D]`, teacher logits `[n, D]`), both / temperature, row t of
-    both scoring token t+2 (rows whose t+2 does not exist hold the teacher of the last row; they are masked).
-
-    The policy runs unpacked on sdpa and returns every hidden state (`output_hidden_states`: entry i is the input of
-    decoder layer i, the convention of `drafter.feature_layers`); its FULL logits are sliced to the draft columns.
-    The drafter runs on sdpa over the sequence alone, with the next token's embedding (zero at the last position).
-    `drafter` needs: `feature_layers`, `draft_to_target`, `attention(name)`, `forward(features, embeds,
-    position_ids=...)`, `compute_logits(hidden)`.
-    """
-    device = next(policy.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=device)
-    num_tokens = ids.shape[1]
-    with torch.no_grad(), generation_attention(policy):
-        out = policy(input_ids=ids, use_cache=False, output_hidden_states=True)
-        embeds_nH = policy.get_input_embeddings()(ids)[0]
-    features_nK = torch.cat([out.hidden_states[i][0] for i in drafter.feature_layers], dim=-1)
-    next_embeds_nH = torch.cat([embeds_nH[1:], embeds_nH.new_zeros(1, embeds_nH.shape[-1])])
-    columns = drafter.draft_to_target.to(device)
-    teacher_nD = out.logits[0][:, columns].float() / temperature
-    teacher_nD = torch.cat([teacher_nD[1:], teacher_nD[-1:]])
-    position_ids = torch.arange(num_tokens, device=device)[None]
-    with drafter.attention("sdpa"):
-        hidden_nH = drafter(features_nK, next_embeds_nH, position_ids=position_ids)
-    draft_nD = drafter.compute_logits(hidden_nH).float() / temperature
-    return draft_nD, teacher_nD
-
-
-def per_sequence_draft_loss(policy, drafter, prompts, responses, *, norms: LossNormalizers, agg_mode: str, on: str,
-                            temperature: float) -> tuple[Tensor, Metrics]:
-    """The oracle: each sequence alone (`reference_draft_outputs`), plain softmax soft CE, `agg_loss` of its `[1, n]`
-    row with the mini-batch's global draft normalisers, summed over sequences; metrics merged."""
-    total: Optional[Tensor] = None
-    collected = []
-    for prompt_ids, response_ids in zip(prompts, responses):
-        draft_nD, teacher_nD = reference_draft_outputs(policy, drafter, prompt_ids, response_ids,
-                                                       temperature=temperature)
-        mask_n = _sequence_draft_mask(len(prompt_ids), draft_nD.shape[0], on).to(draft_nD.device)
-        ce_n, agree_n, accept_n = soft_cross_entropy_from_logits(draft_nD, teacher_nD)
-        loss = agg_loss_with(ce_n[None], mask_n[None], agg_mode, norms)
-        total = loss if total is None else total + loss
-        collected.append(draft_metrics(loss, agree_n, accept_n, mask_n, norms.dp_size))
-    assert total is not None, "the reference needs at least one sequence"
-    return total, merge_all(collected)

@@ -6,8 +6,8 @@ the same sequence), `_R` one sequence's response tokens.
 One forward of the packed row `[1, T]` gives the final hidden states; the output projection is applied chunk by chunk
 (:func:`chunked_logprobs_entropy`), so neither the `[T, V]` logits nor their gradient exist at once. The loss is then
 computed once over the row by the layout-aware policy and value losses with `cu_seqlens`: there is no Python loop
-over the sequences of a pack. The per-sequence functions at the bottom are the reference (one sequence at a time
-through the unpacked model, naive log-softmax) that tests and `check-metrics` compare against.
+over the sequences of a pack. The per-sequence oracle that tests and check-metrics compare against is
+fsdptrain/check/oracles.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 
 from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model.attention import generation_attention, packed_model_inputs
-from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.model.forward import final_hidden_states, value_token_outputs
+from fsdptrain.rl.aggregate import LossNormalizers, count_tokens_and_seqs
+from fsdptrain.rl.draft_loss import draft_mask
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
-from fsdptrain.rl.metrics import Metrics, merge_all
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
+from fsdptrain.rl.metrics import Metrics
+from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.value import value_loss
 
 
@@ -79,44 +80,19 @@ def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedBatch, *, devic
     return out_T
 
 
-def _final_hidden_states(model, packed: PackedBatch) -> Tensor:
-    """`[T, H]` hidden states after the final norm, from one forward of the ROOT model (so FSDP's root hooks run).
-
-    The decoder's output is captured with a forward hook; ``logits_to_keep=1`` keeps the model's own projection to one
-    position, whose logits are not used.
-    """
-    captured: dict[str, Tensor] = {}
-
-    def keep_output(_module, _inputs, output):
-        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-
-    handle = model.get_decoder().register_forward_hook(keep_output)
-    try:
-        model(**packed_model_inputs(packed), logits_to_keep=1)
-    finally:
-        handle.remove()
-    return captured["hidden"][0]
-
-
 def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
                          compute_entropy: bool = True) -> tuple[Tensor, Optional[Tensor]]:
     """Per-token log-prob of the next token and the policy's entropy over the packed row: `([T], [T] or None)`.
 
     Positions with no next token (each sequence's last, the padding tail) get target id 0; the losses mask them.
     """
-    hidden_TH = _final_hidden_states(model, packed)
+    hidden_TH = final_hidden_states(model, packed)
     head = model.get_output_embeddings()
     targets_T = torch.where(packed.label_mask[0], packed.labels[0], torch.zeros_like(packed.labels[0]))
     return chunked_logprobs_entropy(
         hidden_TH, head.weight, targets_T.to(hidden_TH.device), temperature=temperature, chunk_size=chunk_size,
         bias_V=head.bias, compute_entropy=compute_entropy,
     )
-
-
-def value_token_outputs(model, packed: PackedBatch) -> Tensor:
-    """Per-token values `[T]` of a token-classification value model (one label) over the packed row, float32."""
-    out = model(**packed_model_inputs(packed))
-    return out.logits[0, :, 0].float()
 
 
 def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
@@ -174,79 +150,12 @@ def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets],
 # ---- the per-sequence reference --------------------------------------------------------------------------------
 
 
-def _sequence_ids(prompt_ids: Sequence[int], response_ids: Sequence[int], device) -> Tensor:
-    return torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=device)
+def packed_draft_mask(packed: PackedBatch, *, on: str) -> Tensor:
+    """`draft_mask` of a pack's row, `[T]`."""
+    return draft_mask(packed.label_mask[0], packed.response_mask[0], on=on)
 
 
-def reference_policy_outputs(model, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
-                             temperature: float) -> tuple[Tensor, Tensor]:
-    """One sequence through the unpacked model (sdpa, its own forward): response log-probs and entropy `[R]`.
-
-    Uses the full logits and a plain log-softmax: the slow, obviously-correct path.
-    """
-    device = next(model.parameters()).device
-    ids = _sequence_ids(prompt_ids, response_ids, device)
-    num_prompt, num_response = len(prompt_ids), len(response_ids)
-    with generation_attention(model):
-        logits = model(input_ids=ids, use_cache=False).logits[0]
-    scaled = logits[num_prompt - 1: num_prompt - 1 + num_response].float() / temperature
-    targets_R = ids[0, num_prompt: num_prompt + num_response]
-    logprobs_R = torch.log_softmax(scaled, dim=-1).gather(-1, targets_R[:, None])[:, 0]
-    return logprobs_R, entropy_from_logits(scaled)
-
-
-def reference_values(model, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> Tensor:
-    """One sequence through the unpacked value model: values at its response-scoring positions `[R]`."""
-    device = next(model.parameters()).device
-    ids = _sequence_ids(prompt_ids, response_ids, device)
-    num_prompt, num_response = len(prompt_ids), len(response_ids)
-    with generation_attention(model):
-        values = model(input_ids=ids, use_cache=False).logits[0, :, 0].float()
-    return values[num_prompt - 1: num_prompt - 1 + num_response]
-
-
-def per_sequence_policy_loss(model, prompts, responses, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                             settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
-    """The reference: each sequence alone through the unpacked model, its loss with the global normalisers, summed.
-
-    Summing per-sequence losses computed with the mini-batch's global counts is exact for every aggregation mode
-    (each mode is a sum over sequences once its denominator is global), so this equals the packed loss.
-    """
-    total: Optional[Tensor] = None
-    collected = []
-    for prompt_ids, response_ids, target in zip(prompts, responses, targets):
-        logprobs_R, entropy_R = reference_policy_outputs(model, prompt_ids, response_ids,
-                                                         temperature=settings.temperature)
-        mask_R = torch.ones_like(logprobs_R, dtype=torch.bool)
-        use_kl = settings.use_reference
-        loss, metrics = policy_loss(
-            logprobs_R[None], target.old_logprobs[None].to(logprobs_R), target.advantages[None].to(logprobs_R),
-            mask_R[None], norms=norms, agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low,
-            clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
-            seq_level_ratio=settings.seq_level_ratio,
-            ref_logprobs=target.ref_logprobs[None].to(logprobs_R) if use_kl else None,
-            kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
-            entropy=entropy_R[None], entropy_coef=settings.entropy_coef,
-        )
-        total = loss if total is None else total + loss
-        collected.append(metrics)
-    assert total is not None, "the reference needs at least one sequence"
-    return total, merge_all(collected)
-
-
-def per_sequence_value_loss(model, prompts, responses, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                            settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
-    """The value-loss reference: each sequence alone through the unpacked value model, summed (see above)."""
-    total: Optional[Tensor] = None
-    collected = []
-    for prompt_ids, response_ids, target in zip(prompts, responses, targets):
-        values_R = reference_values(model, prompt_ids, response_ids)
-        mask_R = torch.ones_like(values_R, dtype=torch.bool)
-        loss, metrics = value_loss(
-            values_R[None], target.old_values[None].to(values_R), target.returns[None].to(values_R), mask_R[None],
-            norms=norms, agg_mode=settings.agg_mode, cliprange_value=settings.cliprange_value,
-        )
-        total = loss if total is None else total + loss
-        collected.append(metrics)
-    assert total is not None, "the reference needs at least one sequence"
-    return total, merge_all(collected)
+def count_draft_tokens_and_seqs(packed: PackedBatch, *, on: str) -> tuple[int, int]:
+    """(scored draft positions, sequences with at least one) of one pack: what the train step all-reduces into the
+    draft loss's own `LossNormalizers` (never the policy's: the masks differ)."""
+    return count_tokens_and_seqs(packed_draft_mask(packed, on=on), packed.cu_seqlens)

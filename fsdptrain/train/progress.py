@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import describe_model_memory
+from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
 from fsdptrain.train.setup import max_response_length
 

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model
 from fsdptrain.model.attention import resolve_backend, set_attention
+from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.train.optim import build_optimizer, build_scheduler
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 
@@ -35,8 +36,10 @@ def build_tokenizer(cfg: DictConfig):
 
 
 def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
-    """The config-built model's transformers config, sized to the tokenizer."""
+    """The config-built model's transformers config: ``TINY_CONFIG`` with the sizes of ``cfg.model``, sized to the
+    tokenizer."""
     return {
+        **TINY_CONFIG,
         "model_type": cfg.model.arch,
         "vocab_size": len(tokenizer),
         "hidden_size": cfg.model.hidden_size,
@@ -44,7 +47,6 @@ def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
         "num_hidden_layers": cfg.model.num_layers,
         "num_attention_heads": cfg.model.num_heads,
         "num_key_value_heads": cfg.model.num_kv_heads,
-        "max_position_embeddings": 1024,
         "tie_word_embeddings": cfg.model.tie_word_embeddings,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,

@@ -9,10 +9,11 @@ import torch
 from omegaconf import DictConfig
 
 from fsdptrain.data.offline import get_task, load_jsonl_rollouts, task_prompts
-from fsdptrain.data.rollout import Rollout, generate_responses
+from fsdptrain.data.rollout import Rollout
 from fsdptrain.data.tasks import reward as task_reward
 from fsdptrain.distributed import world
 from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.generate import generate_responses
 from fsdptrain.train.setup import Models
 
 

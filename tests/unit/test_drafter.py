@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
 from fsdptrain.model.drafter import (
@@ -27,19 +28,19 @@ from fsdptrain.model.drafter import (
     teacher_head_rows,
 )
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.draft_loss import (
-    count_draft_tokens_and_seqs,
-    draft_loss,
-    draft_mask,
-    expected_accept_len,
-    packed_draft_mask,
-    per_sequence_draft_loss,
-)
+from fsdptrain.rl.draft_loss import draft_loss, draft_mask, expected_accept_len
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.rl.names import AGG_MODES
 from fsdptrain.rl.policy import policy_loss
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss, scatter_responses
+from fsdptrain.train.packed_loss import (
+    PolicyLossSettings,
+    SeqTargets,
+    count_draft_tokens_and_seqs,
+    packed_draft_mask,
+    packed_policy_loss,
+    scatter_responses,
+)
 
 VOCAB = 32
 # the fourth and sixth sequences are shorter than the shift (lengths 2 and 1), the fifth has a one-token response

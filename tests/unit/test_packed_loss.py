@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
+from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss, reference_policy_outputs
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
@@ -17,9 +18,6 @@ from fsdptrain.train.packed_loss import (
     ValueLossSettings,
     packed_policy_loss,
     packed_value_loss,
-    per_sequence_policy_loss,
-    per_sequence_value_loss,
-    reference_policy_outputs,
     scatter_responses,
 )
 

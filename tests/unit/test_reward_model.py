@@ -14,13 +14,13 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed import world as fdist
-from fsdptrain.distributed.fsdp import TINY_CONFIG, _config_for, resolve_config
 from fsdptrain.distributed.reward_model import (
     build_reward_model,
     build_value_model_from_reward_model,
     value_state_dict_from_reward_model,
 )
 from fsdptrain.model.attention import packed_attention, set_attention
+from fsdptrain.model.build import TINY_CONFIG, config_for, resolve_config
 from fsdptrain.model.reward_model import (
     load_full_reward_model,
     load_reward_model_spec,
@@ -207,7 +207,7 @@ def test_scoring_refuses_an_attention_that_crosses_sequences(folders):
 
 
 def _value_config():
-    return _config_for("value", resolve_config(path=None, config=TINY_CONFIG))
+    return config_for("value", resolve_config(path=None, config=TINY_CONFIG))
 
 
 def test_the_critic_from_a_reward_model_scores_each_last_token_as_the_reward_model(folders):

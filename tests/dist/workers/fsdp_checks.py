@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed import fsdp as models
+from fsdptrain.model import build as model_build
 from fsdptrain.train import optim
 
 VOCAB, SEQ_LEN = 128, 12
@@ -41,7 +42,7 @@ ADAM_EPS = 1e-3
 
 
 def llama_config(tied: bool) -> dict:
-    return {**models.TINY_CONFIG, "tie_word_embeddings": tied}
+    return {**model_build.TINY_CONFIG, "tie_word_embeddings": tied}
 
 
 def global_batch():
@@ -224,7 +225,7 @@ def check_policy(variant: dict, *, mesh, info, refs: dict) -> dict:
     out["stepped_weights"] = compare(models.gather_full_state_dict(model, rank0_only=False), ref["weights"])
     if variant is VARIANTS["tied"]:
         out["nonfinite_skip"] = check_nonfinite_skip(model, opt, mesh=mesh, info=info)
-        out["memory"] = models.describe_model_memory(model, num_shards=dp)
+        out["memory"] = model_build.describe_model_memory(model, num_shards=dp)
     return out
 
 

@@ -1,0 +1,95 @@
+"""The per-sequence oracle: each sequence alone through the unpacked model (sdpa, full logits, plain log-softmax),
+its loss with the mini-batch's global normalisers, summed. The slow, obviously correct path that tests and
+check-metrics compare the fused packed loss against."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from fsdptrain.model.attention import generation_attention
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.rl.policy import entropy_from_logits, policy_loss
+from fsdptrain.rl.value import value_loss
+from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+
+
+def _sequence_ids(prompt_ids: Sequence[int], response_ids: Sequence[int], device) -> Tensor:
+    return torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=device)
+
+
+def reference_policy_outputs(model, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
+                             temperature: float) -> tuple[Tensor, Tensor]:
+    """One sequence through the unpacked model (sdpa, its own forward): response log-probs and entropy `[R]`.
+
+    Uses the full logits and a plain log-softmax: the slow, obviously-correct path.
+    """
+    device = next(model.parameters()).device
+    ids = _sequence_ids(prompt_ids, response_ids, device)
+    num_prompt, num_response = len(prompt_ids), len(response_ids)
+    with generation_attention(model):
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+    scaled = logits[num_prompt - 1: num_prompt - 1 + num_response].float() / temperature
+    targets_R = ids[0, num_prompt: num_prompt + num_response]
+    logprobs_R = torch.log_softmax(scaled, dim=-1).gather(-1, targets_R[:, None])[:, 0]
+    return logprobs_R, entropy_from_logits(scaled)
+
+
+def reference_values(model, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> Tensor:
+    """One sequence through the unpacked value model: values at its response-scoring positions `[R]`."""
+    device = next(model.parameters()).device
+    ids = _sequence_ids(prompt_ids, response_ids, device)
+    num_prompt, num_response = len(prompt_ids), len(response_ids)
+    with generation_attention(model):
+        values = model(input_ids=ids, use_cache=False).logits[0, :, 0].float()
+    return values[num_prompt - 1: num_prompt - 1 + num_response]
+
+
+def per_sequence_policy_loss(model, prompts, responses, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                             settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
+    """The reference: each sequence alone through the unpacked model, its loss with the global normalisers, summed.
+
+    Summing per-sequence losses computed with the mini-batch's global counts is exact for every aggregation mode
+    (each mode is a sum over sequences once its denominator is global), so this equals the packed loss.
+    """
+    total: Optional[Tensor] = None
+    collected = []
+    for prompt_ids, response_ids, target in zip(prompts, responses, targets):
+        logprobs_R, entropy_R = reference_policy_outputs(model, prompt_ids, response_ids,
+                                                         temperature=settings.temperature)
+        mask_R = torch.ones_like(logprobs_R, dtype=torch.bool)
+        use_kl = settings.use_reference
+        loss, metrics = policy_loss(
+            logprobs_R[None], target.old_logprobs[None].to(logprobs_R), target.advantages[None].to(logprobs_R),
+            mask_R[None], norms=norms, agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low,
+            clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
+            seq_level_ratio=settings.seq_level_ratio,
+            ref_logprobs=target.ref_logprobs[None].to(logprobs_R) if use_kl else None,
+            kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
+            entropy=entropy_R[None], entropy_coef=settings.entropy_coef,
+        )
+        total = loss if total is None else total + loss
+        collected.append(metrics)
+    assert total is not None, "the reference needs at least one sequence"
+    return total, merge_all(collected)
+
+
+def per_sequence_value_loss(model, prompts, responses, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                            settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
+    """The value-loss reference: each sequence alone through the unpacked value model, summed (see above)."""
+    total: Optional[Tensor] = None
+    collected = []
+    for prompt_ids, response_ids, target in zip(prompts, responses, targets):
+        values_R = reference_values(model, prompt_ids, response_ids)
+        mask_R = torch.ones_like(values_R, dtype=torch.bool)
+        loss, metrics = value_loss(
+            values_R[None], target.old_values[None].to(values_R), target.returns[None].to(values_R), mask_R[None],
+            norms=norms, agg_mode=settings.agg_mode, cliprange_value=settings.cliprange_value,
+        )
+        total = loss if total is None else total + loss
+        collected.append(metrics)
+    assert total is not None, "the reference needs at least one sequence"
+    return total, merge_all(collected)
