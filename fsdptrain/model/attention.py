@@ -1,470 +1,47 @@
-"""Varlen attention for packed rows, registered with transformers' AttentionInterface when this module is imported.
-
-Legend: `_T` is the packed layout; the attention functions take HF's shapes: query `[1, Hq, T, D]`, key/value
-`[1, Hkv, T, D]` (GQA not expanded) and return `[1, T, Hq, D]`.
+"""Choosing and switching the packed attention backend of a model, registered with transformers' AttentionInterface.
 
 A packed row `[1, T]` holds several sequences (see fsdptrain/data/packing.py). Attention must never cross a sequence
-boundary. Three backends do that, each an `attn_implementation` name any HF decoder accepts unmodified:
-
-- `flash_attn`:    flash-attention's `flash_attn_varlen_func` (package `flash_attn`, CUDA, fp16/bf16).
-- `torch_varlen`:  torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16; it has no CPU kernel).
-- `sdpa_segments`: one `scaled_dot_product_attention(is_causal=True)` per segment; exact, any device and dtype.
+boundary; the backends in fsdptrain/model/varlen.py do that. :func:`register_backends` registers them with
+transformers (an explicit call: :func:`set_attention` makes it, so importing this module changes nothing).
 
 Segments come from the `cu_seq_lens_q/k` kwargs when the caller passes them (`packed_model_inputs` does), else
 from `position_ids` restarting at 0. Model features a backend cannot honour are refused with a ValueError, never
-ignored: `sdpa_segments` honours sliding windows (a band mask per segment), logit soft-capping and attention sinks
-(an explicit softmax per segment), non-causal attention and dropout; the GPU backends honour what their kernels take
-and refuse the rest (the table in docs/packing.md).
+ignored (the table in docs/packing.md).
 
 These backends serve training forwards only (as many queries as keys, no cache, no padding mask): decoding steps with a
-KV cache must run on sdpa, so generation uses `generation_attention` / the model's own implementation and training
-forwards switch with `packed_attention` (platform-notes.md: sdpa's `is_causal` aligns top-left, so a per-segment
-backend would attend a decoding query to key 0 only). A call with a query length different from the key length is
-refused for that reason.
-
-`call_counts()` counts the calls of each backend, so tests can prove a backend actually ran (transformers' own
-packed-mask path on plain sdpa would otherwise give the same numbers).
+KV cache must run on sdpa, so generation uses `generation_attention` and training forwards switch with
+`packed_attention` (sdpa's `is_causal` aligns top-left, so a per-segment backend would attend a decoding query to
+key 0 only; docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-import importlib.util
-import inspect
 import logging
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
 from fsdptrain.data.packing import PackedBatch
+from fsdptrain.model import varlen
+from fsdptrain.model.attention_call import AUTO, BACKENDS, FLASH_ATTN, SDPA_SEGMENTS, TORCH_VARLEN
+from fsdptrain.model.varlen import BACKEND_FUNCTIONS, VarlenKernel, no_mask
 
 logger = logging.getLogger(__name__)
 
-FLASH_ATTN = "flash_attn"
-TORCH_VARLEN = "torch_varlen"
-SDPA_SEGMENTS = "sdpa_segments"
-AUTO = "auto"
-BACKENDS = (FLASH_ATTN, TORCH_VARLEN, SDPA_SEGMENTS)
-"""In the order `auto` prefers them."""
 
-_CALL_COUNTS: collections.Counter[str] = collections.Counter()
+def register_backends() -> None:
+    """Register the packed backends (and their no-op mask builders) with transformers' attention interfaces.
 
-# kwargs some HF models pass that change the attention's math and that no backend here implements
-_UNSUPPORTED_KWARGS = ("position_bias", "head_mask", "indices", "block_indices")
-
-
-def call_counts() -> dict[str, int]:
-    """How many attention-layer calls each backend has served since import (or the last reset)."""
-    return dict(_CALL_COUNTS)
-
-
-def reset_call_counts() -> None:
-    _CALL_COUNTS.clear()
-
-
-# --------------------------------------------------------------------------------------------------------------
-# What a call asks for
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One attention call's request, checked and normalised."""
-
-    backend: str
-    cu_seqlens: torch.Tensor  # int32 [num_segments + 1], covers the whole row
-    max_seqlen: int | None  # None: not given, compute it when needed
-    is_causal: bool
-    scaling: float
-    dropout: float
-    sliding_window: int | None
-    softcap: float | None
-    sinks: torch.Tensor | None  # [Hq], one learned logit per head
-
-    def bounds(self) -> list[int]:
-        return self.cu_seqlens.tolist()
-
-    def longest(self) -> int:
-        if self.max_seqlen is not None:
-            return int(self.max_seqlen)
-        return int(self.cu_seqlens.diff().max().item())
-
-
-def _refuse(backend: str, feature: str, fix: str) -> ValueError:
-    return ValueError(f"attention backend {backend!r} cannot honour {feature}; {fix}")
-
-
-def _segments_from_position_ids(position_ids: torch.Tensor, total_len: int, backend: str) -> torch.Tensor:
-    """int32 cu_seqlens from position ids that count 0, 1, ... within each segment."""
-    pos_T = position_ids.reshape(-1)
-    if pos_T.numel() != total_len:
-        raise ValueError(
-            f"{backend}: position_ids hold {pos_T.numel()} positions for a row of {total_len}; pass position_ids "
-            f"of shape [1, T]"
-        )
-    starts = torch.nonzero(pos_T == 0).flatten()
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError(
-            f"{backend}: position_ids must start at 0 and restart at 0 at every packed sequence (got "
-            f"{pos_T[:8].tolist()}...); build the row with fsdptrain.packing.pack_sequences"
-        )
-    cu = torch.cat([starts, torch.tensor([total_len], device=pos_T.device)])
-    # within a segment the positions must be 0, 1, 2, ...: anything else means the row is not a packed row
-    seg_start_T = torch.repeat_interleave(starts, cu.diff())
-    expected_T = torch.arange(total_len, device=pos_T.device) - seg_start_T
-    if not torch.equal(pos_T, expected_T):
-        raise ValueError(
-            f"{backend}: position_ids do not count up by one from each 0; a packed row needs positions that "
-            f"restart at 0 per sequence and no padding mask"
-        )
-    return cu.to(torch.int32)
-
-
-def _segments(total_len: int, kwargs: dict[str, Any], backend: str) -> tuple[torch.Tensor, int | None]:
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
-        if cu_q is None or cu_k is None or (cu_q is not cu_k and not torch.equal(cu_q, cu_k)):
-            raise _refuse(backend, "different query and key segments", "pass the same cu_seq_lens_q and _k")
-        if cu_q.dim() != 1 or cu_q.numel() < 2:
-            raise ValueError(f"{backend}: cu_seq_lens_q must be 1-D [num_segments + 1], got {tuple(cu_q.shape)}")
-        # the values are checked where that costs no device sync; on CUDA the caller's cu_seqlens are trusted
-        if not cu_q.is_cuda and (int(cu_q[0]) != 0 or int(cu_q[-1]) != total_len):
-            raise ValueError(
-                f"{backend}: cu_seq_lens_q must run from 0 to the row length {total_len} (got {int(cu_q[0])} .. "
-                f"{int(cu_q[-1])}); a padding tail must be a segment of its own (PackedBatch.segment_cu_seqlens)"
-            )
-        return cu_q.to(torch.int32), kwargs.get("max_length_q")
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        raise ValueError(
-            f"{backend}: no segments given: pass cu_seq_lens_q/k (fsdptrain.attention.packed_model_inputs does) "
-            f"or position_ids that restart at 0 per sequence"
-        )
-    return _segments_from_position_ids(position_ids, total_len, backend), None
-
-
-def _read_call(
-    backend: str,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None,
-    dropout: float,
-    kwargs: dict[str, Any],
-) -> _Call:
-    if attention_mask is not None:
-        raise ValueError(
-            f"{backend} got an attention mask; packed rows take attention_mask=None (segments come from "
-            f"cu_seq_lens or position_ids). Use fsdptrain.attention.packed_model_inputs, and sdpa for padded "
-            f"batches and generation"
-        )
-    if query.shape[0] != 1:
-        raise ValueError(f"{backend} takes one packed row [1, T]; got a batch of {query.shape[0]} rows")
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"{backend} serves training forwards only: got {query.shape[2]} queries for {key.shape[2]} keys (a KV "
-            f"cache). Generate on sdpa: wrap training forwards in fsdptrain.attention.packed_attention(model)"
-        )
-    if kwargs.get("output_attentions"):
-        raise _refuse(backend, "output_attentions=True", "use eager attention to get attention weights")
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise _refuse(backend, f"`{name}`", "use the model's own attention implementation (eager or sdpa)")
-
-    total_len = query.shape[2]
-    cu_seqlens, max_seqlen = _segments(total_len, kwargs, backend)
-    is_causal = kwargs.get("is_causal")
-    is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    sliding_window = kwargs.get("sliding_window")
-    if sliding_window is not None and not is_causal:
-        raise _refuse(backend, "a sliding window on non-causal attention", "use eager attention")
-    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
-    return _Call(
-        backend=backend,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        is_causal=is_causal,
-        scaling=float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
-        dropout=float(dropout or 0.0),
-        sliding_window=int(sliding_window) if sliding_window is not None else None,
-        softcap=float(kwargs["softcap"]) if kwargs.get("softcap") is not None else None,
-        sinks=sinks,
-    )
-
-
-# --------------------------------------------------------------------------------------------------------------
-# sdpa_segments: exact on any device
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _allowed_mask(n: int, call: _Call, device: torch.device) -> torch.Tensor | None:
-    """bool [n, n] of the keys each query may see in one segment, or None for plain causal / full attention."""
-    if call.sliding_window is None or n <= call.sliding_window:
-        return None
-    q_idx = torch.arange(n, device=device)[:, None]
-    k_idx = torch.arange(n, device=device)[None, :]
-    # transformers' window: key j is visible from query i when i - window < j <= i
-    return (k_idx <= q_idx) & (k_idx > q_idx - call.sliding_window)
-
-
-def _explicit_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call, training: bool) -> torch.Tensor:
-    """Attention of one segment written out, for soft-capping and sinks. q [1, Hq, n, D], k/v [1, Hq, n, D]."""
-    n = q.shape[2]
-    scores = torch.matmul(q, k.transpose(2, 3)) * call.scaling
-    if call.softcap is not None:
-        scores = torch.tanh(scores / call.softcap) * call.softcap
-    allowed = _allowed_mask(n, call, q.device)
-    if allowed is None and call.is_causal:
-        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    if call.sinks is not None:
-        sink_logits = call.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(1, scores.shape[1], n, 1)
-        logits = torch.cat([scores, sink_logits], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = logits.softmax(dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
-    else:
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    probs = F.dropout(probs, p=call.dropout, training=training and call.dropout > 0)
-    return torch.matmul(probs, v)
-
-
-def sdpa_segments_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention per segment: SDPA with is_causal (a band mask under a sliding window), or the explicit softmax
-    when the layer soft-caps logits or has sinks. Exact, any device, any dtype, forward and backward."""
-    call = _read_call(SDPA_SEGMENTS, module, query, key, attention_mask, scaling, dropout, kwargs)
-    _CALL_COUNTS[SDPA_SEGMENTS] += 1
-    num_groups = query.shape[1] // key.shape[1]
-    explicit = call.softcap is not None or call.sinks is not None
-    if explicit and num_groups > 1:
-        key = key.repeat_interleave(num_groups, dim=1)
-        value = value.repeat_interleave(num_groups, dim=1)
-    bounds = call.bounds()
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if explicit:
-            outs.append(_explicit_segment(q, k, v, call, module.training))
-            continue
-        allowed = _allowed_mask(end - start, call, query.device)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=allowed,
-                dropout_p=call.dropout,
-                is_causal=call.is_causal and allowed is None,
-                scale=call.scaling,
-                enable_gqa=num_groups > 1,
-            )
-        )
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-# --------------------------------------------------------------------------------------------------------------
-# GPU kernels: flash_attn and torch_varlen
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VarlenKernel:
-    """A varlen attention function (`flash_attn_varlen_func`, torch's `varlen_attn`, or a stand-in with the same
-    signature) and the devices and activation dtypes it runs on. The backends find theirs through `_flash_kernel`
-    and `_torch_varlen_kernel` only, so a test can install a CPU stand-in by replacing one of those attributes."""
-
-    fn: Callable
-    device_types: tuple[str, ...] = ("cuda",)
-    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-
-
-@functools.cache
-def _flash_kernel() -> VarlenKernel | None:
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except Exception:  # a broken build (wrong CUDA/torch ABI) is "not available", not a crash at import
-        logger.warning("flash_attn is installed but could not be imported", exc_info=True)
-        return None
-    return VarlenKernel(flash_attn_varlen_func)
-
-
-@functools.cache
-def _torch_varlen_kernel() -> VarlenKernel | None:
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return VarlenKernel(varlen_attn)
-
-
-@functools.cache
-def _parameters(fn: Callable) -> frozenset[str]:
-    return frozenset(inspect.signature(fn).parameters)
-
-
-def _check_kernel_input(call: _Call, kernel: VarlenKernel, query: torch.Tensor, value: torch.Tensor) -> None:
-    if query.device.type not in kernel.device_types:
-        raise ValueError(
-            f"{call.backend} runs on {'/'.join(kernel.device_types).upper()} only; these tensors are on "
-            f"{query.device.type}. Use attn backend 'auto' or 'sdpa_segments'"
-        )
-    if query.dtype not in kernel.dtypes:
-        raise ValueError(
-            f"{call.backend} takes {'/'.join(str(d).removeprefix('torch.') for d in kernel.dtypes)} activations, "
-            f"got {query.dtype}: train under bf16 mixed precision or use 'sdpa_segments' "
-            f"(resolve_backend('auto', device, dtype) picks it for fp32)"
-        )
-    if value.shape[-1] != query.shape[-1]:
-        raise _refuse(call.backend, "a value head size different from the query's", "use 'sdpa_segments'")
-
-
-def _row_to_tokens(x: torch.Tensor) -> torch.Tensor:
-    """[1, H, T, D] -> [T, H, D], the varlen kernels' layout."""
-    return x[0].transpose(0, 1).contiguous()
-
-
-def flash_attn_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """flash-attention 2's `flash_attn_varlen_func` over the row's segments (GQA native, sliding window via
-    `window_size`, soft-capping via `softcap` where the installed version takes it, dropout via `dropout_p`)."""
-    call = _read_call(FLASH_ATTN, module, query, key, attention_mask, scaling, dropout, kwargs)
-    if call.sinks is not None:
-        raise _refuse(FLASH_ATTN, "attention sinks (s_aux)", "use 'sdpa_segments'")
-    kernel = _flash_kernel()
-    if kernel is None:
-        raise ValueError("attention backend 'flash_attn' needs the flash_attn package; install it or use 'auto'")
-    _check_kernel_input(call, kernel, query, value)
-    fn = kernel.fn
-    options: dict[str, Any] = {"dropout_p": call.dropout, "softmax_scale": call.scaling, "causal": call.is_causal}
-    if call.sliding_window is not None:
-        if "window_size" not in _parameters(fn):
-            raise _refuse(FLASH_ATTN, "a sliding window with this flash_attn version", "upgrade flash_attn")
-        # flash's window is inclusive on both ends: (window - 1) keys back plus the query's own
-        options["window_size"] = (call.sliding_window - 1, 0)
-    if call.softcap is not None:
-        if "softcap" not in _parameters(fn):
-            raise _refuse(FLASH_ATTN, "logit soft-capping with this flash_attn version", "upgrade to flash_attn>=2.6")
-        options["softcap"] = call.softcap
-    _CALL_COUNTS[FLASH_ATTN] += 1
-    cu = call.cu_seqlens.to(query.device)
-    longest = call.longest()
-    out_T = fn(_row_to_tokens(query), _row_to_tokens(key), _row_to_tokens(value), cu, cu, longest, longest, **options)
-    return out_T.unsqueeze(0), None
-
-
-def torch_varlen_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """torch's `varlen_attn` over the row's segments (GQA via `enable_gqa`, sliding window via `window_size` where
-    the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused, and so is a
-    non-default softmax scale where `varlen_attn` takes no `scale` (torch 2.9)."""
-    call = _read_call(TORCH_VARLEN, module, query, key, attention_mask, scaling, dropout, kwargs)
-    if call.softcap is not None:
-        raise _refuse(TORCH_VARLEN, "logit soft-capping", "use 'flash_attn' or 'sdpa_segments'")
-    if call.sinks is not None:
-        raise _refuse(TORCH_VARLEN, "attention sinks (s_aux)", "use 'sdpa_segments'")
-    if call.dropout > 0:
-        raise _refuse(
-            TORCH_VARLEN, f"attention dropout {call.dropout}", "set attention_dropout=0 or use 'sdpa_segments'"
-        )
-    kernel = _torch_varlen_kernel()
-    if kernel is None:
-        raise ValueError(f"this torch ({torch.__version__}) has no torch.nn.attention.varlen; use 'auto'")
-    _check_kernel_input(call, kernel, query, value)
-    fn = kernel.fn
-    params = _parameters(fn)
-    options: dict[str, Any] = {}
-    if "scale" in params:
-        options["scale"] = call.scaling
-    elif not math.isclose(call.scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
-        # the first varlen_attn (torch 2.9) takes no scale: its kernel always uses 1/sqrt(head_dim)
-        raise _refuse(
-            TORCH_VARLEN, f"softmax scale {call.scaling:g} with this torch", "use 'flash_attn' or 'sdpa_segments'"
-        )
-    if "window_size" in params:  # torch >= 2.11: causality and windows are both a window_size
-        left = call.sliding_window - 1 if call.sliding_window is not None else -1
-        options["window_size"] = (left, 0) if call.is_causal else (-1, -1)
-    else:
-        if call.sliding_window is not None:
-            raise _refuse(TORCH_VARLEN, "a sliding window with this torch", "use 'flash_attn' or 'sdpa_segments'")
-        options["is_causal"] = call.is_causal
-    q, k, v = _row_to_tokens(query), _row_to_tokens(key), _row_to_tokens(value)
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            options["enable_gqa"] = True
-        else:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    _CALL_COUNTS[TORCH_VARLEN] += 1
-    cu = call.cu_seqlens.to(query.device)
-    longest = call.longest()
-    out_T = fn(q, k, v, cu, cu, longest, longest, **options)
-    return out_T.unsqueeze(0), None
-
-
-def _no_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Callable | None = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> None:
-    """The mask builder transformers calls for our backends: segments replace masks, so this returns None; but a
-    2-D padding mask with a padded position is refused. (Without a registered mask builder transformers drops a
-    custom implementation's padding mask silently, and the padding would be attended.)"""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "packed attention backends take no padding mask: pack the sequences (fsdptrain.data.packing) and pass "
-            "attention_mask=None, or run padded batches and generation on sdpa"
-        )
-    return None
-
-
-_FUNCTIONS = {
-    FLASH_ATTN: flash_attn_attention,
-    TORCH_VARLEN: torch_varlen_attention,
-    SDPA_SEGMENTS: sdpa_segments_attention,
-}
-for _name, _fn in _FUNCTIONS.items():
-    AttentionInterface.register(_name, _fn)
-    AttentionMaskInterface.register(_name, _no_mask)
+    Idempotent, and a name already registered is left as it is (so a test may wrap a backend); :func:`set_attention`
+    calls it before switching a model to one of them.
+    """
+    registered = AttentionInterface()
+    for name, fn in BACKEND_FUNCTIONS.items():
+        if name not in registered:
+            AttentionInterface.register(name, fn)
+            AttentionMaskInterface.register(name, no_mask)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -489,9 +66,9 @@ def available_backends(device: torch.device | str, dtype: torch.dtype | None = N
     """The backends that can run on `device` (and `dtype`, when given), in the order `auto` prefers them."""
     device = torch.device(device)
     names = []
-    if _kernel_runs(_flash_kernel(), device, dtype):
+    if _kernel_runs(varlen.flash_kernel(), device, dtype):
         names.append(FLASH_ATTN)
-    if _kernel_runs(_torch_varlen_kernel(), device, dtype):
+    if _kernel_runs(varlen.torch_varlen_kernel(), device, dtype):
         names.append(TORCH_VARLEN)
     names.append(SDPA_SEGMENTS)
     return names
@@ -557,6 +134,7 @@ def set_attention(model: torch.nn.Module, name: str) -> None:
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
     if name in BACKENDS:
+        register_backends()
         if not model._can_set_attn_implementation():
             raise ValueError(
                 f"{type(model).__name__} does not dispatch its attention through transformers' AttentionInterface, "

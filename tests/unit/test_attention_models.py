@@ -1,7 +1,7 @@
 """Packed forwards of tiny HF decoders built from configs: equal to each sequence's own forward, no leakage,
 equal gradients, and generation untouched by the packed backend (fsdptrain/model/attention.py + packing.py).
 
-Every packed forward asserts through `call_counts()` that `sdpa_segments` served each layer, so transformers' own
+Every packed forward asserts through `tests/backend_calls.py` that `sdpa_segments` served each layer, so transformers' own
 packed-mask path (plain sdpa) cannot be what makes these tests pass.
 """
 
@@ -24,13 +24,12 @@ from transformers import (
 
 from fsdptrain.data.packing import pack_sequences, unpack
 from fsdptrain.model.attention import (
-    call_counts,
     generation_attention,
     packed_attention,
     packed_model_inputs,
-    reset_call_counts,
     set_attention,
 )
+from tests.backend_calls import call_counts, reset_call_counts
 
 VOCAB = 64
 NUM_LAYERS = 2

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
+from fsdptrain.model.attention import set_attention
 from fsdptrain.model.drafter import (
     ARCHITECTURE,
     DraftVocab,
@@ -41,6 +41,7 @@ from fsdptrain.train.packed_loss import (
     packed_policy_loss,
     scatter_responses,
 )
+from tests.backend_calls import call_counts, reset_call_counts
 
 VOCAB = 32
 # the fourth and sixth sequences are shorter than the shift (lengths 2 and 1), the fifth has a one-token response

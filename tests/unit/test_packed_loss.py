@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassificat
 
 from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss, reference_policy_outputs
 from fsdptrain.data.packing import pack_sequences, unpack_responses
-from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
+from fsdptrain.model.attention import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.rl.names import AGG_MODES
@@ -20,6 +20,7 @@ from fsdptrain.train.packed_loss import (
     packed_value_loss,
     scatter_responses,
 )
+from tests.backend_calls import call_counts, reset_call_counts
 
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]
 RESPONSES = [[4, 4, 6, 2], [9, 2], [10, 13, 2], [5, 6, 7, 8, 9, 2], [3]]

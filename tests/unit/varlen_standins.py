@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from fsdptrain.model.attention import VarlenKernel
+from fsdptrain.model.varlen import VarlenKernel
 
 MISREADS = ("window_off_by_one", "heads_first", "kv_swapped", "gqa_tiled")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from fsdptrain.distributed import world
-from fsdptrain.model.attention import call_counts, reset_call_counts, set_attention
+from fsdptrain.model.attention import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.names import AGG_MODES
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, packed_policy_loss, packed_value_loss
@@ -31,6 +31,7 @@ from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_f
 from fsdptrain.model.build import build_full_model
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
+from tests.backend_calls import call_counts, reset_call_counts
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 

@@ -1,0 +1,288 @@
+"""The packed attention backends: each an `attn_implementation` any HF decoder accepts unmodified.
+
+Legend: the attention functions take HF's shapes: query `[1, Hq, T, D]`, key/value `[1, Hkv, T, D]` (GQA not
+expanded) and return `[1, T, Hq, D]`.
+
+- `flash_attn`:    flash-attention's `flash_attn_varlen_func` (package `flash_attn`, CUDA, fp16/bf16).
+- `torch_varlen`:  torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16; it has no CPU kernel).
+- `sdpa_segments`: one `scaled_dot_product_attention(is_causal=True)` per segment; exact, any device and dtype.
+
+A GPU backend reaches its kernel only through `flash_kernel()` / `torch_varlen_kernel()`, each a `VarlenKernel`
+declaring the devices and dtypes it runs on; tests install a CPU stand-in there (docs/packing.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from fsdptrain.model.attention_call import (
+    FLASH_ATTN,
+    SDPA_SEGMENTS,
+    TORCH_VARLEN,
+    AttentionCall,
+    read_call,
+    refuse,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _allowed_mask(n: int, call: AttentionCall, device: torch.device) -> torch.Tensor | None:
+    """bool [n, n] of the keys each query may see in one segment, or None for plain causal / full attention."""
+    if call.sliding_window is None or n <= call.sliding_window:
+        return None
+    q_idx = torch.arange(n, device=device)[:, None]
+    k_idx = torch.arange(n, device=device)[None, :]
+    # transformers' window: key j is visible from query i when i - window < j <= i
+    return (k_idx <= q_idx) & (k_idx > q_idx - call.sliding_window)
+
+
+def _explicit_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, training: bool) -> torch.Tensor:
+    """Attention of one segment written out, for soft-capping and sinks. q [1, Hq, n, D], k/v [1, Hq, n, D]."""
+    n = q.shape[2]
+    scores = torch.matmul(q, k.transpose(2, 3)) * call.scaling
+    if call.softcap is not None:
+        scores = torch.tanh(scores / call.softcap) * call.softcap
+    allowed = _allowed_mask(n, call, q.device)
+    if allowed is None and call.is_causal:
+        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if call.sinks is not None:
+        sink_logits = call.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(1, scores.shape[1], n, 1)
+        logits = torch.cat([scores, sink_logits], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    else:
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=call.dropout, training=training and call.dropout > 0)
+    return torch.matmul(probs, v)
+
+
+def sdpa_segments_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention per segment: SDPA with is_causal (a band mask under a sliding window), or the explicit softmax
+    when the layer soft-caps logits or has sinks. Exact, any device, any dtype, forward and backward."""
+    call = read_call(SDPA_SEGMENTS, module, query, key, attention_mask, scaling, dropout, kwargs)
+    num_groups = query.shape[1] // key.shape[1]
+    explicit = call.softcap is not None or call.sinks is not None
+    if explicit and num_groups > 1:
+        key = key.repeat_interleave(num_groups, dim=1)
+        value = value.repeat_interleave(num_groups, dim=1)
+    bounds = call.bounds()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        if explicit:
+            outs.append(_explicit_segment(q, k, v, call, module.training))
+            continue
+        allowed = _allowed_mask(end - start, call, query.device)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                dropout_p=call.dropout,
+                is_causal=call.is_causal and allowed is None,
+                scale=call.scaling,
+                enable_gqa=num_groups > 1,
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A varlen attention function (`flash_attn_varlen_func`, torch's `varlen_attn`, or a stand-in with the same
+    signature) and the devices and activation dtypes it runs on. The backends find theirs through `flash_kernel`
+    and `torch_varlen_kernel` only, so a test can install a CPU stand-in by replacing one of those attributes."""
+
+    fn: Callable
+    device_types: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def flash_kernel() -> VarlenKernel | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # a broken build (wrong CUDA/torch ABI) is "not available", not a crash at import
+        logger.warning("flash_attn is installed but could not be imported", exc_info=True)
+        return None
+    return VarlenKernel(flash_attn_varlen_func)
+
+
+@functools.cache
+def torch_varlen_kernel() -> VarlenKernel | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return VarlenKernel(varlen_attn)
+
+
+@functools.cache
+def _parameters(fn: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _check_kernel_input(call: AttentionCall, kernel: VarlenKernel, query: torch.Tensor, value: torch.Tensor) -> None:
+    if query.device.type not in kernel.device_types:
+        raise ValueError(
+            f"{call.backend} runs on {'/'.join(kernel.device_types).upper()} only; these tensors are on "
+            f"{query.device.type}. Use attn backend 'auto' or 'sdpa_segments'"
+        )
+    if query.dtype not in kernel.dtypes:
+        raise ValueError(
+            f"{call.backend} takes {'/'.join(str(d).removeprefix('torch.') for d in kernel.dtypes)} activations, "
+            f"got {query.dtype}: train under bf16 mixed precision or use 'sdpa_segments' "
+            f"(resolve_backend('auto', device, dtype) picks it for fp32)"
+        )
+    if value.shape[-1] != query.shape[-1]:
+        raise refuse(call.backend, "a value head size different from the query's", "use 'sdpa_segments'")
+
+
+def _row_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, T, D] -> [T, H, D], the varlen kernels' layout."""
+    return x[0].transpose(0, 1).contiguous()
+
+
+def flash_attn_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """flash-attention 2's `flash_attn_varlen_func` over the row's segments (GQA native, sliding window via
+    `window_size`, soft-capping via `softcap` where the installed version takes it, dropout via `dropout_p`)."""
+    call = read_call(FLASH_ATTN, module, query, key, attention_mask, scaling, dropout, kwargs)
+    if call.sinks is not None:
+        raise refuse(FLASH_ATTN, "attention sinks (s_aux)", "use 'sdpa_segments'")
+    kernel = flash_kernel()
+    if kernel is None:
+        raise ValueError("attention backend 'flash_attn' needs the flash_attn package; install it or use 'auto'")
+    _check_kernel_input(call, kernel, query, value)
+    fn = kernel.fn
+    options: dict[str, Any] = {"dropout_p": call.dropout, "softmax_scale": call.scaling, "causal": call.is_causal}
+    if call.sliding_window is not None:
+        if "window_size" not in _parameters(fn):
+            raise refuse(FLASH_ATTN, "a sliding window with this flash_attn version", "upgrade flash_attn")
+        # flash's window is inclusive on both ends: (window - 1) keys back plus the query's own
+        options["window_size"] = (call.sliding_window - 1, 0)
+    if call.softcap is not None:
+        if "softcap" not in _parameters(fn):
+            raise refuse(FLASH_ATTN, "logit soft-capping with this flash_attn version", "upgrade to flash_attn>=2.6")
+        options["softcap"] = call.softcap
+    cu = call.cu_seqlens.to(query.device)
+    longest = call.longest()
+    out_T = fn(_row_to_tokens(query), _row_to_tokens(key), _row_to_tokens(value), cu, cu, longest, longest, **options)
+    return out_T.unsqueeze(0), None
+
+
+def torch_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """torch's `varlen_attn` over the row's segments (GQA via `enable_gqa`, sliding window via `window_size` where
+    the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused, and so is a
+    non-default softmax scale where `varlen_attn` takes no `scale` (torch 2.9)."""
+    call = read_call(TORCH_VARLEN, module, query, key, attention_mask, scaling, dropout, kwargs)
+    if call.softcap is not None:
+        raise refuse(TORCH_VARLEN, "logit soft-capping", "use 'flash_attn' or 'sdpa_segments'")
+    if call.sinks is not None:
+        raise refuse(TORCH_VARLEN, "attention sinks (s_aux)", "use 'sdpa_segments'")
+    if call.dropout > 0:
+        raise refuse(
+            TORCH_VARLEN, f"attention dropout {call.dropout}", "set attention_dropout=0 or use 'sdpa_segments'"
+        )
+    kernel = torch_varlen_kernel()
+    if kernel is None:
+        raise ValueError(f"this torch ({torch.__version__}) has no torch.nn.attention.varlen; use 'auto'")
+    _check_kernel_input(call, kernel, query, value)
+    fn = kernel.fn
+    params = _parameters(fn)
+    options: dict[str, Any] = {}
+    if "scale" in params:
+        options["scale"] = call.scaling
+    elif not math.isclose(call.scaling, query.shape[-1] ** -0.5, rel_tol=1e-6):
+        # the first varlen_attn (torch 2.9) takes no scale: its kernel always uses 1/sqrt(head_dim)
+        raise refuse(
+            TORCH_VARLEN, f"softmax scale {call.scaling:g} with this torch", "use 'flash_attn' or 'sdpa_segments'"
+        )
+    if "window_size" in params:  # torch >= 2.11: causality and windows are both a window_size
+        left = call.sliding_window - 1 if call.sliding_window is not None else -1
+        options["window_size"] = (left, 0) if call.is_causal else (-1, -1)
+    else:
+        if call.sliding_window is not None:
+            raise refuse(TORCH_VARLEN, "a sliding window with this torch", "use 'flash_attn' or 'sdpa_segments'")
+        options["is_causal"] = call.is_causal
+    q, k, v = _row_to_tokens(query), _row_to_tokens(key), _row_to_tokens(value)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    cu = call.cu_seqlens.to(query.device)
+    longest = call.longest()
+    out_T = fn(q, k, v, cu, cu, longest, longest, **options)
+    return out_T.unsqueeze(0), None
+
+
+def no_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """The mask builder transformers calls for our backends: segments replace masks, so this returns None; but a
+    2-D padding mask with a padded position is refused. (Without a registered mask builder transformers drops a
+    custom implementation's padding mask silently, and the padding would be attended.)"""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "packed attention backends take no padding mask: pack the sequences (fsdptrain.data.packing) and pass "
+            "attention_mask=None, or run padded batches and generation on sdpa"
+        )
+    return None
+
+
+BACKEND_FUNCTIONS = {
+    FLASH_ATTN: flash_attn_attention,
+    TORCH_VARLEN: torch_varlen_attention,
+    SDPA_SEGMENTS: sdpa_segments_attention,
+}
