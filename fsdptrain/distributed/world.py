@@ -175,6 +175,15 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return all_reduce_f64(values, "max")
 
 
+def all_gather_object(obj):
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` with no process group."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 def agree_max_int(value: int) -> int:
     """The largest `value` over all ranks (e.g. so every rank runs the same number of micro-batches)."""
     out = torch.tensor([int(value)], dtype=torch.int64)

@@ -22,7 +22,8 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackPlan, pack_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Schema, Sum, flatten, merge_all, unflatten
+from fsdptrain.rl.metric_buffers import Schema, describe, flatten, unflatten
+from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
 from fsdptrain.train.packed_loss import SeqTargets
 
@@ -73,12 +74,31 @@ def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Opt
 
 
 def reduce_metrics(metrics: Metrics) -> Metrics:
-    """Merge metrics over all ranks by their kinds (collective): SUM/MEAN/LOSS/DERIVED add, MIN/MAX take extrema."""
+    """Merge metrics over all ranks by their kinds (collective): SUM/MEAN/LOSS/DERIVED add, MIN/MAX take extrema.
+
+    The buffers are reduced by position, so every rank must hold the same metric names of the same kinds in the same
+    order: one small all-reduce of the schema's fingerprint checks that first, and a mismatch is an error naming the
+    metrics that differ (never numbers silently mixed).
+    """
     schema = Schema.of(metrics)
+    check_same_schema(schema)
     buffers = flatten(metrics, schema)
     reduced = type(buffers)(world.all_reduce_sum(buffers.sum), world.all_reduce_min(buffers.min),
                             world.all_reduce_max(buffers.max))
     return unflatten(reduced, schema)
+
+
+def check_same_schema(schema: Schema) -> None:
+    """Raise on every rank when the ranks' metric schemas differ (collective), naming the differing metrics."""
+    fingerprint = float(schema.fingerprint())
+    extremes = world.all_reduce_min(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64))
+    if extremes[0] == -extremes[1]:
+        return
+    described = world.all_gather_object({name: describe(m) for name, m in schema.items()})
+    every = set().union(*described)
+    differing = sorted(n for n in every if len({d.get(n) for d in described}) > 1)
+    raise RuntimeError(f"the ranks hold different metrics, so reducing them by position would mix numbers: "
+                       f"{', '.join(differing)} differ (present or of another kind) across the {len(described)} ranks")
 
 
 def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, norms: LossNormalizers,

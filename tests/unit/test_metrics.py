@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.rl.metrics import (
     Derived,
     Diagnostic,
@@ -14,18 +15,14 @@ from fsdptrain.rl.metrics import (
     Mean,
     Metrics,
     Min,
-    ReduceBuffers,
-    Schema,
     Sum,
     close_minibatch,
     comparable,
     explained_variance,
     finalize,
-    flatten,
     merge,
     merge_all,
     std_from_moments,
-    unflatten,
 )
 
 
