@@ -9,7 +9,6 @@ Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, b
 
 from __future__ import annotations
 
-import os
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -22,8 +21,6 @@ from fsdptrain.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
 
 USAGE_ERROR = 2
-CHECK_JSON_ENV = "FSDPTRAIN_CHECK_JSON"
-"""Where check-metrics' ranks write ``--json``: set by the command, read by the ranks (fsdptrain.worker)."""
 
 app = typer.Typer(
     name="fsdptrain",
@@ -56,7 +53,9 @@ def _run_dir(cfg: DictConfig) -> Path:
 
 
 def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
-              print_cfg: bool, nproc: int) -> None:
+              print_cfg: bool, nproc: int, options: Optional[List[str]] = None) -> None:
+    """Compose and validate in this (parent) process, then run the ranks; ``options`` are the command's own
+    arguments for the ranks (e.g. ``["--json", PATH]``), passed on their command line."""
     from fsdptrain.distributed.torchrun import torchrun_world_size, under_torchrun
 
     if nproc != 1 and under_torchrun():
@@ -75,13 +74,13 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         # This process is the (only) rank: signals reach the trainer directly, as they do under torchrun.
         from fsdptrain import worker
 
-        worker.run_and_exit(command, cfg, run_dir)
+        worker.run_and_exit(command, cfg, run_dir, options or [])
     from fsdptrain.launch import launch_local
 
     with tempfile.TemporaryDirectory(prefix="fsdptrain-") as tmp:
         config_path = Path(tmp) / "config.yaml"
         OmegaConf.save(cfg, config_path)
-        code = launch_local(nproc, [command, str(config_path), run_dir])
+        code = launch_local(nproc, [command, str(config_path), run_dir, *(options or [])])
     raise typer.Exit(code)
 
 
@@ -120,13 +119,12 @@ def check_metrics(
 
     Example: fsdptrain check-metrics loss.agg_mode=seq-mean-token-sum --nproc 2 --json check.json
     """
-    # The ranks read the path from the environment (inherited by every launched rank); a stale value never leaks in.
-    os.environ.pop(CHECK_JSON_ENV, None)
+    options = []
     if json_out is not None:
         if not json_out.parent.is_dir():
             _fail_usage(f"--json {json_out}: the folder {json_out.parent} does not exist; create it or choose another")
-        os.environ[CHECK_JSON_ENV] = str(json_out.resolve())
-    _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc)
+        options = ["--json", str(json_out.resolve())]
+    _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc, options)
 
 
 @app.command(short_help="Plot a run's metrics to a PNG. e.g. fsdptrain plot runs/my-run")

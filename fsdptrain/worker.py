@@ -1,25 +1,26 @@
 """One rank's entry point: load the parent's resolved config, run the command, leave through one exit path.
 
-``python -m fsdptrain.worker COMMAND CONFIG_YAML RUN_DIR`` is what the local launcher starts on every rank; under
+``python -m fsdptrain.worker COMMAND CONFIG_YAML RUN_DIR [--json PATH]`` is what the local launcher starts on every
+rank; under
 torchrun, or with a single process, the CLI calls :func:`run_and_exit` in-process. Every rank leaves through
 ``exit_process``, which flushes and calls ``os._exit`` with the real exit code: processes that used gloo and
-``fully_shard`` can abort in interpreter teardown otherwise (platform notes), turning a success into a crash.
+``fully_shard`` can abort in interpreter teardown otherwise, turning a success into a crash (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.distributed.torchrun import env_rank
 from fsdptrain.distributed.world import exit_process
 
-NOT_BUILT = "the {command} loop is not built yet: the config is valid, nothing was trained"
+COMMANDS = ("train", "check-metrics")
 
 
-def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
+def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> int:
     """Run ``command`` ("train" or "check-metrics") on this rank; return its exit code.
 
     A user's mistake found only here (a bad data row, a model folder that does not load) is a usage error: rank 0
@@ -27,30 +28,31 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
     """
     from fsdptrain.config import ConfigError
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = env_rank()
+    assert command in COMMANDS, command
     try:
         if command == "train":
             from fsdptrain.train.loop import train
 
             return train(cfg, run_dir)
-        if command == "check-metrics":
-            from fsdptrain.check.run import check_metrics
-            from fsdptrain.cli import CHECK_JSON_ENV
+        from fsdptrain.check.run import check_metrics
 
-            return check_metrics(cfg, json_path=os.environ.get(CHECK_JSON_ENV))
-        if rank == 0:
-            print(f"fsdptrain {command}: " + NOT_BUILT.format(command=command), file=sys.stderr)
-        return 1
+        return check_metrics(cfg, json_path=_option(options, "--json"))
     except ConfigError as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
 
 
-def run_and_exit(command: str, cfg: DictConfig, run_dir: str) -> None:
+def _option(options: list[str], name: str) -> str | None:
+    """The value after ``name`` in a command's options, or None."""
+    return options[options.index(name) + 1] if name in options else None
+
+
+def run_and_exit(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> None:
     """Run this rank and leave through the one exit path, whatever happens (internal errors keep their traceback)."""
     try:
-        code = run_rank(command, cfg, run_dir)
+        code = run_rank(command, cfg, run_dir, options)
     except KeyboardInterrupt:
         print("interrupted: stopped at once, nothing saved", file=sys.stderr)
         code = 130
@@ -61,10 +63,10 @@ def run_and_exit(command: str, cfg: DictConfig, run_dir: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    command, config_path, run_dir = argv
+    command, config_path, run_dir, *options = argv
     cfg = OmegaConf.load(config_path)
     assert isinstance(cfg, DictConfig)
-    run_and_exit(command, cfg, run_dir)
+    run_and_exit(command, cfg, run_dir, options)
 
 
 if __name__ == "__main__":

@@ -153,6 +153,12 @@ class TrainerConfig:
     """Cosine floor as a fraction of the peak learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay (policy, critic and drafter optimizers)."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon."""
     grad_clip: float = 1.0
     """Policy gradient-norm clip (0 turns clipping off; the norm is still logged)."""
     critic_grad_clip: float = 1.0

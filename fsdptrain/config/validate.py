@@ -59,7 +59,9 @@ _NON_NEGATIVE = (
     "algorithm.kl_in_reward_coef", "algorithm.cliprange_value", "algorithm.clip_ratio_low",
     "algorithm.clip_ratio_high", "data.num_eval_prompts", "check.rtol", "check.atol",
 )
-_POSITIVE_FLOATS = ("trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor")
+_POSITIVE_FLOATS = (
+    "trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor", "trainer.adam_eps",
+)
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -86,6 +88,9 @@ def _check_ranges(cfg: DictConfig) -> None:
     top_p = cfg.rollout.top_p
     if not 0 < top_p <= 1:
         raise ConfigError(f"rollout.top_p={top_p} must be in (0, 1]")
+    for key in ("trainer.adam_beta1", "trainer.adam_beta2"):
+        if not 0 <= _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be in [0, 1)")
     if not 0 <= cfg.trainer.min_lr_ratio <= 1:
         raise ConfigError(f"trainer.min_lr_ratio={cfg.trainer.min_lr_ratio} must be in [0, 1]")
     dp_shard = cfg.parallel.dp_shard

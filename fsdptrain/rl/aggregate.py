@@ -25,7 +25,6 @@ from torch import Tensor
 from fsdptrain.rl.names import AGG_MODES
 
 _NEEDS_TOKENS = ("token-mean",)
-_NEEDS_SEQS = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 
 
 def check_mode(mode: str) -> None:

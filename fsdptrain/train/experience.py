@@ -13,7 +13,6 @@ global batch with an unbiased variance; GRPO/RLOO advantages are not whitened.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -22,7 +21,7 @@ from torch import Tensor
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
+from fsdptrain.train.packed_loss import policy_token_outputs, value_token_outputs
 from fsdptrain.train.step import plan_agreed
 
 
@@ -116,11 +115,3 @@ def group_targets(rollouts: Sequence[Rollout], *, estimator: str, norm_by_std: b
         adv_N = rloo_advantages(scores_N, groups_N)
     return [torch.full((len(r.response_ids),), float(a)) for r, a in zip(rollouts, adv_N)]
 
-
-@dataclass
-class ExperienceBatch:
-    """This rank's experience of one step: rollouts and their targets, in the same order."""
-
-    rollouts: list[Rollout]
-    targets: list[SeqTargets]
-    values: Optional[list[Tensor]]

@@ -80,6 +80,12 @@ class Models:
     backend: str = "sdpa_segments"
 
 
+def adamw_settings(cfg: DictConfig) -> dict:
+    """AdamW's betas, epsilon and weight decay from ``trainer.*`` (shared by every optimizer of the run)."""
+    t = cfg.trainer
+    return dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Models:
     """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend."""
     source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
@@ -94,8 +100,7 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Mode
     total_steps = cfg.trainer.steps
     schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=total_steps,
                     schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
-    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, betas=(0.9, 0.999), weight_decay=cfg.trainer.weight_decay,
-                                eps=1e-8)
+    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
     models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),
                     backend=backend)
     if cfg.algorithm.use_critic:
@@ -106,8 +111,7 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Mode
         critic = build_value_model(**source, **parallel, seed=seed + 1,
                                    activation_checkpointing=cfg.parallel.activation_checkpointing, **backbone)
         set_attention(critic, backend)
-        critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, betas=(0.9, 0.999),
-                                     weight_decay=cfg.trainer.weight_decay, eps=1e-8)
+        critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, **adamw_settings(cfg))
         models.critic, models.critic_optimizer = critic, critic_opt
         models.critic_scheduler = build_scheduler(critic_opt, **schedule)
     if needs_reference(cfg):

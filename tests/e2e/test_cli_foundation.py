@@ -129,7 +129,7 @@ def test_a_failing_rank_sets_the_exit_code(cli, tmp_path):
         import os
         import fsdptrain.worker
 
-        def _rank1_fails(command, cfg, run_dir):
+        def _rank1_fails(command, cfg, run_dir, options):
             return 3 if os.environ.get("RANK") == "1" else 0
 
         fsdptrain.worker.run_rank = _rank1_fails
@@ -145,7 +145,7 @@ def test_internal_error_keeps_traceback_and_exits_1(cli, tmp_path):
     (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
         import fsdptrain.worker
 
-        def _boom(command, cfg, run_dir):
+        def _boom(command, cfg, run_dir, options):
             raise RuntimeError("planted internal error")
 
         fsdptrain.worker.run_rank = _boom
