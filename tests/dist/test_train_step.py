@@ -8,6 +8,12 @@ from tests.dist.launch import launch
 
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 TOLERANCE = {"plain": 1e-5, "checkpointing": 1e-5, "no_reshard": 1e-5, "bf16": 2e-2}
+# The one-step update, ||dW - dW_ref|| / ||dW_ref|| over all weights. Adam's first step moves each weight by
+# lr * g / (|g| + eps): a gradient error d changes that by at most lr * |d| / eps, and only where |g| is near eps, so
+# the update keeps most of the gradient's accuracy. fp32 runs measured <= 1.6e-6; bf16 (gradients within 2e-2 of the
+# largest entry) measured <= 0.03 over every mode. A skipped optimizer step gives exactly 1.0, a half-size step 0.5,
+# a step of the wrong sign 2.0: the bounds below fail all three.
+UPDATE_TOLERANCE = {"plain": 1e-5, "checkpointing": 1e-5, "no_reshard": 1e-5, "bf16": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +34,7 @@ def test_gradients_and_update_match_reference(two_rank_results, variant, kind, m
     for rank in (0, 1):
         r = two_rank_results[rank]["results"][f"{variant}/{kind}/{mode}"]
         assert r["grad_rel"] <= TOLERANCE[variant], r
-        # Adam normalises the update, so a gradient error of e moves a weight by about lr * e / eps: 10x e here.
-        assert r["weight_rel"] <= 10 * TOLERANCE[variant], r
+        assert r["update_rel"] <= UPDATE_TOLERANCE[variant], r
 
 
 def test_uneven_ranks_run_the_same_number_of_forwards(two_rank_results):

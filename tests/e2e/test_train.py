@@ -74,7 +74,10 @@ def test_offline_jsonl_rollouts_train(cli, tmp_path):
     assert result.returncode == 0, result.stderr
     rows = _metrics(tmp_path / "runs" / "offline")
     assert rows[0]["batch/num_seqs"] == 8  # 4 groups of 2 per step
-    assert rows[0]["loss/loss_scale_factor"] == 8.0  # the declared maximum response length
+    # by hand from the file: each group holds "d d d" (reward 1, 3 words + EOS) and "d 0" (reward 1/3, 2 + EOS)
+    assert rows[0]["reward/mean"] == pytest.approx(2 / 3, abs=1e-6)
+    assert rows[0]["response_length/mean"] == pytest.approx(3.5, abs=1e-6)
+    assert rows[0]["response_length/max"] == 4
 
 
 def test_bad_jsonl_row_exits_2_naming_file_and_line(cli, tmp_path):

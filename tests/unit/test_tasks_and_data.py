@@ -33,11 +33,19 @@ def test_reward_is_positional_partial_credit():
     assert reward("", ["3", "8", "1"]) == 0.0
 
 
+@pytest.mark.parametrize("name, prompt, answer", [
+    # seed 1 draws the digits 2 9 1 (distinct and unsorted, so every task's answer differs); answers by hand
+    ("repeat_digit", "repeat 2 =", ["2", "2", "2"]),
+    ("copy_digits", "copy 2 9 1 =", ["2", "9", "1"]),
+    ("reverse_digits", "reverse 2 9 1 =", ["1", "9", "2"]),
+    ("sort_digits", "sort 2 9 1 =", ["1", "2", "9"]),
+])
+def test_task_prompts_and_answers_by_hand(name, prompt, answer):
+    assert TASKS[name].make_prompt(random.Random(1)) == (prompt, answer)
+    assert answer_from_prompt(prompt, TASKS[name]) == answer
+
+
 def test_task_answers_depend_on_the_prompt():
-    rng = random.Random(0)
-    for task in TASKS.values():
-        text, answer = task.make_prompt(rng)
-        assert answer == answer_from_prompt(text, task)
     assert TASKS["reverse_digits"].answer_of(["1", "2", "3"]) == ["3", "2", "1"]
     assert TASKS["sort_digits"].answer_of(["3", "1", "2"]) == ["1", "2", "3"]
     assert TASKS["repeat_digit"].make_prompt(random.Random(0))[0] == "repeat 6 ="

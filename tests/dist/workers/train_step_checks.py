@@ -85,7 +85,7 @@ def padded(prompts, responses, targets):
 
 
 def reference_grads_and_weights(kind: str, mode: str, batch, norms_counts):
-    """The plain model on the whole padded batch: gradients, then the weights after one AdamW step."""
+    """The plain model on the whole padded batch: gradients, then the weights before and after one AdamW step."""
     prompts, responses, targets = batch
     model = build_full_model("policy" if kind == "policy" else "value", path=None, config=CONFIG,
                              seed=POLICY_SEED if kind == "policy" else VALUE_SEED)
@@ -107,9 +107,17 @@ def reference_grads_and_weights(kind: str, mode: str, batch, norms_counts):
                              cliprange_value=0.2)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    before = {n: v.detach().clone() for n, v in model.state_dict().items()}
     optimizer = build_optimizer(model, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-3)
     optimizer.step()
-    return grads, {n: v.detach().clone() for n, v in model.state_dict().items()}
+    return grads, before, {n: v.detach().clone() for n, v in model.state_dict().items()}
+
+
+def update_relative_error(before: dict, after: dict, ref_before: dict, ref_after: dict) -> float:
+    """||update - reference update|| / ||reference update|| over all weights (L2): 1.0 exactly if no step was taken."""
+    num = sum(((after[n].float() - before[n].float()) - (ref_after[n] - ref_before[n])).pow(2).sum() for n in ref_after)
+    den = sum((ref_after[n] - ref_before[n]).pow(2).sum() for n in ref_after)
+    return float((num / den).sqrt())
 
 
 def worst_relative(got: dict, want: dict) -> float:
@@ -138,13 +146,15 @@ def run_variant(kind: str, mode: str, variant: str, info, mesh, batch, reference
     accumulate_gradients(model, mini, loss_fn=loss_fn, settings=settings, norms=norms, token_budget=TOKEN_BUDGET,
                          device=info.device)
     grads = gather_full_grads(model)
+    before = gather_full_state_dict(model, rank0_only=False)
     optimizer = build_optimizer(model, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-3)
     optimizer_step(model, optimizer, grad_clip=0.0, guard=NonFiniteGuard(3))
     weights = gather_full_state_dict(model, rank0_only=False)
-    ref_grads, ref_weights = references[(kind, mode)]
+    ref_grads, ref_before, ref_weights = references[(kind, mode)]
     return {
         "grad_rel": worst_relative(grads, ref_grads),
         "weight_rel": worst_relative(weights, ref_weights),
+        "update_rel": update_relative_error(before, weights, ref_before, ref_weights),
         "forwards": forwards["n"],
         "packed_calls": call_counts().get("sdpa_segments", 0),
         "num_local_seqs": len(mine),
