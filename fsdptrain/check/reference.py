@@ -4,7 +4,7 @@ Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-
 
 Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
 :func:`~fsdptrain.check.oracles.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
-the contract of design section 3 with the batch's own counts N (response tokens) and S (sequences with a response
+the contract of docs/loss.md with the batch's own counts N (response tokens) and S (sequences with a response
 token), then backward, one sequence at a time:
 
     token-mean  sum_t L / N;   token-sum  sum_t L;   seq-mean-token-sum  sum_t L / S;

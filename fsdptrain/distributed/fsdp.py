@@ -135,7 +135,7 @@ def _load_full_weights(
 ) -> None:
     """Fill a parallelized, `to_empty`'d model from rank 0's full state dict and non-persistent buffers."""
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    # set_model_state_dict replaces the values of the dict it is given (platform notes): hand it a copy.
+    # set_model_state_dict replaces the values of the dict it is given (torch 2.13): hand it a copy.
     set_model_state_dict(model, dict(full_state_dict), options=options)
     rank = world.rank()
     for name, buf in non_persistent_buffers(model).items():

@@ -96,7 +96,7 @@ def exit_process(code: int) -> None:
     """Flush stdout and stderr and leave with `os._exit(code)`, keeping the real exit code.
 
     Processes that used gloo and fully_shard abort now and then in interpreter teardown, even after
-    `destroy_process_group` (platform notes: "terminate called without an active exception", exit -6); skipping
+    `destroy_process_group` ("terminate called without an active exception", exit -6; docs/architecture.md, the exit path); skipping
     the teardown is what makes the exit code trustworthy. Nothing after this call runs (no atexit handlers).
     """
     for stream in (sys.stdout, sys.stderr):

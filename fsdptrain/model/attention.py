@@ -102,7 +102,7 @@ def packed_model_inputs(packed: PackedBatch) -> dict[str, Any]:
     """Keyword arguments for an HF causal LM's forward on one packed row (tensors on the pack's device).
 
     `use_cache=False` and `attention_mask=None` are not optional: a cache or a 2-D mask makes transformers skip
-    its packed-sequence handling (platform-notes.md). The padding tail, if any, is a segment of its own.
+    its packed-sequence handling (docs/packing.md). The padding tail, if any, is a segment of its own.
     """
     cu = packed.segment_cu_seqlens()
     return {

@@ -2,7 +2,7 @@
 
 Legend: `_BT` padded `[B, T]` per-token tensors, `_N` one value per sequence. Nothing here reduces across ranks:
 statistics that span ranks (whitening) come in as arguments; `moment_stats` gives the additive statistics the loop
-all-reduces. A prompt group never spans ranks (design section 2), so GRPO and RLOO are local.
+all-reduces. A prompt group never spans ranks (docs/architecture.md, rank ownership), so GRPO and RLOO are local.
 
 Departures from verl: a GRPO group of one gets advantage 0 (verl passes its raw score through, as if mean 0 and
 std 1); masked positions of GAE's outputs are 0 (verl leaves the carried value there).

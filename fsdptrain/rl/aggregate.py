@@ -5,7 +5,7 @@ Legend: `_BT` padded `[B, T]` (a row is a sequence), `_T` packed `[T]` (a segmen
 `agg_loss` is the one place where the data-parallel factor is applied. FSDP2's reduce-scatter averages gradients
 over the dp ranks; every rank's micro-batch loss is divided by the *global* count of the mode and multiplied by
 `dp_size`, so that summing micro-batch losses on a rank and averaging over ranks gives exactly the whole-batch
-scalar (design section 3).
+scalar (docs/loss.md).
 
 Departures from verl 0.9.1's `agg_loss` (values otherwise identical in the padded layout):
 - the mask is a boolean selection (nonzero = valid), applied with `torch.where`, so NaN/inf at masked positions never

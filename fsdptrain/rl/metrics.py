@@ -1,4 +1,4 @@
-"""Typed metrics: every metric carries its sufficient statistics and its own reduction (design section 4).
+"""Typed metrics: every metric carries its sufficient statistics and its own reduction (docs/metrics.md).
 
 A metric's kind, never its name, decides how it merges. The life of a metric in one training step:
 

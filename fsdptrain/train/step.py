@@ -1,6 +1,6 @@
 """One PPO update of one model on one mini-batch: agree packs, global normalisers, micro-batches, clip, step.
 
-This is where the contracts of design sections 2 and 3 meet, in this order:
+This is where the contracts of docs/architecture.md (the data path) and docs/loss.md meet, in this order:
 
 1. the number of micro-batches is agreed world-wide (max over ranks) and this rank's packs are planned with it, so
    every rank runs the same forwards and FSDP's collectives line up (a rank with less work runs empty packs);
