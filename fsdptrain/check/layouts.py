@@ -124,8 +124,11 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
         agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
         clip_ratio_c=settings.clip_ratio_c, seq_level_ratio=settings.seq_level_ratio,
         ref_logprobs=_padded([t.ref_logprobs for t in targets], batch, device) if use_kl else None,
-        kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
-        entropy=entropy_from_logits(scaled_BLV), entropy_coef=settings.entropy_coef,
+        kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator, kl_clamp=settings.kl_clamp,
+        entropy=entropy_from_logits(scaled_BLV), entropy_coef=settings.entropy_coef, pg_loss_fn=settings.pg_loss_fn,
+        dro_beta=settings.dro_beta,
+        rollout_is_weights=(_padded([t.is_weights for t in targets], batch, device) if settings.use_is_weights
+                            else None),
     )
 
 

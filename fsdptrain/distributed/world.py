@@ -186,3 +186,12 @@ def agree_max_int(value: int) -> int:
 def any_flag(flag: bool) -> bool:
     """World-wide logical or: True on every rank when `flag` is True on at least one (non-finite skip, SIGTERM)."""
     return agree_max_int(1 if flag else 0) == 1
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` with no process group)."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
