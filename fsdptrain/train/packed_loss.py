@@ -50,6 +50,8 @@ class PolicyLossSettings:
     """Bound on the k3/k3+ value (None: no clamp)."""
     pg_loss_fn: Callable = vanilla_policy_loss
     """The policy-gradient term (`fsdptrain.rl.pg_losses`: a built-in or a user's function)."""
+    policy_loss: str = "vanilla"
+    """The config name of `pg_loss_fn` (check-metrics' reference writes vanilla PPO out from its definition)."""
     dro_beta: float = 1.0
     use_is_weights: bool = False
     """Multiply the pg term by the targets' rollout-correction weights (`SeqTargets.is_weights`)."""

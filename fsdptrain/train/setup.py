@@ -125,7 +125,7 @@ def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
         clip_ratio_c=alg.clip_ratio_c, seq_level_ratio=alg.seq_level_ratio, kl_coef=alg.kl_loss_coef,
         kl_estimator=alg.kl_estimator, entropy_coef=alg.entropy_coef, temperature=cfg.rollout.temperature,
         chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss), kl_clamp=alg.kl_clamp,
-        pg_loss_fn=resolve_policy_loss(alg.policy_loss), dro_beta=alg.dro_beta,
+        pg_loss_fn=resolve_policy_loss(alg.policy_loss), policy_loss=alg.policy_loss, dro_beta=alg.dro_beta,
         use_is_weights=alg.rollout_correction != "none",
     )
 
