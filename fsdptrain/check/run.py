@@ -216,7 +216,8 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
     reference = _prefixed(reference, keep_rollout=False)
     outcomes = [_prefixed(o, keep_rollout=False) for o in outcomes]
     scales = {OFF + k: v for k, v in scales.items()}
-    comparisons = [c for o in outcomes for c in compare(reference, o, scales=scales, **tol)]
+    skip = frozenset() if OFF + EV_NAME in reference.values else frozenset({OFF + EV_NAME})
+    comparisons = [c for o in outcomes for c in compare(reference, o, scales=scales, skip=skip, **tol)]
     checks = [k for o in (reference, *outcomes) for k in self_checks(o, on_policy=False, **tol)]
     return reference, comparisons, checks
 
@@ -255,7 +256,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     if off_policy:
         off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol)
         reference.values.update(off_reference.values)
-        comparisons += [c for c in off_comparisons if c.metric != OFF + EV_NAME]
+        comparisons += off_comparisons
         checks += off_checks
         names += ["off-policy: " + name for name in names]
     if experience:

@@ -121,7 +121,8 @@ def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
     # every layout is compared on every policy and critic metric of the reference
     for layout in layouts - {"token-mean, same batch"}:
         names = {c.metric for c in report.comparisons if c.layout == layout}
-        assert {n for n in ref if n.startswith(("actor/", "critic/"))} <= names, layout
+        prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
+        assert {n for n in ref if n.startswith((prefix + "actor/", prefix + "critic/"))} <= names, layout
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
