@@ -52,6 +52,18 @@ def _run_dir(cfg: DictConfig) -> Path:
     return Path("runs") / name
 
 
+def _check_user_functions(cfg: DictConfig) -> None:
+    """Load every user function the config names (an advantage estimator, a policy loss) and check its signature,
+    here in the parent, so a typo or a function that does not fit is one line and exit 2."""
+    from fsdptrain.plugins import check_signature, load_callable
+    from fsdptrain.rl.names import USER_FUNCTION_FIELDS
+
+    for key, required in USER_FUNCTION_FIELDS.items():
+        spec = str(OmegaConf.select(cfg, key))
+        if ":" in spec:
+            check_signature(load_callable(spec, what=key), spec=spec, what=key, required=required)
+
+
 def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
               print_cfg: bool, nproc: int, options: Optional[List[str]] = None) -> None:
     """Compose and validate in this (parent) process, then run the ranks; ``options`` are the command's own
@@ -64,6 +76,7 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         cfg = compose_config(overrides or [], config_dir=config_dir, config_name=config_name)
         world_size = torchrun_world_size() if under_torchrun() else nproc
         validate_world(cfg, world_size)
+        _check_user_functions(cfg)
     except ConfigError as err:
         _fail_usage(str(err))
     if print_cfg:

@@ -16,6 +16,7 @@ Two fixtures make sentinel bugs visible, both documented in docs/check-metrics.m
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -61,6 +62,17 @@ class CheckBatch:
     on_policy: bool
     value_shift: Optional[float]
     has_fixture: bool
+    scores: list[float]
+    """The real sequences' outcome scores and prompt groups, in ``full``'s order (the experience oracle's inputs)."""
+    groups: list[int]
+    local_index: list[int]
+    """``local``'s sequences as positions in ``full``, in ``local``'s order."""
+
+    def with_targets(self, targets: list) -> "CheckBatch":
+        """The same batch with ``full``'s targets replaced (``local``'s follow through ``local_index``)."""
+        full = MiniBatch(self.full.prompts, self.full.responses, list(targets))
+        local = MiniBatch(self.local.prompts, self.local.responses, [targets[i] for i in self.local_index])
+        return dataclasses.replace(self, full=full, local=local)
 
 
 @dataclass
@@ -137,10 +149,13 @@ def make_batch(trainer: Trainer) -> CheckBatch:
         shift = shift_values_below_zero(trainer, rollouts)
     targets, facts = trainer.make_experience(rollouts)
     (local,) = trainer.minibatches(rollouts, targets)
-    entries = [((r.group, k), p, resp, t) for k, (r, p, resp, t) in
+    entries = [((r.group, k), p, resp, t, info.rank, r.reward) for k, (r, p, resp, t) in
                enumerate(zip(rollouts, local.prompts, local.responses, local.targets))]
     gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
     full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
+    scores = [float(e[5]) for e in gathered]
+    groups = [int(e[0][0]) for e in gathered]
+    local_index = sorted((i for i, e in enumerate(gathered) if e[4] == info.rank), key=lambda i: gathered[i][0][1])
     add_fixture = bool(cfg.check.masked_fixture)
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
@@ -148,13 +163,15 @@ def make_batch(trainer: Trainer) -> CheckBatch:
         full.responses.append(response)
         full.targets.append(target)
         if info.rank == info.world_size - 1:
+            local_index.append(full.num_seqs - 1)
             local.prompts.append(prompt)
             local.responses.append(response)
             local.targets.append(target)
     mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated) for r in rollouts]
     all_facts = [f for part in _all_gather(mine) for f in part]
     return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts, on_policy=facts["on_policy"],
-                      value_shift=shift, has_fixture=add_fixture)
+                      value_shift=shift, has_fixture=add_fixture, scores=scores, groups=groups,
+                      local_index=local_index)
 
 
 def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:

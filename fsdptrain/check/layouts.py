@@ -8,8 +8,10 @@ own counts with dp_size 1, except the simulated data-parallel one:
 
 - ``per-sequence``: the product's per-sequence path (``per_sequence_*_loss``): one unpacked forward per sequence;
 - ``padded``: one ``[B, L]`` forward with an attention mask on sdpa and the padded ``agg_loss``;
-- ``packed budget=B``: the train step's ``accumulate_gradients`` with the configured token budget;
-- ``micro-batches=1``, ``=2``, ``=n (one sequence each)``: packs forced by ``plan_packs(min_packs=)`` or by hand;
+- ``packed budget=B``: the train step's ``accumulate_gradients`` with the configured token budget, and again with
+  the smallest budget that fits the longest sequence (many packs), whatever the configured one;
+- ``micro-batches=1``, ``=2``, ``=n (one sequence each)``: the same ``accumulate_gradients`` with packs forced by
+  ``plan_packs(min_packs=)`` or by hand;
 - ``simulated dp=N``: the sequences split round-robin into N shards; each shard runs its packs with the global counts
   and dp_size N, the shards' gradients are averaged (what FSDP's reduce-scatter does) and their metrics reduced
   like ranks (``flatten`` / SUM, MIN, MAX / ``unflatten``);
@@ -17,8 +19,9 @@ own counts with dp_size 1, except the simulated data-parallel one:
   ``world.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
   mesh's ranks.
 
-The loss a layout reports is the scalar whose gradient the model holds: micro-batch losses summed, then averaged over
-the (simulated or real) data-parallel ranks.
+Every packed layout runs the train step's own ``accumulate_gradients`` (looked up on ``fsdptrain.train.step`` at call
+time), and the loss it reports is what that function summed: the scalars backward ran on, then averaged over the
+(simulated or real) data-parallel ranks as FSDP averages gradients.
 """
 
 from __future__ import annotations
@@ -30,26 +33,18 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from fsdptrain.data.packing import PaddedBatch, pack_sequences, pad_sequences, plan_packs
+from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.model.attention import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import (
-    Metrics,
-    ReduceBuffers,
-    Schema,
-    close_minibatch,
-    comparable,
-    finalize,
-    flatten,
-    merge_all,
-    unflatten,
-)
+from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
+from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
+from fsdptrain.train import step
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, reduce_metrics
+from fsdptrain.train.step import MiniBatch
 
 Grads = dict[str, Tensor]
 
@@ -124,8 +119,11 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
         agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
         clip_ratio_c=settings.clip_ratio_c, seq_level_ratio=settings.seq_level_ratio,
         ref_logprobs=_padded([t.ref_logprobs for t in targets], batch, device) if use_kl else None,
-        kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
-        entropy=entropy_from_logits(scaled_BLV), entropy_coef=settings.entropy_coef,
+        kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator, kl_clamp=settings.kl_clamp,
+        entropy=entropy_from_logits(scaled_BLV), entropy_coef=settings.entropy_coef, pg_loss_fn=settings.pg_loss_fn,
+        dro_beta=settings.dro_beta,
+        rollout_is_weights=(_padded([t.is_weights for t in targets], batch, device) if settings.use_is_weights
+                            else None),
     )
 
 
@@ -140,34 +138,21 @@ def padded_value_loss(model, prompts, responses, targets, *, norms: LossNormaliz
                       norms=norms, agg_mode=settings.agg_mode, cliprange_value=settings.cliprange_value)
 
 
-# ---- running packs ------------------------------------------------------------------------------------------------
+# ---- running packs: the train step's own accumulation -------------------------------------------------------------
 
 
-def run_packs(part: Part, batch: MiniBatch, packs: list[list[int]], norms: LossNormalizers,
-              device) -> tuple[float, Metrics]:
-    """Forward and backward each pack (a micro-batch) in turn; the summed loss and the merged metrics."""
-    total, collected = 0.0, []
-    for pack in packs:
-        packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
-        loss, metrics = part.packed_loss(part.model, packed, [batch.targets[i] for i in pack], norms=norms,
-                                         settings=part.settings)
-        loss.backward()
-        total += float(loss.detach())
-        collected.append(metrics)
-    return total, merge_all(collected)
+def run_packs(part: Part, batch: MiniBatch, plan: Optional[PackPlan], norms: LossNormalizers, ctx: Context,
+              ) -> tuple[float, Metrics]:
+    """``accumulate_gradients`` of the train step (looked up on its module, so what runs is what ``fsdptrain train``
+    runs) on ``batch`` with ``plan`` (None: the trainer's agreed plan under the budget); the summed scalar backward
+    ran on, and the merged metrics."""
+    accumulated = step.accumulate_gradients(part.model, batch, loss_fn=part.packed_loss, settings=part.settings,
+                                            norms=norms, token_budget=ctx.token_budget, device=ctx.device, plan=plan)
+    return accumulated.loss, accumulated.metrics
 
 
 def _fresh(part: Part) -> None:
     part.model.zero_grad(set_to_none=True)
-
-
-def _recording(loss_fn: Callable, sink: list[float]) -> Callable:
-    def record(*args, **kwargs):
-        loss, metrics = loss_fn(*args, **kwargs)
-        sink.append(float(loss.detach()))
-        return loss, metrics
-
-    return record
 
 
 def _sub_batch(batch: MiniBatch, indices: list[int]) -> MiniBatch:
@@ -193,19 +178,22 @@ def padded(part: Part, ctx: Context) -> Run:
     return Run(float(loss.detach()), metrics, gather_full_grads(part.model))
 
 
-def packed_with_budget(part: Part, ctx: Context) -> Run:
-    _fresh(part)
-    losses: list[float] = []
-    metrics = accumulate_gradients(part.model, ctx.full, loss_fn=_recording(part.packed_loss, losses),
-                                   settings=part.settings, norms=ctx.norms, token_budget=ctx.token_budget,
-                                   device=ctx.device)
-    return Run(sum(losses), metrics, gather_full_grads(part.model))
+def packed_with_budget(token_budget: Optional[int] = None) -> Callable[[Part, Context], Run]:
+    """The trainer's agreed plan under ``token_budget`` (None: the configured one)."""
 
-
-def forced_packs(packs: list[list[int]]) -> Callable[[Part, Context], Run]:
     def run(part: Part, ctx: Context) -> Run:
         _fresh(part)
-        loss, metrics = run_packs(part, ctx.full, packs, ctx.norms, ctx.device)
+        budgeted = ctx if token_budget is None else dataclasses.replace(ctx, token_budget=token_budget)
+        loss, metrics = run_packs(part, ctx.full, None, ctx.norms, budgeted)
+        return Run(loss, metrics, gather_full_grads(part.model))
+
+    return run
+
+
+def forced_packs(plan: PackPlan) -> Callable[[Part, Context], Run]:
+    def run(part: Part, ctx: Context) -> Run:
+        _fresh(part)
+        loss, metrics = run_packs(part, ctx.full, plan, ctx.norms, ctx)
         return Run(loss, metrics, gather_full_grads(part.model))
 
     return run
@@ -220,7 +208,7 @@ def simulated_dp(part: Part, ctx: Context) -> Run:
         batch = _sub_batch(ctx.full, [i for i in range(ctx.full.num_seqs) if i % num_shards == shard])
         plan = plan_packs(batch.lengths(), ctx.token_budget)  # no sequence: one empty pack, as on a real rank
         _fresh(part)
-        loss, metrics = run_packs(part, batch, plan.packs, norms, ctx.device)
+        loss, metrics = run_packs(part, batch, plan, norms, ctx)
         losses.append(loss)
         shard_metrics.append(metrics)
         shard_grads = gather_full_grads(part.model)
@@ -241,32 +229,42 @@ def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
 def real_ranks(part: Part, ctx: Context) -> Run:
     """The train step's own path on this rank's share; the loss averaged over the mesh's ranks, as FSDP averages."""
     _fresh(part)
-    norms = global_normalizers(ctx.local, dp_size=world.dp_size(ctx.mesh),
-                               loss_scale_factor=ctx.norms.loss_scale_factor)
-    losses: list[float] = []
-    metrics = accumulate_gradients(part.model, ctx.local, loss_fn=_recording(part.packed_loss, losses),
-                                   settings=part.settings, norms=norms, token_budget=ctx.token_budget,
-                                   device=ctx.device)
-    total = world.all_reduce_sum(torch.tensor([sum(losses)], dtype=torch.float64))
-    return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
+    norms = step.global_normalizers(ctx.local, dp_size=world.dp_size(ctx.mesh),
+                                    loss_scale_factor=ctx.norms.loss_scale_factor)
+    loss, metrics = run_packs(part, ctx.local, None, norms, ctx)
+    total = world.all_reduce_sum(torch.tensor([loss], dtype=torch.float64))
+    return Run(float(total[0]) / ctx.mesh.size(), step.reduce_metrics(metrics), gather_full_grads(part.model))
 
 
 def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
             world_size: int) -> list[tuple[str, Callable[[Part, Context], Run]]]:
-    """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only)."""
-    total = sum(full.lengths())
-    n = full.num_seqs
+    """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only).
+
+    Whatever the configured budget, one layout packs under the smallest budget that fits the longest sequence
+    (many packs), and the simulated data-parallel size is at least 2.
+    """
+    lengths = full.lengths()
+    total, longest, n = sum(lengths), max(lengths), full.num_seqs
     out = [
         ("per-sequence", per_sequence),
         ("padded", padded),
-        (f"packed budget={token_budget}", packed_with_budget),
-        ("micro-batches=1", forced_packs(plan_packs(full.lengths(), total).packs)),
-        ("micro-batches=2", forced_packs(plan_packs(full.lengths(), total, min_packs=2).packs)),
-        (f"micro-batches={n} (one sequence each)", forced_packs([[i] for i in range(n)])),
+        (f"packed budget={token_budget}", packed_with_budget()),
+    ]
+    if longest < token_budget:
+        out.append((f"packed budget={longest} (small)", packed_with_budget(longest)))
+    out += [
+        ("micro-batches=1", forced_packs(plan_packs(lengths, total))),
+        ("micro-batches=2", forced_packs(plan_packs(lengths, total, min_packs=2))),
+        (f"micro-batches={n} (one sequence each)", forced_packs(_one_each(lengths))),
         (f"simulated dp={simulated_dp_size}", simulated_dp),
         (f"ranks={world_size}", real_ranks),
     ]
     return out
+
+
+def _one_each(lengths: list[int]) -> PackPlan:
+    budget = max(lengths)
+    return PackPlan([[i] for i in range(len(lengths))], list(lengths), [n / budget for n in lengths], budget)
 
 
 def grad_norm(grads: Grads) -> float:
@@ -293,7 +291,7 @@ def token_mean_grad_norm(part: Part, ctx: Context) -> Optional[float]:
     """The gradient norm of the same batch under token-mean (one pack), for the gradient-scale report."""
     settings = dataclasses.replace(part.settings, agg_mode="token-mean")
     _fresh(part)
-    run_packs(dataclasses.replace(part, settings=settings), ctx.full, [list(range(ctx.full.num_seqs))], ctx.norms,
-              ctx.device)
+    run_packs(dataclasses.replace(part, settings=settings), ctx.full,
+              plan_packs(ctx.full.lengths(), sum(ctx.full.lengths())), ctx.norms, ctx)
     return grad_norm(gather_full_grads(part.model))
 

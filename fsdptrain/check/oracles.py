@@ -69,7 +69,9 @@ def per_sequence_policy_loss(model, prompts, responses, targets: Sequence[SeqTar
             seq_level_ratio=settings.seq_level_ratio,
             ref_logprobs=target.ref_logprobs[None].to(logprobs_R) if use_kl else None,
             kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
-            entropy=entropy_R[None], entropy_coef=settings.entropy_coef,
+            kl_clamp=settings.kl_clamp, entropy=entropy_R[None], entropy_coef=settings.entropy_coef,
+            pg_loss_fn=settings.pg_loss_fn, dro_beta=settings.dro_beta,
+            rollout_is_weights=target.is_weights[None].to(logprobs_R) if settings.use_is_weights else None,
         )
         total = loss if total is None else total + loss
         collected.append(metrics)

@@ -13,8 +13,10 @@ token), then backward, one sequence at a time:
 Its metrics are taken directly over all valid tokens of the batch (a min is the min of every valid value, a
 token-weighted mean a plain sum over a count, the explained variance from the whole vectors), never through
 ``agg_loss``, the ``Metric`` merges or the rank reduction that the layouts use, so a bug there cannot hide in both.
-The per-token formulas (PPO clip, dual clip, GSPO ratio, clipped value error) are the loss contract's; the KL
-estimators and the entropy are reused from ``fsdptrain.rl.policy``.
+The per-token formulas (PPO clip, dual clip, GSPO ratio, the KL estimators, clipped value error) are written here
+from their definitions; the entropy is reused from ``fsdptrain.rl.policy``. A policy loss other than vanilla PPO (a
+built-in or a user's) runs its own per-token function on each sequence alone, its metrics merged over sequences;
+the rollout-correction weights multiply the per-token pg term.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from torch import Tensor
 
 from fsdptrain.check.batch import RolloutFacts
 from fsdptrain.check.oracles import reference_policy_outputs, reference_values
-from fsdptrain.rl.policy import kl_penalty
+from fsdptrain.rl.aggregate import SeqLayout
+from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.rl.pg_losses import PolicyLossSettings as PgSettings
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
@@ -95,45 +99,50 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings,
     mode = settings.agg_mode
     total = 0.0
     parts: dict[str, list[Tensor]] = {k: [] for k in ("pg", "ratio", "clip", "lower", "ppo_kl", "kl", "entropy")}
+    other: list = []
     for prompt_ids, response_ids, target in zip(batch.prompts, batch.responses, batch.targets):
         if not response_ids:
             continue
         logp, entropy = reference_policy_outputs(model, prompt_ids, response_ids, temperature=settings.temperature)
         old = target.old_logprobs.to(logp)
         adv = target.advantages.to(logp)
-        if settings.seq_level_ratio:  # GSPO: the value is the sequence ratio, the gradient s * grad logp
-            log_ratio = (logp - old).detach().mean() + logp - logp.detach()
-        else:
-            log_ratio = logp - old
-        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-        unclipped = -adv * ratio
-        clipped = -adv * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
-        pg = torch.maximum(unclipped, clipped)
-        lower = torch.zeros_like(pg, dtype=torch.bool)
-        if settings.clip_ratio_c is not None:
-            dual = -adv * settings.clip_ratio_c
-            lower = (adv < 0) & (pg > dual)
-            pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
+        if settings.policy_loss == "vanilla":
+            pg, ratio, clip, lower = _vanilla(logp, old, adv, settings)
+        else:  # another loss: its own per-token function on this sequence alone, its metrics merged over sequences
+            pg, pg_metrics = settings.pg_loss_fn(
+                logp[None], old[None], adv[None], torch.ones_like(logp, dtype=torch.bool)[None],
+                layout=SeqLayout((1, logp.numel()), None, logp.device), settings=_pg_settings(settings))
+            pg = pg[0]
+            other.append(pg_metrics)
+        if settings.use_is_weights:
+            pg = pg * target.is_weights.to(logp)
         loss = seq_share(pg, mode, counts)
         if settings.use_reference:
-            kl = kl_penalty(logp, target.ref_logprobs.to(logp), settings.kl_estimator)
+            kl = kl_direct(logp, target.ref_logprobs.to(logp), settings.kl_estimator, settings.kl_clamp)
             loss = loss + settings.kl_coef * seq_share(kl, mode, counts)
             parts["kl"].append(kl)
         if settings.entropy_coef != 0.0:
             loss = loss - settings.entropy_coef * seq_share(entropy, mode, counts)
         loss.backward()
         total += float(loss.detach())
-        for key, value in (("pg", pg), ("ratio", ratio), ("clip", clipped > unclipped), ("lower", lower),
-                           ("ppo_kl", old - logp), ("entropy", entropy)):
-            parts[key].append(value)
+        parts["pg"].append(pg)
+        parts["entropy"].append(entropy)
+        if not other:
+            for key, value in (("ratio", ratio), ("clip", clip), ("lower", lower), ("ppo_kl", old - logp)):
+                parts[key].append(value)
     metrics = {
         "pg_loss": float(sum(seq_share(p.detach(), mode, counts) for p in parts["pg"])),
-        **_stats(_cat(parts["clip"]), "pg_clipfrac"),
-        **_stats(_cat(parts["lower"]), "pg_clipfrac_lower"),
-        **_stats(_cat(parts["ppo_kl"]), "ppo_kl"),
-        **_stats(_cat(parts["ratio"]), "probs_ratio", extrema=True),
         **_stats(_cat(parts["entropy"]), "entropy"),
     }
+    if other:
+        metrics.update(finalize(merge_all(other)))
+    else:
+        metrics.update({
+            **_stats(_cat(parts["clip"]), "pg_clipfrac"),
+            **_stats(_cat(parts["lower"]), "pg_clipfrac_lower"),
+            **_stats(_cat(parts["ppo_kl"]), "ppo_kl"),
+            **_stats(_cat(parts["ratio"]), "probs_ratio", extrema=True),
+        })
     scales = {"pg_loss": _magnitude(parts["pg"], mode, counts)}
     scales["loss"] = scales["pg_loss"] + settings.entropy_coef * _magnitude(parts["entropy"], mode, counts)
     if settings.use_reference:
@@ -142,6 +151,43 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings,
         scales["kl_loss"] = _magnitude(parts["kl"], mode, counts)
         scales["loss"] += settings.kl_coef * scales["kl_loss"]
     return total, metrics, scales
+
+
+def _vanilla(logp: Tensor, old: Tensor, adv: Tensor, settings: PolicyLossSettings):
+    """PPO's clipped surrogate of one sequence, from its definition: (pg, ratio, clipped, dual-clipped)."""
+    if settings.seq_level_ratio:  # GSPO: the value is the sequence ratio, the gradient s * grad logp
+        log_ratio = (logp - old).detach().mean() + logp - logp.detach()
+    else:
+        log_ratio = logp - old
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
+    pg = torch.maximum(unclipped, clipped)
+    lower = torch.zeros_like(pg, dtype=torch.bool)
+    if settings.clip_ratio_c is not None:
+        dual = -adv * settings.clip_ratio_c
+        lower = (adv < 0) & (pg > dual)
+        pg = torch.where(adv < 0, torch.minimum(pg, dual), pg)
+    return pg, ratio, clipped > unclipped, lower
+
+
+def kl_direct(logp: Tensor, ref: Tensor, estimator: str, clamp: Optional[float]) -> Tensor:
+    """The KL estimators from their definitions (docs/algorithms.md), d = logp - ref: k1 d; k2 = mse d^2/2; abs |d|;
+    k3 exp(-d) + d - 1 (d clamped to +-20 inside, the value to +-clamp); k1+, k3+ the value of k1, k3 with k2's
+    gradient."""
+    d = logp - ref
+    k2 = 0.5 * d * d
+    k3 = torch.exp(-d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) + d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP) - 1
+    if clamp is not None:
+        k3 = k3.clamp(-clamp, clamp)
+    values = {"k1": d, "k2": k2, "mse": k2, "abs": d.abs(), "k3": k3,
+              "k1+": d.detach() + k2 - k2.detach(), "k3+": k3.detach() + k2 - k2.detach()}
+    return values[estimator]
+
+
+def _pg_settings(settings: PolicyLossSettings) -> PgSettings:
+    return PgSettings(settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c,
+                      settings.seq_level_ratio, settings.dro_beta)
 
 
 def _magnitude(per_seq_R: Sequence[Tensor], mode: str, counts: Counts) -> float:
@@ -174,7 +220,8 @@ def reference_critic(model, batch: MiniBatch, settings: ValueLossSettings,
         if settings.cliprange_value is None:
             err, clip = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
         else:
-            v_clipped = old + (values - old).clamp(-settings.cliprange_value, settings.cliprange_value)
+            c = settings.cliprange_value
+            v_clipped = torch.minimum(torch.maximum(values, old - c), old + c)  # v itself when |v - old| <= c
             clipped = (v_clipped - returns).square()
             err, clip = torch.maximum(unclipped, clipped), clipped > unclipped
         loss = seq_share(0.5 * err, settings.agg_mode, counts)

@@ -10,6 +10,7 @@ compare the loss, the gradient (global norm, largest entry difference) and every
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,12 @@ from fsdptrain.check.layouts import (
     token_mean_grad_norm,
 )
 from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss
+from fsdptrain.check.passes import (
+    experience_checks,
+    off_policy_batch,
+    off_policy_settings,
+    off_policy_value_settings,
+)
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
@@ -177,17 +184,61 @@ def _notes(parts: list[Part], reference: Outcome, on_policy: bool) -> list[str]:
     return notes
 
 
-def run_checks(session: CheckSession, agg_mode: Optional[str] = None) -> CheckReport:
-    """Reference, every layout and the comparisons for ``agg_mode`` (default: the configured one). Collective."""
+OFF = "off-policy/"
+
+
+def _context(session: CheckSession, batch, counts: Counts) -> Context:
+    cfg, tr = session.cfg, session.trainer
+    return Context(full=batch.full, local=batch.local,
+                   norms=LossNormalizers(counts.num_tokens, counts.num_seqs, dp_size=1,
+                                         loss_scale_factor=tr.loss_scale_factor),
+                   token_budget=cfg.trainer.token_budget, simulated_dp=max(2, cfg.check.simulated_dp), mesh=tr.mesh,
+                   device=tr.device)
+
+
+def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, list[Comparison], list[Check]]:
+    """The off-policy pass (:mod:`fsdptrain.check.passes`): every layout on the perturbed batch with the off-policy
+    paths on; names carry the ``off-policy/`` prefix."""
+    cfg, tr = session.cfg, session.trainer
+    alg = cfg.algorithm
+    correction = alg.rollout_correction if alg.rollout_correction != "none" else "tis"
+    level = alg.rollout_correction_level if alg.rollout_correction != "none" else "token"
+    off_batch = off_policy_batch(session.batch, correction=correction, level=level, cap=alg.rollout_correction_cap)
+    off = dataclasses.replace(session, batch=off_batch)
+    parts = [dataclasses.replace(p, settings=off_policy_settings(p.settings) if p.prefix == "actor/" else
+                                 off_policy_value_settings(p.settings)) for p in parts_of(session, mode)]
+    counts = Counts.of(off_batch.full, tr.loss_scale_factor)
+    ctx = _context(off, off_batch, counts)
+    reference, scales, ref_grads = _reference(off, parts, counts)
+    planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
+                      world_size=off.world_size)
+    outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, off) for name, run_layout in planned]
+    reference = _prefixed(reference, keep_rollout=False)
+    outcomes = [_prefixed(o, keep_rollout=False) for o in outcomes]
+    scales = {OFF + k: v for k, v in scales.items()}
+    skip = frozenset() if OFF + EV_NAME in reference.values else frozenset({OFF + EV_NAME})
+    comparisons = [c for o in outcomes for c in compare(reference, o, scales=scales, skip=skip, **tol)]
+    checks = [k for o in (reference, *outcomes) for k in self_checks(o, on_policy=False, **tol)]
+    return reference, comparisons, checks
+
+
+def _prefixed(outcome: Outcome, *, keep_rollout: bool) -> Outcome:
+    values = {OFF + k: v for k, v in outcome.values.items() if keep_rollout or k.startswith(("actor/", "critic/"))}
+    kinds = {OFF + k: v for k, v in outcome.kinds.items() if OFF + k in values}
+    covers = tuple(OFF + c for c in outcome.covers if c in ("actor/", "critic/"))
+    return Outcome("off-policy: " + outcome.layout if outcome.layout != "reference" else "reference", values, kinds,
+                   covers)
+
+
+def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_policy: bool = True,
+               experience: bool = True) -> CheckReport:
+    """Reference, every layout and the comparisons for ``agg_mode`` (default: the configured one), then the
+    off-policy pass and the experience checks (docs/check-metrics.md). Collective."""
     cfg, batch, tr = session.cfg, session.batch, session.trainer
     mode = agg_mode or cfg.loss.agg_mode
     parts = parts_of(session, mode)
     counts = Counts.of(batch.full, tr.loss_scale_factor)
-    ctx = Context(full=batch.full, local=batch.local,
-                  norms=LossNormalizers(counts.num_tokens, counts.num_seqs, dp_size=1,
-                                        loss_scale_factor=tr.loss_scale_factor),
-                  token_budget=cfg.trainer.token_budget, simulated_dp=cfg.check.simulated_dp, mesh=tr.mesh,
-                  device=tr.device)
+    ctx = _context(session, batch, counts)
     reference, scales, ref_grads = _reference(session, parts, counts)
     planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
                       world_size=session.world_size)
@@ -200,8 +251,19 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None) -> CheckRe
     tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
     comparisons = [c for o in outcomes for c in compare(reference, o, scales=scales, skip=skip, **tol)]
     checks = [k for o in (reference, *outcomes) for k in self_checks(o, on_policy=batch.on_policy, **tol)]
-    return CheckReport(mode, [name for name, _ in planned], reference, comparisons, checks, grad_scale,
-                       _notes(parts, reference, batch.on_policy))
+    notes = _notes(parts, reference, batch.on_policy)
+    names = [name for name, _ in planned]
+    if off_policy:
+        off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol)
+        reference.values.update(off_reference.values)
+        comparisons += off_comparisons
+        checks += off_checks
+        names += ["off-policy: " + name for name in names]
+    if experience:
+        experience_found, note = experience_checks(session, **tol)
+        checks += experience_found
+        notes += [note] if note else []
+    return CheckReport(mode, names, reference, comparisons, checks, grad_scale, notes)
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
@@ -251,6 +313,13 @@ def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
             ratio = f"{norm / token_mean:.6g}x" if token_mean > 0 else "ratio undefined"
             line += f", {token_mean:.6g} under token-mean on the same batch ({ratio} token-mean's)"
         console.print(line, highlight=False)
+    bite = [(name, report.reference.values.get(OFF + name)) for name in
+            ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl", "critic/vf_clipfrac")]
+    if any(v is not None for _, v in bite):
+        console.print("off-policy pass (perturbed old/ref log-probs and values, importance weights, temperature "
+                      f"{off_policy_settings(session.trainer.policy_settings).temperature:g}): "
+                      + ", ".join(f"{n} {v:.3g}" for n, v in bite if v is not None)
+                      + " on the reference: the clip, dual-clip and KL paths bit on these shares", highlight=False)
     for note in report.notes:
         console.print("note: " + note, highlight=False)
     failures = report.failures

@@ -54,7 +54,8 @@ class AlgorithmConfig:
     name: str = "ppo"
     """Preset name, for the record: ppo or grpo."""
     adv_estimator: str = "gae"
-    """Advantage estimator: gae (needs the value model), grpo or rloo (group baselines, no value model)."""
+    """Advantage estimator: gae (needs the value model), grpo, rloo, reinforce_plus_plus(_baseline), or a user's
+    module:function / path.py:function (docs/algorithms.md)."""
     use_critic: bool = True
     """Train a value model (PPO). GAE requires it."""
     gamma: float = 1.0
@@ -84,7 +85,23 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss term."""
     kl_estimator: str = "k3"
-    """KL estimator: k1, k2 or k3 (low variance)."""
+    """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+ or k3+ (straight-through; docs/algorithms.md)."""
+    kl_clamp: Optional[float] = 10.0
+    """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
+    policy_loss: str = "vanilla"
+    """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""
+    dro_beta: float = 1.0
+    """DRO's quadratic penalty weight (policy_loss=dro; > 0)."""
+    rollout_correction: str = "none"
+    """Off-policy correction from behaviour log-probs: none, tis (truncated) or mis (masked importance weights)."""
+    rollout_correction_level: str = "token"
+    """Importance weights per token or per sequence (product of the token ratios)."""
+    rollout_correction_cap: float = 2.0
+    """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
+    filter_groups_max_rounds: int = 3
+    """Dynamic sampling: generation rounds per step at most, until rollout.prompts_per_step groups are useful."""
     kl_in_reward_coef: float = 0.0
     """Per-token KL penalty subtracted from the reward (0 turns it off; needs the reference model)."""
 

@@ -22,7 +22,14 @@ from fsdptrain.config.schema import (
     TASKS,
     VALUE_INITS,
 )
-from fsdptrain.rl.names import ADV_ESTIMATORS, AGG_MODES, KL_ESTIMATORS
+from fsdptrain.rl.names import (
+    ADV_ESTIMATORS,
+    AGG_MODES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+)
 
 
 class ConfigError(ValueError):
@@ -34,8 +41,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_backend": ATTN_BACKENDS,
     "model.value_init": VALUE_INITS,
     "algorithm.name": ALGORITHM_NAMES,
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
     "algorithm.kl_estimator": KL_ESTIMATORS,
+    "algorithm.rollout_correction": ("none", *ROLLOUT_CORRECTION_MODES),
+    "algorithm.rollout_correction_level": ROLLOUT_CORRECTION_LEVELS,
     "loss.agg_mode": AGG_MODES,
     "data.source": DATA_SOURCES,
     "data.task": TASKS,
@@ -51,7 +59,7 @@ _POSITIVE_INTS = (
     "algorithm.ppo_epochs", "loss.logprob_chunk_size", "rollout.prompts_per_step", "rollout.n",
     "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
-    "check.num_prompts",
+    "check.num_prompts", "algorithm.filter_groups_max_rounds",
 )
 _NON_NEGATIVE = (
     "trainer.warmup_steps", "trainer.weight_decay", "trainer.grad_clip", "trainer.critic_grad_clip",
@@ -61,6 +69,7 @@ _NON_NEGATIVE = (
 )
 _POSITIVE_FLOATS = (
     "trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor", "trainer.adam_eps",
+    "algorithm.dro_beta", "algorithm.rollout_correction_cap",
 )
 
 
@@ -68,11 +77,24 @@ def _get(cfg: DictConfig, dotted: str) -> Any:
     return OmegaConf.select(cfg, dotted, throw_on_missing=True)
 
 
+_PLUGGABLE: dict[str, tuple[str, ...]] = {
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "algorithm.policy_loss": POLICY_LOSSES,
+}
+"""Fields that take a built-in name or a user's function (`module:function` / `path.py:function`, loaded and its
+signature checked by the CLI, `fsdptrain/plugins.py`)."""
+
+
 def _check_choices(cfg: DictConfig) -> None:
     for key, choices in _CHOICES.items():
         value = _get(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not a valid choice; choose one of: {', '.join(choices)}")
+    for key, choices in _PLUGGABLE.items():
+        value = _get(cfg, key)
+        if value not in choices and ":" not in str(value):
+            raise ConfigError(f"{key}={value!r} is not a valid choice; choose one of: {', '.join(choices)}, "
+                              "or a function as module:function or path/to/file.py:function")
 
 
 def _check_ranges(cfg: DictConfig) -> None:
@@ -103,7 +125,20 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if alg.adv_estimator == "gae" and not alg.use_critic:
         raise ConfigError("algorithm.adv_estimator=gae needs a value model: set algorithm.use_critic=true "
                           "or choose algorithm.adv_estimator=grpo or rloo")
-    if alg.adv_estimator in ("grpo", "rloo") and cfg.data.source == "task" and cfg.rollout.n < 2:
+    kl_clamp = alg.kl_clamp
+    if kl_clamp is not None and not kl_clamp > 0:
+        raise ConfigError(f"algorithm.kl_clamp={kl_clamp} must be > 0 (or null for no clamp)")
+    if alg.filter_groups and cfg.data.source != "task":
+        raise ConfigError("algorithm.filter_groups=true needs data.source=task (it generates more prompts): "
+                          "set algorithm.filter_groups=false for offline rollouts")
+    if alg.filter_groups and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.filter_groups=true compares samples of one prompt: rollout.n={cfg.rollout.n} "
+                          "must be at least 2")
+    if alg.seq_level_ratio and alg.policy_loss != "vanilla":
+        raise ConfigError(f"algorithm.seq_level_ratio=true (GSPO) needs algorithm.policy_loss=vanilla, "
+                          f"got {alg.policy_loss!r}")
+    group_estimators = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+    if alg.adv_estimator in group_estimators and cfg.data.source == "task" and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares samples of one prompt: "
                           f"rollout.n={cfg.rollout.n} must be at least 2")
     if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1:

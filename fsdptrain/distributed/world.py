@@ -175,7 +175,7 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     return all_reduce_f64(values, "max")
 
 
-def all_gather_object(obj):
+def all_gather_object(obj) -> list:
     """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` with no process group."""
     if world_size() == 1:
         return [obj]
@@ -195,3 +195,5 @@ def agree_max_int(value: int) -> int:
 def any_flag(flag: bool) -> bool:
     """World-wide logical or: True on every rank when `flag` is True on at least one (non-finite skip, SIGTERM)."""
     return agree_max_int(1 if flag else 0) == 1
+
+

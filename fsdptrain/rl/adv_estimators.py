@@ -29,7 +29,7 @@ from torch import Tensor
 from fsdptrain.config import ConfigError
 from fsdptrain.plugins import check_signature, load_callable
 from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.rl.names import ADV_ESTIMATORS
+from fsdptrain.rl.names import ADV_ESTIMATOR_ARGS, ADV_ESTIMATORS
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,6 @@ class AdvEstimatorFn(Protocol):
                  group_ids_N: Tensor, settings: AdvSettings) -> AdvantageResult: ...
 
 
-ADV_ESTIMATOR_ARGS = ("token_rewards_BT", "values_BT", "mask_BT", "scores_N", "group_ids_N", "settings")
-"""The keyword names an advantage estimator must accept (checked when a user's function is loaded)."""
 
 
 def whiten_stats(result: AdvantageResult, mask_BT: Tensor) -> Tensor:

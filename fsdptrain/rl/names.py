@@ -24,3 +24,13 @@ ROLLOUT_CORRECTION_MODES = ("tis", "mis")
 
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 """Off-policy correction: one weight per token, or one per sequence from the product of its token ratios."""
+
+ADV_ESTIMATOR_ARGS = ("token_rewards_BT", "values_BT", "mask_BT", "scores_N", "group_ids_N", "settings")
+"""The keyword names an advantage estimator must accept (checked when a user's function is loaded)."""
+
+POLICY_LOSS_ARGS = ("logprobs", "old_logprobs", "advantages", "valid", "layout", "settings")
+"""The keyword names a policy-loss function must accept (checked when a user's function is loaded)."""
+
+USER_FUNCTION_FIELDS = {"algorithm.adv_estimator": ADV_ESTIMATOR_ARGS, "algorithm.policy_loss": POLICY_LOSS_ARGS}
+"""Config fields that may name a user's function, and the keywords it must accept: the CLI loads and checks them in
+the parent process, so a bad one is exit 2 before any rank starts."""

@@ -35,7 +35,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.plugins import check_signature, load_callable
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
-from fsdptrain.rl.names import POLICY_LOSSES
+from fsdptrain.rl.names import POLICY_LOSS_ARGS, POLICY_LOSSES
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -69,8 +69,6 @@ class PolicyLossFn(Protocol):
                  layout: SeqLayout, settings: PolicyLossSettings) -> tuple[Tensor, Metrics]: ...
 
 
-POLICY_LOSS_ARGS = ("logprobs", "old_logprobs", "advantages", "valid", "layout", "settings")
-"""The keyword names a policy-loss function must accept (checked when a user's function is loaded)."""
 
 
 def _metrics(ratio: Tensor, clipped: Tensor, lower: Tensor, log_ratio: Tensor, valid: Tensor) -> Metrics:

@@ -7,21 +7,30 @@ empty packs), exactly like training. Old log-probs come from the same packed for
 first mini-batch's ratio is 1 up to rounding (the on-policy guard); rollouts that carry behaviour log-probs use those
 instead. Statistics that span ranks (advantage whitening) go through the all-reduce passed in by the loop.
 
-Departures from verl: the KL-in-reward penalty uses the k1 estimator per token; GAE advantages are whitened over the
-global batch with an unbiased variance; GRPO/RLOO advantages are not whitened.
+Advantages come from the estimator registry (`fsdptrain/rl/adv_estimators.py`: a built-in or a user's function);
+whitening, when the estimator asks for it, uses the global moments from one all-reduce. With
+`algorithm.rollout_correction` the old log-probs stay the trainer's own and the behaviour log-probs (when a rollout
+carries them) give the importance weights; without it, behaviour log-probs replace the old ones.
+
+Departures from verl: the KL-in-reward penalty uses the k1 estimator per token; whitening uses an unbiased variance.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
-from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.train.packed_loss import policy_token_outputs, value_token_outputs
+from fsdptrain.distributed import world
+from fsdptrain.rl.adv_estimators import AdvantageResult, AdvSettings, resolve_adv_estimator, whiten_stats, whitened
+from fsdptrain.rl.metrics import Metrics
+from fsdptrain.rl.rollout_correction import rollout_correction_weights
+from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
 from fsdptrain.train.step import plan_agreed
 
 
@@ -91,27 +100,124 @@ def _unpad(padded_BR: Tensor, values: Sequence[Tensor]) -> list[Tensor]:
     return [padded_BR[i, : v.numel()].clone() for i, v in enumerate(values)]
 
 
-def gae_targets(rewards_R: Sequence[Tensor], values_R: Sequence[Tensor], *, gamma: float, lam: float,
-                whiten_advantages: bool, sum_across_ranks: Callable[[Tensor], Tensor]) -> tuple[list, list]:
-    """GAE advantages (whitened with global mean and variance when asked) and returns, per sequence."""
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """What the experience needs from the config (built once per run by :func:`experience_settings`)."""
+
+    adv_fn: Callable
+    adv: AdvSettings
+    kl_in_reward_coef: float
+    temperature: float
+    chunk_size: int
+    token_budget: int
+    rollout_correction: str = "none"
+    rollout_correction_level: str = "token"
+    rollout_correction_cap: float = 2.0
+
+
+def experience_settings(cfg) -> ExperienceSettings:
+    """The settings of ``cfg``; resolves ``algorithm.adv_estimator`` (a built-in or a user's function)."""
+    alg = cfg.algorithm
+    return ExperienceSettings(
+        adv_fn=resolve_adv_estimator(alg.adv_estimator),
+        adv=AdvSettings(gamma=alg.gamma, lam=alg.lam, whiten_advantages=alg.whiten_advantages,
+                        norm_adv_by_std=alg.norm_adv_by_std),
+        kl_in_reward_coef=alg.kl_in_reward_coef, temperature=cfg.rollout.temperature,
+        chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
+        rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
+        rollout_correction_cap=alg.rollout_correction_cap)
+
+
+def _sum_over_ranks(stats: Tensor) -> Tensor:
+    """The one all-reduce of the whitening moments (a module-level name, so a test can plant a local-only bug)."""
+    return world.all_reduce_sum(stats)
+
+
+def estimate_advantages(rewards_R: Sequence[Tensor], values_R: Optional[Sequence[Tensor]], rollouts, *,
+                        adv_fn: Callable, settings: AdvSettings,
+                        sum_across_ranks: Callable[[Tensor], Tensor] = None) -> tuple[list, Optional[list]]:
+    """Per sequence: advantages (whitened with the global moments when the estimator asks) and returns (None when
+    the estimator defines none). Collective: exactly one all-reduce, whatever the estimator (its `whiten` flag rides
+    along, so a function that asks on some ranks only is an error, not a hang).
+
+    A user's function that returns the wrong type or shape is a ConfigError (exit 2).
+    """
+    sum_across_ranks = sum_across_ranks or _sum_over_ranks
     rewards_BR, mask_BR = _pad(rewards_R)
-    values_BR, _ = _pad(values_R)
-    adv_BR, ret_BR = gae(rewards_BR, values_BR, mask_BR, gamma=gamma, lam=lam)
-    if whiten_advantages:
-        stats = torch.stack(moment_stats(adv_BR, mask_BR))
-        total, total_sq, count = sum_across_ranks(stats)
-        mean, var = mean_var(total, total_sq, count)
-        adv_BR = whiten(adv_BR, mask_BR, mean=mean, var=var)
-    return _unpad(adv_BR, rewards_R), _unpad(ret_BR, rewards_R)
+    values_BR = _pad(values_R)[0] if values_R is not None else None
+    scores_N = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+    groups_N = torch.tensor([int(r.group) for r in rollouts], dtype=torch.long)
+    result = adv_fn(token_rewards_BT=rewards_BR, values_BT=values_BR, mask_BT=mask_BR, scores_N=scores_N,
+                    group_ids_N=groups_N, settings=settings)
+    _check_result(result, mask_BR)
+    stats = torch.cat([whiten_stats(result, mask_BR), torch.tensor([float(result.whiten), 1.0], dtype=torch.float64)])
+    summed = sum_across_ranks(stats)
+    asking, ranks = float(summed[3]), float(summed[4])
+    if asking not in (0.0, ranks):
+        raise ConfigError(f"the advantage estimator asked for whitening on {asking:g} of {ranks:g} ranks: its "
+                          "`whiten` flag must depend on the settings only")
+    adv_BR = whitened(result, mask_BR, summed[:3]) if result.whiten else result.advantages_BT
+    returns = _unpad(result.returns_BT.float(), rewards_R) if result.returns_BT is not None else None
+    return _unpad(adv_BR.float(), rewards_R), returns
 
 
-def group_targets(rollouts: Sequence[Rollout], *, estimator: str, norm_by_std: bool) -> list[Tensor]:
-    """GRPO or RLOO advantages from the outcome rewards of each prompt group, broadcast over each response."""
-    scores_N = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-    groups_N = torch.tensor([r.group for r in rollouts], dtype=torch.long)
-    if estimator == "grpo":
-        adv_N = grpo_advantages(scores_N, groups_N, scale_by_std=norm_by_std)
-    else:
-        adv_N = rloo_advantages(scores_N, groups_N)
-    return [torch.full((len(r.response_ids),), float(a)) for r, a in zip(rollouts, adv_N)]
+def _check_result(result, mask_BR: Tensor) -> None:
+    if not isinstance(result, AdvantageResult):
+        raise ConfigError(f"algorithm.adv_estimator returned a {type(result).__name__}; it must return "
+                          "fsdptrain.rl.adv_estimators.AdvantageResult(advantages_BT, returns_BT or None, whiten)")
+    for name in ("advantages_BT", "returns_BT"):
+        value = getattr(result, name)
+        if (value is not None or name == "advantages_BT") and (
+                not isinstance(value, Tensor) or value.shape != mask_BR.shape):
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ConfigError(f"algorithm.adv_estimator returned {name} of shape {shape}; it must be "
+                              f"{tuple(mask_BR.shape)} (the rank's sequences x the longest response)")
 
+
+def correction_weights(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], *, mode: str, level: str,
+                       cap: float) -> tuple[list[Tensor], Metrics]:
+    """Rollout-correction importance weights per sequence (`rollout_correction_weights`) and their metrics (this
+    rank's; the caller reduces them with the step's)."""
+    old_BR, mask_BR = _pad(old_R)
+    behaviour_BR, _ = _pad(behaviour_R)
+    weights_BR, metrics = rollout_correction_weights(old_BR, behaviour_BR, mask_BR, mode=mode, level=level, cap=cap)
+    return _unpad(weights_BR, old_R), metrics.prefixed("experience/")
+
+
+def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings, *,
+                 device: torch.device) -> tuple[list[SeqTargets], bool, Metrics]:
+    """Old/ref log-probs, values, rewards, advantages, returns and importance weights for this rank's rollouts.
+
+    Collective (packed passes, one all-reduce). Returns the targets, whether the step is on-policy (no rollout
+    carries behaviour log-probs), and this rank's experience metrics (rollout correction; empty without it).
+    """
+    budget = settings.token_budget
+    logprob_args = dict(temperature=settings.temperature, chunk_size=settings.chunk_size, token_budget=budget,
+                        device=device)
+    old = policy_logprobs(models.policy, rollouts, **logprob_args)
+    behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
+                 else None for r in rollouts]
+    on_policy = all(b is None for b in behaviour)
+    weights, metrics = None, Metrics({})
+    if settings.rollout_correction != "none":  # weights from behaviour to old; none carried: weight 1
+        weights, metrics = correction_weights(old, [b if b is not None else o for b, o in zip(behaviour, old)],
+                                              mode=settings.rollout_correction,
+                                              level=settings.rollout_correction_level,
+                                              cap=settings.rollout_correction_cap)
+    else:  # without a correction the behaviour log-probs are the old policy's
+        old = [b if b is not None else o for b, o in zip(behaviour, old)]
+    ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None
+    kl_R = [o - r for o, r in zip(old, ref)] if ref is not None else None
+    rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef)
+    values = critic_values(models.critic, rollouts, token_budget=budget, device=device) if models.critic is not None else None
+    advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn,
+                                              settings=settings.adv)
+    if values is not None and returns is None:
+        returns = [reward_to_go(r) for r in rewards]
+    targets = [SeqTargets(old_logprobs=old[i], advantages=advantages[i],
+                          ref_logprobs=ref[i] if ref is not None else None,
+                          old_values=values[i] if values is not None else None,
+                          returns=returns[i] if values is not None else None,
+                          is_weights=weights[i] if weights is not None else None)
+               for i in range(len(rollouts))]
+    return targets, on_policy, metrics

@@ -20,14 +20,8 @@ from fsdptrain.config import validate_world
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.train.experience import (
-    critic_values,
-    gae_targets,
-    group_targets,
-    policy_logprobs,
-    reward_to_go,
-    token_rewards,
-)
+from fsdptrain.train.experience import experience_settings, make_targets
+from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
 from fsdptrain.train.progress import (
@@ -68,6 +62,7 @@ class Trainer:
             cfg, self.tokenizer)
         self.models = build_models(cfg, self.tokenizer, mesh, self.device)
         self.policy_settings = policy_settings(cfg)
+        self.experience_settings = experience_settings(cfg)
         self.value_settings = value_settings(cfg)
         self.loss_scale_factor = loss_scale_factor(cfg)
         self.policy_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
@@ -77,52 +72,38 @@ class Trainer:
 
     # -- experience --------------------------------------------------------------------------------------------------
 
-    def make_experience(self, rollouts: list[Rollout]) -> tuple[list[SeqTargets], dict[str, float]]:
-        """Old/ref log-probs, values, rewards and advantages for this rank's rollouts (collective passes)."""
-        cfg, models = self.cfg, self.models
-        budget, device = cfg.trainer.token_budget, self.device
-        chunk, temperature = cfg.loss.logprob_chunk_size, cfg.rollout.temperature
-        old_logprobs = policy_logprobs(models.policy, rollouts, temperature=temperature, chunk_size=chunk,
-                                       token_budget=budget, device=device)
-        behaviour = [r.behaviour_logprobs for r in rollouts]
-        if any(b is not None for b in behaviour):
-            old_logprobs = [torch.tensor(b, dtype=torch.float32) if b is not None else lp
-                            for b, lp in zip(behaviour, old_logprobs)]
-        ref_logprobs = None
-        if models.reference is not None:
-            ref_logprobs = policy_logprobs(models.reference, rollouts, temperature=temperature, chunk_size=chunk,
-                                           token_budget=budget, device=device)
-        kl_R = [o - r for o, r in zip(old_logprobs, ref_logprobs)] if ref_logprobs is not None else None
-        rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=cfg.algorithm.kl_in_reward_coef)
-        values = returns = None
-        if cfg.algorithm.adv_estimator == "gae":
-            values = critic_values(models.critic, rollouts, token_budget=budget, device=device)
-            advantages, returns = gae_targets(rewards, values, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                                              whiten_advantages=cfg.algorithm.whiten_advantages,
-                                              sum_across_ranks=world.all_reduce_sum)
-        else:
-            advantages = group_targets(rollouts, estimator=cfg.algorithm.adv_estimator,
-                                       norm_by_std=cfg.algorithm.norm_adv_by_std)
-            if models.critic is not None:
-                values = critic_values(models.critic, rollouts, token_budget=budget, device=device)
-                returns = [reward_to_go(r) for r in rewards]
-        targets = []
-        for i in range(len(rollouts)):
-            targets.append(SeqTargets(
-                old_logprobs=old_logprobs[i], advantages=advantages[i],
-                ref_logprobs=ref_logprobs[i] if ref_logprobs is not None else None,
-                old_values=values[i] if values is not None else None,
-                returns=returns[i] if returns is not None else None,
-            ))
-        on_policy = all(b is None for b in behaviour)
-        return targets, {"on_policy": on_policy}
+    def make_experience(self, rollouts: list[Rollout]) -> tuple[list[SeqTargets], dict]:
+        """Old/ref log-probs, values, rewards, advantages and weights for this rank's rollouts (collective passes);
+        facts: ``on_policy`` and this rank's experience ``metrics``."""
+        targets, on_policy, metrics = make_targets(self.models, rollouts, self.experience_settings,
+                                                   device=self.device)
+        return targets, {"on_policy": on_policy, "metrics": metrics}
+
+    def step_rollouts(self, step: int) -> tuple[list[Rollout], Metrics]:
+        """This rank's rollouts of the step, filtered to groups with a signal under ``algorithm.filter_groups``."""
+        rank, world_size = self.info.rank, self.info.world_size
+        rollouts = self.source.rollouts(self.models, step, rank=rank, world_size=world_size, device=self.device)
+        if not self.cfg.algorithm.filter_groups:
+            return rollouts, Metrics({})
+
+        def more(round_index: int) -> list[Rollout]:
+            return self.source.rollouts(self.models, step, rank=rank, world_size=world_size, device=self.device,
+                                        round_index=round_index)
+
+        return filter_groups(rollouts, more, target_groups=self.cfg.rollout.prompts_per_step,
+                             max_rounds=self.cfg.algorithm.filter_groups_max_rounds, rank=rank, world_size=world_size)
 
     # -- one step ----------------------------------------------------------------------------------------------------
 
     def minibatches(self, rollouts: list[Rollout], targets: list[SeqTargets]) -> list[MiniBatch]:
         """This rank's share of each mini-batch, by the groups' global indices."""
-        per_mb = self.cfg.rollout.prompts_per_step // self.cfg.trainer.mini_batches_per_step
-        batches = [MiniBatch([], [], []) for _ in range(self.cfg.trainer.mini_batches_per_step)]
+        num_batches = self.cfg.trainer.mini_batches_per_step
+        per_mb = self.cfg.rollout.prompts_per_step // num_batches
+        if self.cfg.algorithm.filter_groups:  # fewer groups may be kept: spread them over the mini-batches
+            num_groups = world.agree_max_int(max((r.group + 1 for r in rollouts), default=0))
+            per_mb = max(1, -(-num_groups // num_batches))
+            num_batches = min(num_batches, -(-num_groups // per_mb))
+        batches = [MiniBatch([], [], []) for _ in range(num_batches)]
         for rollout, target in zip(rollouts, targets):
             batch = batches[rollout.group // per_mb]
             batch.prompts.append(rollout.prompt_ids)
@@ -186,15 +167,20 @@ class Trainer:
     def run_step(self, step: int) -> dict[str, float]:
         """One training step on every rank; returns the finalised metrics (the same on every rank)."""
         start = time.perf_counter()
-        rank, world_size = self.info.rank, self.info.world_size
-        rollouts = self.source.rollouts(self.models, step, rank=rank, world_size=world_size, device=self.device)
+        rollouts, filter_metrics = self.step_rollouts(step)
+        if world.agree_max_int(len(rollouts)) == 0:
+            raise RuntimeError(f"step {step}: no prompt group with a reward signal after "
+                               f"{self.cfg.algorithm.filter_groups_max_rounds} round(s) of dynamic sampling: raise "
+                               "algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
         targets, facts = self.make_experience(rollouts)
         batches = self.minibatches(rollouts, targets)
         update_metrics, update_facts = self.update(batches, facts["on_policy"])
         for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler):
             if scheduler is not None:
                 scheduler.step()
-        metrics = merge_all([self.rollout_metrics(rollouts), update_metrics])
+        experience = merge_all([filter_metrics, facts["metrics"]])
+        experience = reduce_metrics(experience) if experience else experience  # names fixed by the config
+        metrics = merge_all([self.rollout_metrics(rollouts), experience, update_metrics])
         result = {"step": step, **finalize(metrics), **update_facts}
         elapsed = time.perf_counter() - start
         result["perf/step_time_s"] = elapsed

@@ -13,7 +13,7 @@ fsdptrain/check/oracles.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -24,7 +24,8 @@ from fsdptrain.rl.aggregate import LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.draft_loss import draft_mask
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.rl.metrics import Metrics
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.pg_losses import vanilla_policy_loss
+from fsdptrain.rl.policy import KL_CLAMP, policy_loss
 from fsdptrain.rl.value import value_loss
 
 
@@ -45,6 +46,15 @@ class PolicyLossSettings:
     use_reference: bool = False
     """Compute the KL to the reference policy (kl_loss and kl metrics): fixed per run, so every rank's metric names
     agree, empty packs included."""
+    kl_clamp: Optional[float] = KL_CLAMP
+    """Bound on the k3/k3+ value (None: no clamp)."""
+    pg_loss_fn: Callable = vanilla_policy_loss
+    """The policy-gradient term (`fsdptrain.rl.pg_losses`: a built-in or a user's function)."""
+    policy_loss: str = "vanilla"
+    """The config name of `pg_loss_fn` (check-metrics' reference writes vanilla PPO out from its definition)."""
+    dro_beta: float = 1.0
+    use_is_weights: bool = False
+    """Multiply the pg term by the targets' rollout-correction weights (`SeqTargets.is_weights`)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class SeqTargets:
     ref_logprobs: Optional[Tensor] = None
     old_values: Optional[Tensor] = None
     returns: Optional[Tensor] = None
+    is_weights: Optional[Tensor] = None
+    """Rollout-correction importance weights (detached), with `algorithm.rollout_correction`."""
 
 
 def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedBatch, *, device=None) -> Tensor:
@@ -125,8 +137,13 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
         ref_logprobs=ref_T,
         kl_coef=settings.kl_coef if settings.use_reference else 0.0,
         kl_estimator=settings.kl_estimator,
+        kl_clamp=settings.kl_clamp,
         entropy=entropy_T,
         entropy_coef=settings.entropy_coef,
+        pg_loss_fn=settings.pg_loss_fn,
+        dro_beta=settings.dro_beta,
+        rollout_is_weights=(scatter_responses([t.is_weights for t in targets], packed, device=device)
+                            if settings.use_is_weights else None),
     )
 
 

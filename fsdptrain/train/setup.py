@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model
 from fsdptrain.model.attention import resolve_backend, set_attention
 from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 
@@ -127,7 +128,9 @@ def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
         agg_mode=cfg.loss.agg_mode, clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
         clip_ratio_c=alg.clip_ratio_c, seq_level_ratio=alg.seq_level_ratio, kl_coef=alg.kl_loss_coef,
         kl_estimator=alg.kl_estimator, entropy_coef=alg.entropy_coef, temperature=cfg.rollout.temperature,
-        chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss),
+        chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss), kl_clamp=alg.kl_clamp,
+        pg_loss_fn=resolve_policy_loss(alg.policy_loss), policy_loss=alg.policy_loss, dro_beta=alg.dro_beta,
+        use_is_weights=alg.rollout_correction != "none",
     )
 
 

@@ -30,16 +30,22 @@ class TaskSource:
         self.task = get_task(cfg.data.task)
         self.max_response_length = cfg.rollout.max_new_tokens
 
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device) -> list[Rollout]:
+    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+                 round_index: int = 0) -> list[Rollout]:
+        """This rank's rollouts of ``step``; ``round_index`` > 0 draws that extra round's fresh prompts (dynamic
+        sampling) from their own stream and sampling seed."""
         cfg = self.cfg
-        groups = task_prompts(self.task, seed=cfg.data.seed, step=step, num_prompts=cfg.rollout.prompts_per_step)
+        stream = "train" if round_index == 0 else f"train-round{round_index}"
+        groups = task_prompts(self.task, seed=cfg.data.seed, step=step, num_prompts=cfg.rollout.prompts_per_step,
+                              stream=stream)
         mine = [g for g in groups if g.index % world_size == rank]
         texts = [g.text for g in mine for _ in range(cfg.rollout.n)]
         with generation_attention(models.policy):
             outputs = generate_responses(
                 models.policy, self.tokenizer, texts, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, do_sample=True,
-                generator_seed=sampling_seed(cfg.trainer.seed, step, rank), device=device,
+                generator_seed=(sampling_seed(cfg.trainer.seed, step, rank) + 104_729 * round_index) % (2**31),
+                device=device,
             )
         rollouts = []
         for k, (prompt_ids, response_ids, truncated) in enumerate(outputs):

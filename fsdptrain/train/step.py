@@ -101,24 +101,37 @@ def check_same_schema(schema: Schema) -> None:
                        f"{', '.join(differing)} differ (present or of another kind) across the {len(described)} ranks")
 
 
-def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, norms: LossNormalizers,
-                         token_budget: int, device: torch.device) -> Metrics:
-    """Forward and backward every micro-batch of this rank's share of the mini-batch; return their merged metrics.
+@dataclass
+class Accumulated:
+    """What :func:`accumulate_gradients` did: the merged metrics of its micro-batches and ``loss``, the sum of the
+    scalars backward ran on (this rank's share of the mini-batch loss, dp factor included)."""
 
-    Collective (the pack count is agreed). The gradients accumulate in the model; the caller clips and steps.
+    metrics: Metrics
+    loss: float
+
+
+def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, norms: LossNormalizers,
+                         token_budget: int, device: torch.device, plan: Optional[PackPlan] = None) -> Accumulated:
+    """Forward and backward every micro-batch of this rank's share of the mini-batch; their merged metrics and the
+    summed loss.
+
+    Collective (the pack count is agreed) unless ``plan`` is given: then every rank must pass a plan with the same
+    number of packs (check-metrics forces layouts this way). The gradients accumulate in the model; the caller clips
+    and steps.
     """
-    plan = plan_agreed(batch.lengths(), token_budget)
-    collected = []
+    plan = plan if plan is not None else plan_agreed(batch.lengths(), token_budget)
+    total, collected = 0.0, []
     for pack in plan.packs:
         packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
         loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
-        loss.backward()
+        loss.backward()  # micro-batch losses are summed (by backward), never averaged
+        total += float(loss.detach())
         collected.append(metrics)
     work = Metrics({
         "fill_efficiency": Diagnostic(Mean(sum(plan.fill_efficiency), len(plan.fill_efficiency))),
         "micro_batches": Diagnostic(Sum(plan.num_packs)),
     })
-    return merge_all([*collected, work])
+    return Accumulated(merge_all([*collected, work]), total)
 
 
 @dataclass
@@ -145,8 +158,8 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
                         guard: NonFiniteGuard, device: torch.device) -> tuple[Metrics, StepOutcome]:
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome."""
     norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
-    metrics = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
-                                   token_budget=token_budget, device=device)
+    accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
+                                       token_budget=token_budget, device=device)
     outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
     outcome.norms = norms
-    return reduce_metrics(metrics), outcome
+    return reduce_metrics(accumulated.metrics), outcome

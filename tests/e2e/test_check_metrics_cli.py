@@ -31,8 +31,10 @@ def test_nproc_1_passes_and_writes_json(cli, tmp_path):
         assert any(name.startswith(prefix) for name in layouts), (prefix, layouts)
     assert any(name.endswith("(one sequence each)") for name in layouts), layouts
     for layout in layouts:
-        for metric in ("actor/loss", "actor/grad_norm", "actor/probs_ratio_min", "critic/values_max",
-                       "critic/vf_loss"):
+        prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
+        for name in ("actor/loss", "actor/grad_norm", "actor/probs_ratio_min", "critic/values_max",
+                     "critic/vf_loss"):
+            metric = prefix + name
             entry = report["layouts"][layout][metric]
             assert set(entry) == {"reference", "value", "abs_diff", "rel_diff", "pass"}, (layout, metric)
             assert entry["pass"] is True
@@ -82,3 +84,18 @@ def test_full_matrix(cli, mode, algorithm, nproc):
                  timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "check-metrics: PASS" in result.stdout
+
+
+def test_whitening_over_the_local_rank_fails_on_2_ranks(cli, tmp_path):
+    # Planted on the ranks: the whitening moments are not summed over ranks, so each rank whitens its own share.
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import fsdptrain.train.experience
+
+        fsdptrain.train.experience._sum_over_ranks = lambda stats: stats
+        """))
+    pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
+    result = cli("check-metrics", "--nproc", "2", env=_env(PYTHONPATH=pythonpath), timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL experience: advantages = oracle (global whitening) [experience]" in result.stdout

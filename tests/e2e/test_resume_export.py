@@ -99,13 +99,32 @@ def popen_cli(*args: str, cwd: Path, **kwargs) -> subprocess.Popen:
 # ---- the reference run ----------------------------------------------------------------------------------------------
 
 
+GLOBAL_RNG_USER = """
+    # Test patch: each step draws from torch's and python's global generators, as a user's reward function or
+    # dropout would (fsdptrain's own sampling draws from a forked stream), so the checkpointed states are not the
+    # fresh-seed ones and the RNG check of the resume test can fail.
+    import random
+    import torch
+    import fsdptrain.train.loop as loop
+
+    _run_step = loop.Trainer.run_step
+
+    def run_step(self, step):
+        torch.rand(3)
+        random.random()
+        return _run_step(self, step)
+
+    loop.Trainer.run_step = run_step
+"""
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """4 uninterrupted steps, checkpoints after steps 2 and 4 (the final one), export; ``resume=auto`` on an empty
     run directory, which must start fresh."""
     cwd = tmp_path_factory.mktemp("reference")
     result = run_cli("train", *TINY, "trainer.steps=4", "checkpoint.every=2", "trainer.run_name=A",
-                     "trainer.resume=auto", cwd=cwd)
+                     "trainer.resume=auto", cwd=cwd, env=write_patch(cwd / "rng_user", GLOBAL_RNG_USER))
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = cwd / "runs" / "A"
     return {"cwd": cwd, "run_dir": run_dir, "metrics": read_metrics(run_dir), "result": result}
@@ -157,7 +176,7 @@ def test_resume_reproduces_the_uninterrupted_run(reference, tmp_path):
         assert_same_metrics(got, want)
 
     # RNG: right after the load, torch's and python's generators hold what run A saved after step 2, which differs
-    # from a fresh manual_seed(trainer.seed=0) state (run A's sampling drew from it), so the check can fail.
+    # from a fresh manual_seed(trainer.seed=0) state (run A drew from it every step), so the check can fail.
     probe = torch.load(env["RNG_PROBE_OUT"], weights_only=False)
     saved = torch.load(ref_run / "checkpoints/step_00000002/rng_rank0.pt", weights_only=True)
     assert torch.equal(probe["torch"], saved["torch"])

@@ -121,7 +121,8 @@ def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
     # every layout is compared on every policy and critic metric of the reference
     for layout in layouts - {"token-mean, same batch"}:
         names = {c.metric for c in report.comparisons if c.layout == layout}
-        assert {n for n in ref if n.startswith(("actor/", "critic/"))} <= names, layout
+        prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
+        assert {n for n in ref if n.startswith((prefix + "actor/", prefix + "critic/"))} <= names, layout
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -218,3 +219,137 @@ def test_catches_a_missing_dp_size_factor(ppo, monkeypatch):
     assert "actor/grad_norm [simulated dp=2]" in failures
     assert "critic/loss [simulated dp=2]" in failures
     assert "[micro-batches=2]" not in failures  # dp size 1 layouts are unaffected
+
+
+# ---- the battery: off-policy pass, experience checks, the trainer's own update code (issue 15) ------------------
+
+
+def test_default_battery_reaches_the_paths_bugs_hide_in(ppo):
+    report = run_checks(ppo)
+    assert report.ok, "\n".join(report.failures)
+    ref = report.reference.values
+    # the off-policy pass binds both clip bounds, dual-clip, the k3 clamp range and the value clip
+    assert 0.05 < ref["off-policy/actor/pg_clipfrac"] < 0.95
+    assert ref["off-policy/actor/pg_clipfrac_lower"] > 0
+    assert ref["off-policy/actor/probs_ratio_min"] < 0.8 and ref["off-policy/actor/probs_ratio_max"] > 1.28
+    assert ref["off-policy/actor/kl"] > 1.0 and ref["off-policy/critic/vf_clipfrac"] > 0
+    names = report.layouts
+    longest = max(ppo.batch.full.lengths())
+    assert f"packed budget={longest} (small)" in names  # many packs whatever the configured budget
+    assert "simulated dp=2" in names and "ranks=1" in names
+    assert any(n.startswith("off-policy: ") for n in names)
+    assert {k.rule for k in report.checks if k.layout == "experience"} == {
+        "experience: advantages = oracle (global whitening)", "experience: returns = oracle",
+        "experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
+    assert not ppo.trainer.policy_settings.use_reference  # the default config has no KL loss: the battery adds it
+
+
+def _swap_settings(monkeypatch, session, changes):
+    import dataclasses
+
+    original = session.trainer.policy_settings.pg_loss_fn
+
+    def buggy(logprobs, old_logprobs, advantages, valid, *, layout, settings):
+        return original(logprobs, old_logprobs, advantages, valid, layout=layout,
+                        settings=dataclasses.replace(settings, **changes(settings)))
+
+    monkeypatch.setattr(session.trainer, "policy_settings",
+                        dataclasses.replace(session.trainer.policy_settings, pg_loss_fn=buggy))
+
+
+def test_catches_swapped_clip_bounds(ppo, monkeypatch):
+    _swap_settings(monkeypatch, ppo, changes=lambda s: dict(clip_ratio_low=s.clip_ratio_high,
+                                                           clip_ratio_high=s.clip_ratio_low))
+    failures = _failing(run_checks(ppo, experience=False))
+    assert "off-policy/actor/pg_loss [off-policy: ranks=1]" in failures
+    assert "off-policy/actor/grad_max_diff [off-policy: per-sequence]" in failures
+    assert "FAIL actor/" not in failures  # on-policy: ratio 1, the bounds never bind
+
+
+def test_catches_dual_clip_off(ppo, monkeypatch):
+    _swap_settings(monkeypatch, ppo, changes=lambda s: dict(clip_ratio_c=None))
+    failures = _failing(run_checks(ppo, experience=False))
+    assert "off-policy/actor/pg_clipfrac_lower [off-policy: per-sequence]" in failures
+    assert "FAIL actor/" not in failures
+
+
+def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
+    monkeypatch.setitem(policy._KL, "k3", lambda d, kl_clamp: (torch.exp(d) - d - 1).clamp(-10, 10))  # sign of d
+    failures = _failing(run_checks(ppo, experience=False))
+    assert "off-policy/actor/kl [off-policy: packed budget=" in failures
+    assert "off-policy/actor/kl_loss [off-policy: simulated dp=2]" in failures
+
+
+def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
+    from fsdptrain.train import packed_loss
+
+    original = packed_loss.chunked_logprobs_entropy
+    monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",
+                        lambda *a, temperature, **k: original(*a, temperature=1.0, **k))
+    failures = _failing(run_checks(ppo, experience=False))
+    assert "off-policy/actor/entropy [off-policy: packed budget=" in failures
+    assert "FAIL actor/" not in failures  # the configured temperature is 1: the on-policy pass cannot see it
+
+
+def _buggy_accumulate(scale):
+    from fsdptrain.data.packing import pack_sequences
+    from fsdptrain.rl.metrics import merge_all
+    from fsdptrain.train import step
+
+    def accumulate(model, batch, *, loss_fn, settings, norms, token_budget, device, plan=None):
+        plan = plan if plan is not None else step.plan_agreed(batch.lengths(), token_budget)
+        total, collected = 0.0, []
+        for pack in plan.packs:
+            packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
+            loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
+            loss = loss * scale(plan, norms)
+            loss.backward()
+            total += float(loss.detach())
+            collected.append(metrics)
+        return step.Accumulated(merge_all(collected), total)
+
+    return accumulate
+
+
+def test_catches_micro_batch_losses_averaged(ppo, monkeypatch):
+    from fsdptrain.train import step
+
+    monkeypatch.setattr(step, "accumulate_gradients", _buggy_accumulate(lambda plan, norms: 1.0 / plan.num_packs))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    assert "critic/loss [micro-batches=2]" in failures  # the loss row: the scalar backward ran on
+    assert f"critic/loss [packed budget={max(ppo.batch.full.lengths())} (small)]" in failures
+    assert "[micro-batches=1]" not in failures and "[ranks=1]" not in failures  # one pack: nothing to average
+
+
+def test_catches_the_dp_factor_applied_twice(ppo, monkeypatch):
+    from fsdptrain.train import step
+
+    monkeypatch.setattr(step, "accumulate_gradients", _buggy_accumulate(lambda plan, norms: norms.dp_size))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    assert "critic/loss [simulated dp=2]" in failures and "actor/grad_norm [simulated dp=2]" in failures
+    assert "[micro-batches=2]" not in failures  # dp size 1 elsewhere on one rank
+
+
+def test_catches_gae_skipping_the_last_token(ppo, monkeypatch):
+    from fsdptrain.rl import adv_estimators
+
+    original = adv_estimators.gae
+
+    def skipping(rewards, values, mask, *, gamma, lam):
+        last = mask.long().cumsum(1) == mask.long().sum(1, keepdim=True)
+        return original(rewards, values, mask & ~last, gamma=gamma, lam=lam)  # the loop never visits the last
+
+    monkeypatch.setattr(adv_estimators, "gae", skipping)
+    report = run_checks(ppo, off_policy=False)
+    failed = {k.rule for k in report.checks if not k.passed}
+    assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
+
+
+def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
+    from fsdptrain.rl import adv_estimators
+
+    original = adv_estimators.gae
+    monkeypatch.setattr(adv_estimators, "gae", lambda r, v, m, *, gamma, lam: original(r, v, m, gamma=lam, lam=gamma))
+    report = run_checks(ppo, off_policy=False)
+    failed = {k.rule for k in report.checks if not k.passed}
+    assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}

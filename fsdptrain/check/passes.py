@@ -1,0 +1,151 @@
+"""check-metrics, part 6: what the battery adds to the configured check, whatever the user configured.
+
+- The **off-policy pass**: the first mini-batch is on-policy (ratio 1, reference = policy), where clip bounds,
+  dual-clip, clip-higher, the KL estimators and importance weights never bind. This pass reruns every layout on the
+  same sequences with the old log-probs, the reference log-probs and the old values perturbed by seeded amounts
+  (:data:`OFF_POLICY_SEED`), rollout-correction weights from a perturbed behaviour policy, and loss settings that
+  switch those paths on: asymmetric clip (clip_ratio_high + 0.08 when the bounds are equal), dual-clip (3.0 when off,
+  vanilla loss), the KL loss (the configured estimator and clamp, coefficient at least 0.001), importance weights
+  (the configured correction, else tis per token with cap 2) and a sampling temperature of 0.7 when 1 is configured.
+- The **experience checks**: the batch's advantages and returns against :mod:`fsdptrain.check.experience_oracle`,
+  then the product's estimator rerun on the real ranks with gamma = 0.9, lambda = 0.8 (so a swap shows) against the
+  oracle with those settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from fsdptrain.check.batch import CheckBatch, CheckSession
+from fsdptrain.check.compare import Check
+from fsdptrain.check.experience_oracle import OracleSettings, SeqInputs, max_difference, oracle_experience
+from fsdptrain.distributed import world
+from fsdptrain.rl.rollout_correction import rollout_correction_weights
+from fsdptrain.train.experience import estimate_advantages
+from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+
+OFF_POLICY_SEED = 20_250_515
+OLD_SPREAD, REF_SPREAD, BEHAVIOUR_SPREAD, VALUE_SPREAD = 1.5, 4.0, 1.0, 0.5
+"""Uniform perturbations: old log-probs +-1.5 (ratios in [0.22, 4.5]: both clip bounds and dual-clip at 3 bind),
+reference +-4 (k3 above its clamp of 10 for d < -2.5), behaviour +-1 (weights above a cap of 2), old values +-0.5."""
+PROBE_GAMMA, PROBE_LAM = 0.9, 0.8
+OFF_POLICY_TEMPERATURE = 0.7
+
+
+def _noise(gen: torch.Generator, like: torch.Tensor, spread: float) -> torch.Tensor:
+    return (torch.rand(like.shape, generator=gen, dtype=torch.float64) * 2 - 1).to(like.dtype) * spread
+
+
+def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: float) -> CheckBatch:
+    """The batch with seeded perturbations of every sequence's targets (the same on every rank: drawn in ``full``'s
+    order) and rollout-correction weights."""
+    gen = torch.Generator().manual_seed(OFF_POLICY_SEED)
+    targets = []
+    for t in batch.full.targets:
+        old = t.old_logprobs + _noise(gen, t.old_logprobs, OLD_SPREAD)
+        ref = (t.ref_logprobs if t.ref_logprobs is not None else t.old_logprobs) + _noise(gen, old, REF_SPREAD)
+        behaviour = old + _noise(gen, old, BEHAVIOUR_SPREAD)
+        weights, _ = rollout_correction_weights(old[None], behaviour[None], torch.ones_like(old, dtype=torch.bool)[None],
+                                                mode=correction, level=level, cap=cap)
+        values = None if t.old_values is None else t.old_values + _noise(gen, t.old_values, VALUE_SPREAD)
+        targets.append(dataclasses.replace(t, old_logprobs=old, ref_logprobs=ref, old_values=values,
+                                           is_weights=weights[0]))
+    return batch.with_targets(targets)
+
+
+def off_policy_settings(policy: PolicyLossSettings) -> PolicyLossSettings:
+    """The configured policy settings with every off-policy path switched on (see the module docstring)."""
+    high = policy.clip_ratio_high + 0.08 if policy.clip_ratio_high == policy.clip_ratio_low else policy.clip_ratio_high
+    dual = policy.clip_ratio_c
+    if dual is None and policy.policy_loss == "vanilla":
+        dual = 3.0
+    temperature = OFF_POLICY_TEMPERATURE if policy.temperature == 1.0 else policy.temperature
+    return dataclasses.replace(policy, clip_ratio_high=high, clip_ratio_c=dual, use_reference=True,
+                               kl_coef=max(policy.kl_coef, 0.001), use_is_weights=True, temperature=temperature)
+
+
+def off_policy_value_settings(value: ValueLossSettings) -> ValueLossSettings:
+    return value if value.cliprange_value is not None else dataclasses.replace(value, cliprange_value=0.2)
+
+
+# ---- experience ---------------------------------------------------------------------------------------------------
+
+
+def _inputs(batch: CheckBatch, indices: list[int]) -> list[SeqInputs]:
+    out = []
+    for i in indices:
+        t = batch.full.targets[i]
+        out.append(SeqInputs(score=batch.scores[i], group=batch.groups[i], old=t.old_logprobs.double().tolist(),
+                             ref=None if t.ref_logprobs is None else t.ref_logprobs.double().tolist(),
+                             values=None if t.old_values is None else t.old_values.double().tolist()))
+    return out
+
+
+def _oracle_settings(cfg, *, gamma: float, lam: float) -> OracleSettings:
+    alg = cfg.algorithm
+    return OracleSettings(alg.adv_estimator, gamma, lam, alg.whiten_advantages, alg.norm_adv_by_std,
+                          alg.kl_in_reward_coef if alg.use_kl_loss or alg.kl_in_reward_coef > 0 else 0.0)
+
+
+def _check(rule: str, got: list, want: list, *, rtol: float, atol: float) -> Check:
+    diff, scale = max_difference(got, want)
+    tolerance = atol + rtol * max(scale, 1.0)
+    return Check(rule, "experience", diff, diff <= tolerance, f"max |diff| {diff:.3g} (tolerance {tolerance:.3g})")
+
+
+def experience_checks(session: CheckSession, *, rtol: float, atol: float) -> tuple[list[Check], Optional[str]]:
+    """The experience checks (collective: the probe runs the product's estimator on the real ranks), and a note when
+    the estimator is a user's function (no oracle)."""
+    cfg, batch = session.cfg, session.batch
+    real = list(range(len(batch.scores)))
+    inputs = _inputs(batch, real)
+    want = oracle_experience(inputs, _oracle_settings(cfg, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam))
+    probe_local = _probe(session)  # collective: every rank runs it, whatever the estimator
+    if want is None:
+        return [], (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} is a user's function: its advantages "
+                    "are not recomputed (no oracle)")
+    got = [batch.full.targets[i] for i in real]
+    checks = [_check("experience: advantages = oracle (global whitening)", [t.advantages.double().tolist() for t in got],
+                     [w[0] for w in want], rtol=rtol, atol=atol)]
+    if want[0][1] is not None:
+        checks.append(_check("experience: returns = oracle", [t.returns.double().tolist() for t in got],
+                             [w[1] for w in want], rtol=rtol, atol=atol))
+    probe_want = oracle_experience(inputs, _oracle_settings(cfg, gamma=PROBE_GAMMA, lam=PROBE_LAM))
+    mine = [i for i in batch.local_index if i < len(real)]
+    local = _check("", [a for a, _ in probe_local], [probe_want[i][0] for i in mine], rtol=rtol, atol=atol)
+    worst = float(world.all_reduce_max(torch.tensor([local.value], dtype=torch.float64))[0])
+    ok = world.agree_max_int(0 if local.passed else 1) == 0
+    checks.append(Check(f"experience: advantages = oracle at gamma={PROBE_GAMMA}, lambda={PROBE_LAM} on the real "
+                        "ranks", "experience", worst, ok, f"max |diff| {worst:.3g}"))
+    return checks, None
+
+
+def _probe(session: CheckSession) -> list[tuple[list[float], Optional[list[float]]]]:
+    """This rank's advantages from the product's own estimator path with the probe's gamma and lambda."""
+    batch, tr = session.batch, session.trainer
+    exp = tr.experience_settings
+    mine = [i for i in batch.local_index if i < len(batch.scores)]
+    targets: list[SeqTargets] = [batch.full.targets[i] for i in mine]
+    rewards = []
+    kl = exp.kl_in_reward_coef
+    for i, t in zip(mine, targets):
+        r = torch.zeros(len(t.old_logprobs), dtype=torch.float32)
+        r[-1] = batch.scores[i]
+        if t.ref_logprobs is not None and kl != 0.0:
+            r = r - kl * (t.old_logprobs - t.ref_logprobs)
+        rewards.append(r)
+    values = [t.old_values for t in targets] if tr.models.critic is not None else None
+    rollouts = [_Scored(batch.scores[i], batch.groups[i]) for i in mine]
+    settings = dataclasses.replace(exp.adv, gamma=PROBE_GAMMA, lam=PROBE_LAM)
+    adv, ret = estimate_advantages(rewards, values, rollouts, adv_fn=exp.adv_fn, settings=settings)
+    return [(a.double().tolist(), None if ret is None else ret[k].double().tolist()) for k, a in enumerate(adv)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+    reward: float
+    group: int
+
