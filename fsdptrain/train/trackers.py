@@ -52,7 +52,7 @@ class Trackers:
             import wandb
 
             self.wandb = wandb.init(project="fsdptrain", name=run_dir.name, dir=str(run_dir),
-                                    config=OmegaConf.to_container(cfg, resolve=True), reinit=True)
+                                    config=OmegaConf.to_container(cfg, resolve=True))
         if "mlflow" in backends:
             import mlflow
 
