@@ -144,7 +144,7 @@ def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False)
 
 
 def _barrier() -> None:
-    if torch.distributed.is_initialized() and torch.distributed.getworld.world_size() > 1:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
 
 
