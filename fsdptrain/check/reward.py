@@ -68,7 +68,8 @@ def check_reward(cfg: DictConfig) -> int:
         groups = [r.group for r in rollouts]
         names = [f.name for f in source.functions]
         local = [spread(scores.raw[name], groups) for name in names] + [spread(scores.total, groups)]
-        merged = world.all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+        stats = torch.tensor(local, dtype=torch.float64)
+        merged = world.all_reduce_sum(stats.flatten()).reshape(stats.shape).tolist()
         timings = []
         for f in source.functions:  # one in-process call over this rank's samples, timed
             t0 = time.perf_counter()
