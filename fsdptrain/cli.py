@@ -30,7 +30,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     epilog="Examples:  fsdptrain train  |  fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5  |  "
-    "fsdptrain check-metrics --nproc 2  |  fsdptrain train --cfg  |  fsdptrain plot runs/NAME",
+    "fsdptrain check-metrics --nproc 2  |  fsdptrain check-reward  |  fsdptrain train --cfg  |  "
+    "fsdptrain plot runs/NAME.  Your own task: docs/your-task.md",
 )
 
 OVERRIDES = typer.Argument(None, help="Hydra overrides, e.g. loss.agg_mode=token-sum trainer.steps=5 algorithm=grpo")
@@ -64,6 +65,31 @@ def _check_user_functions(cfg: DictConfig) -> None:
             check_signature(load_callable(spec, what=key), spec=spec, what=key, required=required)
 
 
+def _preflight(cfg: DictConfig) -> None:
+    """What the parent can check before any rank (or torch) starts: data paths are local, the reward functions load
+    with their signatures, the trackers' libraries are installed. Raises ConfigError."""
+    if cfg.data.source == "jsonl":
+        return
+    from fsdptrain.config import reward_specs
+    from fsdptrain.rewards.loading import load_reward_functions
+    from fsdptrain.train.trackers import missing_backend_message
+
+    if cfg.data.source == "prompts":
+        from fsdptrain.data.prompt_files import check_local_paths
+
+        def plain(value):
+            return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+        check_local_paths(plain(cfg.data.path), what="data.path")
+        if cfg.data.eval_path is not None:
+            check_local_paths(plain(cfg.data.eval_path), what="data.eval_path")
+    weights = None if cfg.reward.weights is None else list(cfg.reward.weights)
+    load_reward_functions(reward_specs(cfg), weights)
+    missing = missing_backend_message(cfg.logging.backends)
+    if missing is not None:
+        raise ConfigError(missing)
+
+
 def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
               print_cfg: bool, nproc: int, options: Optional[List[str]] = None) -> None:
     """Compose and validate in this (parent) process, then run the ranks; ``options`` are the command's own
@@ -77,6 +103,8 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         world_size = torchrun_world_size() if under_torchrun() else nproc
         validate_world(cfg, world_size)
         _check_user_functions(cfg)
+        if command in ("train", "check-reward"):
+            _preflight(cfg)
     except ConfigError as err:
         _fail_usage(str(err))
     if print_cfg:
@@ -138,6 +166,28 @@ def check_metrics(
             _fail_usage(f"--json {json_out}: the folder {json_out.parent} does not exist; create it or choose another")
         options = ["--json", str(json_out.resolve())]
     _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc, options)
+
+
+@app.command(
+    "check-reward",
+    context_settings={"ignore_unknown_options": True},
+    short_help="Try the reward on the current model's samples. e.g. fsdptrain check-reward data=prompts ...",
+)
+def check_reward(
+    overrides: Optional[List[str]] = OVERRIDES,
+    config_dir: Optional[str] = CONFIG_DIR,
+    config_name: str = CONFIG_NAME,
+    print_cfg: bool = PRINT_CFG,
+    nproc: int = NPROC,
+) -> None:
+    """Load the data and reward functions, sample rollout.n completions for a few prompts with the current model (no
+    training) and print each function's spread, a few samples and the time per call.
+
+    Exits 1 when every prompt group scored all-equal (GRPO's group baseline would learn nothing), 0 otherwise.
+
+    Example: fsdptrain check-reward data=prompts data.path=train.jsonl 'reward.functions=[exact_match]'
+    """
+    _dispatch("check-reward", overrides, config_dir, config_name, print_cfg, nproc)
 
 
 @app.command(short_help="Plot a run's metrics to a PNG. e.g. fsdptrain plot runs/my-run")

@@ -17,16 +17,18 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.distributed.torchrun import env_rank
 from fsdptrain.distributed.world import exit_process
 
-COMMANDS = ("train", "check-metrics")
+COMMANDS = ("train", "check-metrics", "check-reward")
 
 
 def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> int:
     """Run ``command`` ("train" or "check-metrics") on this rank; return its exit code.
 
     A user's mistake found only here (a bad data row, a model folder that does not load) is a usage error: rank 0
-    prints its one line and every rank returns 2.
+    prints its one line and every rank returns 2. A reward function that fails at run time stops every rank (the
+    ranks agree on it); the rank where it failed prints the user's traceback and one line, and every rank returns 2.
     """
     from fsdptrain.config import ConfigError
+    from fsdptrain.rewards.runner import RewardError, RewardFailedOnAnotherRank
 
     rank = env_rank()
     assert command in COMMANDS, command
@@ -35,12 +37,23 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
             from fsdptrain.train.loop import train
 
             return train(cfg, run_dir)
+        if command == "check-reward":
+            from fsdptrain.check.reward import check_reward
+
+            return check_reward(cfg)
         from fsdptrain.check.run import check_metrics
 
         return check_metrics(cfg, json_path=_option(options, "--json"))
     except ConfigError as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RewardError as err:
+        if err.user_traceback:
+            print(err.user_traceback.rstrip("\n"), file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RewardFailedOnAnotherRank:  # the rank where it failed prints the error
         return 2
 
 

@@ -5,7 +5,14 @@ The names most modules need are importable from here: ``from fsdptrain.config im
 """
 
 from fsdptrain.config.schema import SCHEMA_GROUPS, Config, register_schemas
-from fsdptrain.config.validate import ConfigError, validate, validate_mesh_shape, validate_world
+from fsdptrain.config.validate import (
+    DEFAULT_STEPS,
+    ConfigError,
+    reward_specs,
+    validate,
+    validate_mesh_shape,
+    validate_world,
+)
 
-__all__ = ["SCHEMA_GROUPS", "Config", "ConfigError", "register_schemas", "validate", "validate_mesh_shape",
-           "validate_world"]
+__all__ = ["DEFAULT_STEPS", "SCHEMA_GROUPS", "Config", "ConfigError", "register_schemas", "reward_specs", "validate",
+           "validate_mesh_shape", "validate_world"]

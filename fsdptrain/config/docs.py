@@ -17,11 +17,13 @@ GROUP_INTROS = {
     "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config.",
     "algorithm": "PPO/GRPO settings. Presets: `algorithm=ppo` (default, value model + GAE), `algorithm=grpo`.",
     "loss": "Loss aggregation (see docs/loss.md) and the fused loss's chunking.",
-    "data": "Where experience comes from. Presets: `data=task` (default), `data=jsonl` (offline rollouts).",
+    "data": "Where experience comes from. Presets: `data=task` (default), `data=prompts` (your prompt files, see "
+    "docs/your-task.md), `data=jsonl` (offline rollouts).",
+    "reward": "Reward functions scoring each completion (see docs/your-task.md).",
     "rollout": "Generation of each step's experience.",
     "trainer": "The loop, the optimizers and the run directory.",
     "parallel": "The device mesh and FSDP2 settings (see docs/scaling.md).",
-    "logging": "Progress display and optional TensorBoard.",
+    "logging": "Progress display, samples.jsonl and the experiment trackers.",
     "checkpoint": "Periodic checkpoints (see docs/checkpointing.md).",
     "check": "Tolerances of `fsdptrain check-metrics` (see docs/check-metrics.md).",
 }

@@ -9,7 +9,7 @@ right after composition. Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -17,7 +17,9 @@ ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
-DATA_SOURCES = ("task", "jsonl")
+DATA_SOURCES = ("task", "jsonl", "prompts")
+LONG_PROMPTS = ("skip", "error")
+LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 TASKS = ("repeat_digit", "copy_digits", "reverse_digits", "sort_digits")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("never", "auto")
@@ -119,19 +121,45 @@ class LossConfig:
 @dataclass
 class DataConfig:
     source: str = "task"
-    """Where experience comes from: task (built-in task, the policy generates) or jsonl (offline rollouts)."""
+    """Where experience comes from: task (a bundled digit task), prompts (your prompt files) or jsonl (offline rollouts)."""
     task: str = "repeat_digit"
-    """Built-in task when source=task: repeat_digit, copy_digits, reverse_digits or sort_digits."""
-    path: Optional[str] = None
-    """JSONL file of offline rollouts when source=jsonl."""
+    """Bundled task when source=task: repeat_digit, copy_digits, reverse_digits or sort_digits."""
+    num_rows: int = 4096
+    """source=task: training rows generated from data.seed (visited epoch by epoch like a prompt file's rows)."""
+    path: Any = None
+    """source=prompts: a local .jsonl/.json/.parquet/.csv file, a list of them, or a save_to_disk folder; source=jsonl: the rollouts file."""
+    prompt_key: str = "prompt"
+    """source=prompts: the column holding the prompt (a string, or a chat: a list of {role, content} messages)."""
+    eval_path: Any = None
+    """source=prompts: held-out prompts for the greedy evaluation (same formats as path); null holds out data.eval_size rows of path."""
+    eval_size: int = 32
+    """source=prompts without eval_path: rows held out of path for the greedy evaluation (never trained on); 0 for none."""
+    max_prompt_length: Optional[int] = None
+    """source=prompts: prompts with more tokens are skipped and counted (or an error, see long_prompts); null keeps all."""
+    long_prompts: str = "skip"
+    """source=prompts: what a prompt over max_prompt_length does: skip (counted) or error."""
     max_response_length: Optional[int] = None
     """Declared maximum response length of offline rollouts (required for source=jsonl)."""
     skip_bad_rows: bool = False
     """Offline data: skip and count malformed rows instead of stopping with an error."""
     num_eval_prompts: int = 32
-    """Held-out prompts for the greedy evaluation reward."""
+    """source=task: held-out prompts for the greedy evaluation reward."""
     seed: int = 1234
-    """Seed of the task's prompt stream."""
+    """Seed of the prompt order (and of the bundled task's rows and the held-out split)."""
+
+
+@dataclass
+class RewardConfig:
+    functions: Optional[list[str]] = None
+    """Reward functions: built-in names (exact_match, math, think_format, word_match), module:function or path.py:function; null means word_match (the bundled tasks' reward)."""
+    weights: Optional[list[float]] = None
+    """One weight per function; null weighs each 1.0. A sample's reward is the weighted sum over the functions that applied."""
+    num_workers: int = 0
+    """Worker processes per rank that run the functions (0: in the training process, once per step)."""
+    timeout_s: Optional[float] = None
+    """Longest one call may run (needs num_workers >= 1); a timed-out call scores timeout_score. null: no limit."""
+    timeout_score: float = 0.0
+    """Score of each sample whose call timed out (counted in reward/<function>/num_timed_out)."""
 
 
 @dataclass
@@ -150,8 +178,10 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 100
-    """Number of training steps."""
+    steps: Optional[int] = None
+    """Number of training steps; null means 100, or the steps trainer.epochs gives when that is set."""
+    epochs: Optional[float] = None
+    """Instead of steps (data=task or prompts): passes over the training rows, steps = ceil(epochs x rows / rollout.prompts_per_step)."""
     seed: int = 0
     """Seed for model init and sampling."""
     mini_batches_per_step: int = 1
@@ -218,8 +248,10 @@ class ParallelConfig:
 class LoggingConfig:
     progress: bool = True
     """Show a progress bar on rank 0."""
-    tensorboard: bool = False
-    """Also write TensorBoard events when tensorboard is installed."""
+    backends: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Where metrics go: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow (each needs its library)."""
+    samples_every: int = 10
+    """Write a few prompts, completions and their rewards to samples.jsonl every this many steps (0 turns it off)."""
 
 
 @dataclass
@@ -252,6 +284,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -265,6 +298,7 @@ SCHEMA_GROUPS = {
     "algorithm": AlgorithmConfig,
     "loss": LossConfig,
     "data": DataConfig,
+    "reward": RewardConfig,
     "rollout": RolloutConfig,
     "trainer": TrainerConfig,
     "parallel": ParallelConfig,

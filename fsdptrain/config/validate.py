@@ -16,6 +16,8 @@ from fsdptrain.config.schema import (
     DATA_SOURCES,
     DEVICES,
     DTYPES,
+    LOGGING_BACKENDS,
+    LONG_PROMPTS,
     LR_SCHEDULES,
     MODEL_ARCHS,
     RESUME_MODES,
@@ -47,6 +49,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "loss.agg_mode": AGG_MODES,
     "data.source": DATA_SOURCES,
     "data.task": TASKS,
+    "data.long_prompts": LONG_PROMPTS,
     "trainer.lr_schedule": LR_SCHEDULES,
     "trainer.resume": RESUME_MODES,
     "trainer.device": DEVICES,
@@ -57,15 +60,16 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _POSITIVE_INTS = (
     "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size",
     "algorithm.ppo_epochs", "loss.logprob_chunk_size", "rollout.prompts_per_step", "rollout.n",
-    "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
+    "rollout.max_new_tokens", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
-    "check.num_prompts", "algorithm.filter_groups_max_rounds",
+    "check.num_prompts", "algorithm.filter_groups_max_rounds", "data.num_rows",
 )
 _NON_NEGATIVE = (
     "trainer.warmup_steps", "trainer.weight_decay", "trainer.grad_clip", "trainer.critic_grad_clip",
     "trainer.eval_every", "checkpoint.every", "algorithm.entropy_coef", "algorithm.kl_loss_coef",
     "algorithm.kl_in_reward_coef", "algorithm.cliprange_value", "algorithm.clip_ratio_low",
     "algorithm.clip_ratio_high", "data.num_eval_prompts", "check.rtol", "check.atol",
+    "data.eval_size", "reward.num_workers", "logging.samples_every",
 )
 _POSITIVE_FLOATS = (
     "trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor", "trainer.adam_eps",
@@ -120,6 +124,43 @@ def _check_ranges(cfg: DictConfig) -> None:
         raise ConfigError(f"parallel.dp_shard={dp_shard!r} must be 'auto' or a positive integer")
 
 
+DEFAULT_STEPS = 100
+"""Training steps when neither trainer.steps nor trainer.epochs is set."""
+TASK_REWARD = "word_match"
+"""The bundled digit tasks' reward function (reward.functions=null)."""
+
+
+def reward_specs(cfg: DictConfig) -> list[str]:
+    """The configured reward functions: ``reward.functions``, or the bundled tasks' reward when it is null."""
+    functions = cfg.reward.functions
+    return [TASK_REWARD] if functions is None else list(functions)
+
+
+def _check_steps_and_logging(cfg: DictConfig) -> None:
+    steps, epochs = cfg.trainer.steps, cfg.trainer.epochs
+    if steps is not None and epochs is not None:
+        raise ConfigError(f"trainer.steps={steps} and trainer.epochs={epochs} are both set: set one of them")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"trainer.steps={steps} must be a positive integer")
+    if epochs is not None and not epochs > 0:
+        raise ConfigError(f"trainer.epochs={epochs} must be > 0")
+    if epochs is not None and cfg.data.source == "jsonl":
+        raise ConfigError("trainer.epochs needs data=prompts or data=task (offline rollouts cycle): set trainer.steps")
+    for backend in cfg.logging.backends:
+        if backend not in LOGGING_BACKENDS:
+            raise ConfigError(f"logging.backends: {backend!r} is not a valid choice; choose from: "
+                              f"{', '.join(LOGGING_BACKENDS)}")
+    if cfg.data.source == "prompts":
+        if cfg.data.path is None:
+            raise ConfigError("data.source=prompts needs data.path=<file or folder of prompts>")
+        if cfg.reward.functions is None:
+            raise ConfigError("data.source=prompts needs reward.functions=[...] (built-in names, module:function "
+                              "or path.py:function)")
+    max_prompt = cfg.data.max_prompt_length
+    if max_prompt is not None and max_prompt < 1:
+        raise ConfigError(f"data.max_prompt_length={max_prompt} must be a positive integer (or null)")
+
+
 def _check_cross_fields(cfg: DictConfig) -> None:
     alg = cfg.algorithm
     if alg.adv_estimator == "gae" and not alg.use_critic:
@@ -128,9 +169,9 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     kl_clamp = alg.kl_clamp
     if kl_clamp is not None and not kl_clamp > 0:
         raise ConfigError(f"algorithm.kl_clamp={kl_clamp} must be > 0 (or null for no clamp)")
-    if alg.filter_groups and cfg.data.source != "task":
-        raise ConfigError("algorithm.filter_groups=true needs data.source=task (it generates more prompts): "
-                          "set algorithm.filter_groups=false for offline rollouts")
+    if alg.filter_groups and cfg.data.source == "jsonl":
+        raise ConfigError("algorithm.filter_groups=true generates more prompts, which offline rollouts cannot: "
+                          "set algorithm.filter_groups=false for data.source=jsonl")
     if alg.filter_groups and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.filter_groups=true compares samples of one prompt: rollout.n={cfg.rollout.n} "
                           "must be at least 2")
@@ -138,7 +179,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError(f"algorithm.seq_level_ratio=true (GSPO) needs algorithm.policy_loss=vanilla, "
                           f"got {alg.policy_loss!r}")
     group_estimators = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-    if alg.adv_estimator in group_estimators and cfg.data.source == "task" and cfg.rollout.n < 2:
+    if alg.adv_estimator in group_estimators and cfg.data.source != "jsonl" and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares samples of one prompt: "
                           f"rollout.n={cfg.rollout.n} must be at least 2")
     if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1:
@@ -167,6 +208,7 @@ def validate(cfg: DictConfig) -> None:
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_cross_fields(cfg)
+    _check_steps_and_logging(cfg)
 
 
 def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:
@@ -203,7 +245,12 @@ def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
 
     Every rank also needs at least one prompt group to generate for (generation is collective under FSDP).
     """
-    for key in ("rollout.prompts_per_step", "data.num_eval_prompts"):
+    keys = ["rollout.prompts_per_step"]
+    if cfg.data.source == "task":
+        keys.append("data.num_eval_prompts")
+    elif cfg.data.source == "prompts" and cfg.data.eval_path is None and cfg.data.eval_size > 0:
+        keys.append("data.eval_size")
+    for key in keys:
         if OmegaConf.select(cfg, key) < world_size:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be at least the number of ranks "
                               f"({world_size}): every rank needs a prompt")

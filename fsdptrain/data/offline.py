@@ -1,4 +1,4 @@
-"""Experience sources: the bundled task's prompt stream, and offline rollouts read from JSONL.
+"""Offline rollouts read from JSONL.
 
 Everything is stored and rewarded as text, so any tokenizer works. Prompt groups carry a global index: mini-batch
 membership and the rank that owns a group follow from it, never from the world size.
@@ -12,41 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.rollout import Rollout
-from fsdptrain.data.tasks import TASKS, Task
 
 
 class DataError(ConfigError):
     """A bad input file: the message names the file and line; the CLI prints it and exits 2."""
-
-
-@dataclass(frozen=True)
-class PromptGroup:
-    """One prompt of a step, sampled ``n`` times; ``index`` is its global index within the step."""
-
-    index: int
-    text: str
-    answer: list[str]
-
-
-def task_prompts(task: Task, *, seed: int, step: int, num_prompts: int, stream: str = "train") -> list[PromptGroup]:
-    """The ``num_prompts`` prompts of ``step``: a pure function of (seed, stream, step), the same on every rank."""
-    rng = random.Random(f"{stream}:{seed}:{step}")
-    groups = []
-    for index in range(num_prompts):
-        text, answer = task.make_prompt(rng)
-        groups.append(PromptGroup(index=index, text=text, answer=answer))
-    return groups
-
-
-def get_task(name: str) -> Task:
-    return TASKS[name]
 
 
 def _row_error(path: Path, line_no: int, message: str) -> DataError:

@@ -58,6 +58,16 @@ def read_table(source: str | Sequence[str], *, what: str) -> list[TablePart]:
     return parts
 
 
+def check_local_paths(source: str | Sequence[str], *, what: str) -> None:
+    """Raise ConfigError (one line) unless every path of ``source`` is an existing local file or folder of a known
+    kind: the cheap part of :func:`read_table`, for the CLI to run before any rank starts."""
+    paths = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if not paths:
+        raise ConfigError(f"{what}: an empty list of files")
+    for p in paths:
+        _local_path(str(p), what=what)
+
+
 def _local_path(text: str, *, what: str) -> Path:
     if _SCHEME.match(text):
         raise ConfigError(f"{what}={text!r}: only local files are read (no URLs, no hub datasets); "

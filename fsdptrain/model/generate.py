@@ -19,7 +19,7 @@ from fsdptrain.data.rollout import split_response
 def generate_responses(
     model,
     tokenizer,
-    prompts: Sequence[str],
+    prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
     temperature: float,
@@ -28,7 +28,10 @@ def generate_responses(
     generator_seed: int,
     device: torch.device,
 ) -> list[tuple[list[int], list[int], bool]]:
-    """Generate one response per prompt text: ``(prompt_ids, response_ids, truncated)`` for each, in order.
+    """Generate one response per prompt: ``(prompt_ids, response_ids, truncated)`` for each, in order.
+
+    A prompt is a text (tokenised here, special tokens added) or a list of token ids used as they are (a rendered
+    chat, whose template already wrote its special tokens); either way the batch is left-padded with a mask.
 
     Sampling draws from a forked RNG stream seeded from ``generator_seed``, so a step's rollouts are reproducible (and
     the same on resume) and the caller's global RNG state is left as it was; greedy decoding (``do_sample=False``) is
@@ -36,7 +39,10 @@ def generate_responses(
     """
     was_training = model.training
     model.eval()
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    if prompts and not isinstance(prompts[0], str):
+        enc = tokenizer.pad({"input_ids": [list(p) for p in prompts]}, return_tensors="pt", padding=True)
+    else:
+        enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
     input_ids = enc["input_ids"].to(device)
     attention_mask = enc["attention_mask"].to(device)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)

@@ -36,6 +36,11 @@ class RewardError(RuntimeError):
         self.function, self.row, self.cause, self.user_traceback = function, row, cause, user_traceback
 
 
+class RewardFailedOnAnotherRank(RuntimeError):
+    """This rank's rewards were fine but a reward function failed on another rank, which reports the
+    :class:`RewardError`; every rank stops (the trainer agrees on the failure so that no rank waits forever)."""
+
+
 @dataclass(frozen=True)
 class RewardBatch:
     """The samples to score, one entry per sample in every list: ``rows`` are the prompts' 0-based dataset rows and

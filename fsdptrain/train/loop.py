@@ -27,15 +27,16 @@ from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_v
 from fsdptrain.train.progress import (
     GradNormWatch,
     log,
-    open_tensorboard,
+    print_samples,
     print_start_report,
     print_summary,
     progress_columns,
     quiet_known_warnings,
     stats_line,
     write_metrics_line,
-    write_tensorboard,
+    write_samples,
 )
+from fsdptrain.train.prompt_source import PromptSource, resolve_steps
 from fsdptrain.train.run_dir import export, keep_metrics_before, resume, save
 from fsdptrain.train.setup import (
     build_models,
@@ -46,8 +47,9 @@ from fsdptrain.train.setup import (
     value_settings,
 )
 from fsdptrain.train.signals import StopRequest
-from fsdptrain.train.sources import OfflineSource, TaskSource
+from fsdptrain.train.sources import OfflineSource
 from fsdptrain.train.step import MiniBatch, reduce_metrics, update_on_minibatch
+from fsdptrain.train.trackers import Trackers
 
 
 class Trainer:
@@ -58,9 +60,10 @@ class Trainer:
         self.device = info.device
         self.dp_size = world.dp_size(mesh)
         self.tokenizer = build_tokenizer(cfg)
-        self.source = OfflineSource(cfg, self.tokenizer) if cfg.data.source == "jsonl" else TaskSource(
+        self.source = OfflineSource(cfg, self.tokenizer) if cfg.data.source == "jsonl" else PromptSource(
             cfg, self.tokenizer)
-        self.models = build_models(cfg, self.tokenizer, mesh, self.device)
+        self.num_steps = resolve_steps(cfg, getattr(self.source, "train_rows", None) and len(self.source.train_rows))
+        self.models = build_models(cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
         self.policy_settings = policy_settings(cfg)
         self.experience_settings = experience_settings(cfg)
         self.value_settings = value_settings(cfg)
@@ -111,13 +114,16 @@ class Trainer:
             batch.targets.append(target)
         return batches
 
-    def rollout_metrics(self, rollouts: list[Rollout]) -> Metrics:
+    def rollout_metrics(self, rollouts: list[Rollout], reward_metrics: Metrics | None = None) -> Metrics:
+        """The step's rollout metrics over all ranks; ``reward_metrics`` (the reward functions', which hold
+        ``reward/mean``) replace the plain reward mean when the source scored the rollouts itself."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
         lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
         truncated = torch.tensor([float(r.truncated) for r in rollouts], dtype=torch.float64)
         valid = torch.ones_like(rewards, dtype=torch.bool)
+        rewards_part = dict(reward_metrics) if reward_metrics is not None else {"reward/mean": Mean.of(rewards, valid)}
         return reduce_metrics(Metrics({
-            "reward/mean": Mean.of(rewards, valid),
+            **rewards_part,
             "reward/max": Max.of(rewards, valid),
             "response_length/mean": Mean.of(lengths, valid),
             "response_length/max": Max.of(lengths, valid),
@@ -180,7 +186,7 @@ class Trainer:
                 scheduler.step()
         experience = merge_all([filter_metrics, facts["metrics"]])
         experience = reduce_metrics(experience) if experience else experience  # names fixed by the config
-        metrics = merge_all([self.rollout_metrics(rollouts), experience, update_metrics])
+        metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience, update_metrics])
         result = {"step": step, **finalize(metrics), **update_facts}
         elapsed = time.perf_counter() - start
         result["perf/step_time_s"] = elapsed
@@ -188,6 +194,9 @@ class Trainer:
         result["actor/lr"] = self.models.policy_optimizer.param_groups[0]["lr"]
         result["loss/loss_scale_factor"] = self.loss_scale_factor
         result["train/nonfinite_skipped"] = self.policy_guard.num_skipped + self.critic_guard.num_skipped
+        if isinstance(self.source, PromptSource):
+            result["data/epoch"] = self.source.epoch_progress()
+            result["data/num_long_prompts_skipped"] = self.source.dropped["train"]
         return result
 
 
@@ -206,53 +215,69 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     torch.manual_seed(cfg.trainer.seed)
     run_path = Path(run_dir)
     trainer = Trainer(cfg, run_path, info, mesh)
+    try:  # the reward worker processes and the trackers end on every way out (errors, Ctrl-C, SIGTERM)
+        code = _run(trainer, stop)
+    finally:
+        trainer.source.close()
+    world.destroy_distributed()
+    return code
+
+
+def _run(trainer: Trainer, stop: StopRequest) -> int:
+    cfg, info, run_path, num_steps = trainer.cfg, trainer.info, trainer.run_dir, trainer.num_steps
     start = resume(trainer, run_path)
-    metrics_path = run_path / "metrics.jsonl"
+    metrics_path, samples_path = run_path / "metrics.jsonl", run_path / "samples.jsonl"
     if info.is_main:
         run_path.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_path / "config.yaml")
         keep_metrics_before(metrics_path, start)
+        keep_metrics_before(samples_path, start)
     print_start_report(trainer)
     eval_rewards: dict[int, float] = {}
-    evaluate = cfg.trainer.eval_every > 0 and isinstance(trainer.source, TaskSource)
+    evaluate = cfg.trainer.eval_every > 0 and bool(getattr(trainer.source, "eval_rows", None))
+    eval_args = dict(rank=info.rank, world_size=info.world_size, device=trainer.device)
     if evaluate and start == 0:
-        eval_rewards[0] = trainer.source.eval_reward(trainer.models, rank=info.rank, world_size=info.world_size,
-                                                     device=trainer.device)
+        eval_rewards[0] = trainer.source.eval_reward(trainer.models, **eval_args)
     history = []
-    tensorboard = open_tensorboard(cfg, run_path)
+    trackers = Trackers(cfg, run_path, is_main=info.is_main)
     show = info.is_main and cfg.logging.progress
     from rich.progress import Progress
 
-    with Progress(*progress_columns(), disable=not show, transient=False) as progress:
-        task = progress.add_task("train", total=cfg.trainer.steps, completed=start, stats="")
-        for step in range(start, cfg.trainer.steps):
-            result = trainer.run_step(step)
-            done = step + 1
-            if evaluate and (done % cfg.trainer.eval_every == 0 or done == cfg.trainer.steps):
-                eval_rewards[done] = trainer.source.eval_reward(trainer.models, rank=info.rank,
-                                                                world_size=info.world_size, device=trainer.device)
-                result["eval/reward"] = eval_rewards[done]
-            history.append(result)
-            if info.is_main:
-                write_metrics_line(metrics_path, result)
-                write_tensorboard(tensorboard, result)
-            progress.update(task, advance=1, stats=stats_line(result))
-            stopping = world.any_flag(stop.requested)
-            every = cfg.checkpoint.every
-            if stopping or (every > 0 and done % every == 0 and done < cfg.trainer.steps):
-                path = save(trainer, run_path, done)
-            if stopping:
-                where = (f"trainer.run_dir={run_path}" if cfg.trainer.run_dir is not None else
-                         f"trainer.run_name={run_path.name}")
-                log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with {where} "
-                    "trainer.resume=auto")
-                world.destroy_distributed()
-                return 0
-    if cfg.checkpoint.every > 0 and start < cfg.trainer.steps:  # else the resumed checkpoint is this one
-        save(trainer, run_path, cfg.trainer.steps)
+    try:
+        with Progress(*progress_columns(), disable=not show, transient=False) as progress:
+            task = progress.add_task("train", total=num_steps, completed=start, stats="")
+            for step in range(start, num_steps):
+                result = trainer.run_step(step)
+                done = step + 1
+                if evaluate and (done % cfg.trainer.eval_every == 0 or done == num_steps):
+                    eval_rewards[done] = trainer.source.eval_reward(trainer.models, **eval_args)
+                    result["eval/reward"] = eval_rewards[done]
+                history.append(result)
+                every = cfg.logging.samples_every
+                if info.is_main:
+                    write_metrics_line(metrics_path, result)
+                    trackers.log(result)
+                    if trainer.source.samples and every > 0 and step % every == 0:
+                        write_samples(samples_path, step, trainer.source.samples)
+                    if step == start and trainer.source.samples:
+                        print_samples(progress.console if show else None, step, trainer.source.samples)
+                progress.update(task, advance=1, stats=stats_line(result))
+                stopping = world.any_flag(stop.requested)
+                every = cfg.checkpoint.every
+                if stopping or (every > 0 and done % every == 0 and done < num_steps):
+                    path = save(trainer, run_path, done)
+                if stopping:
+                    where = (f"trainer.run_dir={run_path}" if cfg.trainer.run_dir is not None else
+                             f"trainer.run_name={run_path.name}")
+                    log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with {where} "
+                        "trainer.resume=auto")
+                    return 0
+    finally:
+        trackers.close()
+    if cfg.checkpoint.every > 0 and start < num_steps:  # else the resumed checkpoint is this one
+        save(trainer, run_path, num_steps)
     export(trainer, run_path)
     if info.is_main and history:
         print_summary(history, eval_rewards)
-    log(f"run directory: {run_dir} (metrics.jsonl, export/)")
-    world.destroy_distributed()
+    log(f"run directory: {run_path} (metrics.jsonl, export/)")
     return 0

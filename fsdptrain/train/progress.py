@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
 from fsdptrain.distributed import world
 from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
@@ -53,9 +51,18 @@ def print_start_report(trainer: "Trainer") -> None:
     cfg = trainer.cfg
     log(f"fsdptrain: {trainer.info.world_size} rank(s) on {trainer.device.type}, mesh {tuple(trainer.mesh.shape)}, "
         f"packed attention: {trainer.models.backend}")
+    source = trainer.source
+    if hasattr(source, "train_rows"):
+        dropped = source.dropped
+        log(f"prompts: {len(source.train_rows)} training rows, {len(source.eval_rows)} evaluation rows"
+            + (f"; skipped {dropped['train']} + {dropped['eval']} longer than data.max_prompt_length"
+               if dropped["train"] or dropped["eval"] else "")
+            + f"; {trainer.num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
+            f"{trainer.num_steps * cfg.rollout.prompts_per_step / len(source.train_rows):.3g} epochs; rewards: "
+            + ", ".join(f"{f.name} x {f.weight:g}" for f in source.functions))
     log("policy: " + describe_model_memory(trainer.models.policy, num_shards=trainer.dp_size))
     seqs = cfg.rollout.prompts_per_step // cfg.trainer.mini_batches_per_step * (
-        cfg.rollout.n if cfg.data.source == "task" else 1)
+        cfg.rollout.n if cfg.data.source != "jsonl" else 1)
     max_len = max_response_length(cfg)
     if cfg.loss.loss_scale_factor is None and cfg.loss.agg_mode == "seq-mean-token-sum-norm":
         log(f"loss.loss_scale_factor is null: using the configured maximum response length {max_len}")
@@ -70,26 +77,25 @@ def write_metrics_line(path: Path, result: dict) -> None:
         handle.write(json.dumps(result) + "\n")
 
 
-def open_tensorboard(cfg: DictConfig, run_dir: Path):
-    """A SummaryWriter under ``run_dir/tensorboard`` when enabled and installed (rank 0 only), else None."""
-    if not cfg.logging.tensorboard or world.rank() != 0:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log("warning: logging.tensorboard=true but the tensorboard package is not installed "
-            "(pip install tensorboard); metrics go to metrics.jsonl only")
-        return None
-    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+def write_samples(path: Path, step: int, samples: list[dict]) -> None:
+    """Append a step's shown samples to samples.jsonl: one line per sample with the step, prompt, completion and
+    each reward function's score (null where it did not apply)."""
+    with path.open("a") as handle:
+        for sample in samples:
+            handle.write(json.dumps({"step": step, **sample}) + "\n")
 
 
-def write_tensorboard(writer, result: dict) -> None:
-    if writer is None:
-        return
-    for key, value in result.items():
-        if key != "step" and isinstance(value, (int, float)):
-            writer.add_scalar(key, value, global_step=result["step"])
-    writer.flush()
+def print_samples(console, step: int, samples: list[dict]) -> None:
+    """Show a few samples of the first step, so the user sees at once whether the reward parses the completions."""
+    lines = [f"samples at step {step} (prompt -> completion: rewards per function, total):"]
+    for s in samples:
+        rewards = ", ".join(f"{name} {'-' if v is None else f'{v:.3g}'}" for name, v in s["rewards"].items())
+        lines.append(f"  {s['prompt'][-60:]!r} -> {s['completion'][:60]!r}: {rewards}; total {s['total']:.3g}")
+    if console is not None:  # above a live progress bar
+        for line in lines:
+            console.print(line, markup=False, highlight=False)
+    else:
+        log("\n".join(lines))
 
 
 def progress_columns():

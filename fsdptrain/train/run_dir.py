@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from fsdptrain.train.loop import Trainer
 
 
-
-
 def _checkpoint_state(trainer: "Trainer") -> tuple[dict, dict, dict]:
     m = trainer.models
     models = {"policy": m.policy}
@@ -40,6 +38,9 @@ def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
                       "critic": [trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row]},
         "grad_norm_watch": [trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row],
     }
+    order = getattr(trainer.source, "order", None)
+    if order is not None:
+        extra["prompt_order"] = order.state_dict()
     return save_checkpoint(run_dir, done, models=models, optimizers=optimizers, schedulers=schedulers, extra=extra,
                            keep=trainer.cfg.checkpoint.keep)
 
@@ -59,9 +60,14 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
         raise ConfigError(
             f"{path} consumed {extra['data_position']} prompt groups in {extra['step']} steps, which "
             f"rollout.prompts_per_step={per_step} does not give: resume with the run's own rollout.prompts_per_step")
-    if extra["step"] > trainer.cfg.trainer.steps:
-        raise ConfigError(f"{path} is after step {extra['step']} but trainer.steps={trainer.cfg.trainer.steps}: "
-                          f"raise trainer.steps to continue this run")
+    if extra["step"] > trainer.num_steps:
+        raise ConfigError(f"{path} is after step {extra['step']} but this run has {trainer.num_steps} steps: "
+                          f"raise trainer.steps (or trainer.epochs) to continue this run")
+    order = getattr(trainer.source, "order", None)
+    if order is not None:
+        if "prompt_order" not in extra:
+            raise ConfigError(f"{path} holds no prompt order (it was saved by a run with another data.source)")
+        order.load_state_dict(extra["prompt_order"])
     trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row = extra["nonfinite"]["policy"]
     trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row = extra["nonfinite"]["critic"]
     trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row = extra["grad_norm_watch"]

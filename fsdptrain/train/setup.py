@@ -87,8 +87,9 @@ def adamw_settings(cfg: DictConfig) -> dict:
     return dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
 
 
-def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Models:
-    """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend."""
+def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
+    """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend;
+    the learning-rate schedules span ``num_steps``."""
     source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
     parallel = dict(mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
                     reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype],
@@ -98,8 +99,7 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> Mode
     policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing)
     backend = resolve_backend(cfg.model.attn_backend, device, _DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
-    total_steps = cfg.trainer.steps
-    schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=total_steps,
+    schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
                     schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
     optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
     models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),

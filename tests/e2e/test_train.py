@@ -129,15 +129,28 @@ def test_stale_old_logprobs_raise_the_on_policy_guard(cli, tmp_path):
     assert rows[0]["actor/on_policy_max_ratio_dev"] == pytest.approx(0.10517, abs=1e-4)
 
 
-def test_tensorboard_when_enabled(cli, tmp_path):
-    result = cli("train", *TINY, "logging.tensorboard=true", "trainer.run_name=tb")
-    assert result.returncode == 0, result.stderr
+def test_tensorboard_backend_writes_events_or_names_the_missing_package(cli, tmp_path):
+    result = cli("train", *TINY, "logging.backends=[jsonl,tensorboard]", "trainer.run_name=tb")
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        assert "tensorboard package is not installed" in result.stdout
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == ("error: logging.backends: tensorboard needs the tensorboard package: pip install "
+                                         "fsdptrain[tensorboard] (or drop tensorboard from logging.backends)")
+        assert not (tmp_path / "runs").exists()
     else:
+        assert result.returncode == 0, result.stderr
         assert list((tmp_path / "runs" / "tb" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_wandb_and_mlflow_backends_log_offline(cli, tmp_path):
+    env = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "WANDB_SILENT": "true"}
+    result = cli("train", *TINY, "logging.backends=[jsonl,wandb,mlflow]", "trainer.run_name=trk", env=env)
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "runs" / "trk" / "wandb").glob("offline-run-*"))
+    metric_files = list((tmp_path / "mlruns").glob("*/*/metrics/reward/mean"))
+    assert len(metric_files) == 1
+    assert [line.split()[2] for line in metric_files[0].read_text().splitlines()] == ["0", "1"]  # the steps
 
 
 def test_token_budget_below_a_sequence_is_a_usage_error(cli):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from fsdptrain.config.docs import field_docs, render_configuration_md
 REQUIRED_OVERRIDES = {
     ("model", "local"): ["model.path=/some/hf/folder"],
     ("data", "jsonl"): ["data.path=rollouts.jsonl", "data.max_response_length=32"],
+    ("data", "prompts"): ["data.path=train.jsonl", "reward.functions=[exact_match]"],
     ("algorithm", "grpo"): [],
 }
 
@@ -86,3 +88,26 @@ def test_mesh_shape_from_world_size():
     cfg = compose_config(["parallel.dp_replicate=2", "parallel.dp_shard=2"])
     with pytest.raises(ConfigError, match="2 x 2 = 4 but the world size is 2"):
         validate_world(cfg, 2)
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["trainer.steps=5", "trainer.epochs=1"], "trainer.steps=5 and trainer.epochs=1.0 are both set: set one of them"),
+    (["trainer.epochs=0"], "trainer.epochs=0.0 must be > 0"),
+    (["data=jsonl", "data.path=r.jsonl", "data.max_response_length=8", "trainer.epochs=1"], "trainer.epochs needs"),
+    (["data=prompts", "data.path=train.jsonl"], "data.source=prompts needs reward.functions"),
+    (["logging.backends=[jsonl,neptune]"], "logging.backends: 'neptune' is not a valid choice"),
+    (["data.long_prompts=truncate"], "data.long_prompts='truncate' is not a valid choice"),
+])
+def test_own_task_fields_are_checked(overrides, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        compose_config(overrides)
+
+
+def test_steps_follow_epochs_over_the_training_rows():
+    from fsdptrain.train.prompt_source import resolve_steps
+
+    assert resolve_steps(compose_config([]), 4096) == 100  # neither set: the default
+    assert resolve_steps(compose_config(["trainer.steps=7"]), 4096) == 7
+    # ceil(epochs x rows / prompts_per_step): 0.3 x 100 / 10 = 3 exactly (not 4 from 30.000000000000004)
+    assert resolve_steps(compose_config(["trainer.epochs=0.3", "rollout.prompts_per_step=10"]), 100) == 3
+    assert resolve_steps(compose_config(["trainer.epochs=2", "rollout.prompts_per_step=16"]), 30) == 4  # 60/16

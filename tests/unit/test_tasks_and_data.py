@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fsdptrain.data.offline import DataError, load_jsonl_rollouts, task_prompts
+from fsdptrain.data.offline import DataError, load_jsonl_rollouts
 from fsdptrain.data.rollout import split_response
 from fsdptrain.data.tasks import TASKS, answer_from_prompt, reward
 from fsdptrain.data.tokenizer import TOKENIZER_PATH, build_tokenizer, load_bundled_tokenizer
@@ -50,14 +50,6 @@ def test_task_answers_depend_on_the_prompt():
     assert TASKS["sort_digits"].answer_of(["3", "1", "2"]) == ["1", "2", "3"]
     assert TASKS["repeat_digit"].make_prompt(random.Random(0))[0] == "repeat 6 ="
     assert TASKS["repeat_digit"].answer_of(["6"]) == ["6", "6", "6"]
-
-
-def test_prompt_stream_is_a_pure_function_of_seed_and_step():
-    task = TASKS["repeat_digit"]
-    a = task_prompts(task, seed=1, step=3, num_prompts=4)
-    assert a == task_prompts(task, seed=1, step=3, num_prompts=4)
-    assert a != task_prompts(task, seed=1, step=4, num_prompts=4)
-    assert [g.index for g in a] == [0, 1, 2, 3]
 
 
 def test_split_response_stops_at_first_eos_and_keeps_sampled_pads_of_truncated_rows():

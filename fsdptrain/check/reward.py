@@ -1,0 +1,97 @@
+"""``fsdptrain check-reward``: does the reward give the current model something to learn from? No training.
+
+On every rank, build what ``fsdptrain train`` builds (data, reward functions, model), generate the first step's
+``rollout.prompts_per_step`` prompts ``rollout.n`` times each with the current model, score them through the same
+code as training, and report over all ranks, per function and for the weighted total: mean, population std, and the
+share of prompt groups whose samples all scored the same (GRPO's group baseline learns nothing from those). Rank 0
+also prints a few of its samples and the time each function takes for one call on its samples.
+
+Exit 1 when every group's totals are all equal (nothing to learn), 0 otherwise (docs/your-task.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from fsdptrain.config import ConfigError, validate_world
+from fsdptrain.distributed import world
+from fsdptrain.rewards.pool import run_call
+from fsdptrain.train.loop import Trainer
+from fsdptrain.train.progress import log, print_samples
+from fsdptrain.train.prompt_source import PromptSource
+from fsdptrain.train.setup import resolve_device_type
+
+
+def spread(values: list, groups: list[int]) -> list[float]:
+    """Additive statistics ``[sum, sum of squares, count, all-equal groups, groups]`` of the values that are not
+    None; a group counts when at least one of its values is a number."""
+    numbers = [(g, float(v)) for g, v in zip(groups, values) if v is not None]
+    by_group: dict[int, list[float]] = {}
+    for g, v in numbers:
+        by_group.setdefault(g, []).append(v)
+    equal = sum(1 for vs in by_group.values() if min(vs) == max(vs))
+    return [sum(v for _, v in numbers), sum(v * v for _, v in numbers), len(numbers), equal, len(by_group)]
+
+
+def _line(name: str, stats: list[float]) -> str:
+    total, squares, count, equal, num_groups = stats
+    if count == 0:
+        return f"  {name:<24} applied to no sample"
+    mean = total / count
+    std = math.sqrt(max(squares / count - mean * mean, 0.0))
+    return (f"  {name:<24} mean {mean:.4f}  std {std:.4f}  all-equal groups {equal / num_groups:.2f} "
+            f"({int(equal)}/{int(num_groups)})  samples {int(count)}")
+
+
+def check_reward(cfg: DictConfig) -> int:
+    """The ``fsdptrain check-reward`` job on this rank; returns the exit code (the same on every rank)."""
+    if cfg.data.source == "jsonl":
+        raise ConfigError("check-reward samples from the model: use data=task or data=prompts, not data=jsonl")
+    info = world.init_distributed(device_type=resolve_device_type(cfg))
+    replicate, shard = validate_world(cfg, info.world_size)
+    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    trainer = Trainer(cfg, run_dir=None, info=info, mesh=mesh)
+    source: PromptSource = trainer.source
+    try:
+        start = time.perf_counter()
+        rollouts = source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
+                                   device=trainer.device)
+        elapsed = time.perf_counter() - start
+        batch, scores = source.last_batch, source.last_scores
+        groups = [r.group for r in rollouts]
+        names = [f.name for f in source.functions]
+        local = [spread(scores.raw[name], groups) for name in names] + [spread(scores.total, groups)]
+        stats = torch.tensor(local, dtype=torch.float64)
+        merged = world.all_reduce_sum(stats.flatten()).reshape(stats.shape).tolist()
+        timings = []
+        for f in source.functions:  # one in-process call over this rank's samples, timed
+            t0 = time.perf_counter()
+            run_call(f.fn, batch.select(range(len(batch))))
+            timings.append(time.perf_counter() - t0)
+    finally:
+        source.close()
+    log(f"check-reward: {len(rollouts) * info.world_size} samples ({cfg.rollout.prompts_per_step} prompts x "
+        f"{cfg.rollout.n}) from the current model in {elapsed:.2f} s (generation and scoring)")
+    log("reward spread (over all ranks):")
+    for name, stats in zip(names + ["total (weighted)"], merged):
+        log(_line(name, stats))
+    log("time of one call on rank 0's " + f"{len(batch)} samples: "
+        + ", ".join(f"{name} {t * 1000:.1f} ms" for name, t in zip(names, timings)))
+    if info.is_main:
+        print_samples(None, 0, source.samples)
+    nothing = merged[-1][3] == merged[-1][4]
+    if nothing:
+        log("nothing to learn: every prompt group's samples got the same total reward, so group baselines give zero "
+            "advantages. Check that the reward parses the completions (see the samples), or make the task easier")
+    else:
+        log("ok: some prompt groups have samples with different rewards")
+    code = 1 if nothing else 0
+    world.destroy_distributed()
+    return code

@@ -1,0 +1,179 @@
+"""The prompts experience source: rows of a prompt dataset, sampled ``n`` times each, scored by reward functions.
+
+One path for the bundled digit tasks and for a user's files (docs/your-task.md): ``data=task`` feeds the rows of
+:func:`fsdptrain.data.prompt_tasks.digit_task_rows` with the ``word_match`` reward, ``data=prompts`` the rows of
+``data.path`` with ``reward.functions``; from there on the code is the same.
+
+Each step takes the next ``rollout.prompts_per_step`` positions of the seeded epoch order (the same on every rank);
+group ``i`` of the step is training row ``positions[i]`` and is owned by rank ``i % world_size``
+(docs/architecture.md, rank ownership). The order's state goes into checkpoints, so a resumed run sees exactly the
+prompts an uninterrupted one would, at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fsdptrain.config import DEFAULT_STEPS, ConfigError, reward_specs
+from fsdptrain.data.prompt_tasks import digit_task_rows
+from fsdptrain.data.prompts import (
+    EpochOrder,
+    PromptRow,
+    drop_long_prompts,
+    hold_out_eval,
+    load_prompts,
+    prompt_token_ids,
+)
+from fsdptrain.data.rollout import Rollout
+from fsdptrain.distributed import world
+from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.generate import generate_responses
+from fsdptrain.rewards.loading import load_reward_functions
+from fsdptrain.rewards.reward_metrics import reward_metrics
+from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
+from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.train.setup import Models
+
+NUM_SAMPLES_SHOWN = 4
+"""Samples of rank 0 kept for samples.jsonl and the first step's printout."""
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """A rank's sampling seed for a step: reproducible across runs and resumes, different across ranks."""
+    return (seed * 1_000_003 + step * 1_009 + rank) % (2**31)
+
+
+def _task_rows(rows: list[dict]) -> list[PromptRow]:
+    return [PromptRow(index=i, text=r["prompt"], columns={"answer": r["answer"]}) for i, r in enumerate(rows)]
+
+
+def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[PromptRow], list[PromptRow], dict[str, int]]:
+    """``(train, eval, dropped)``: the training and evaluation rows and how many long prompts each lost."""
+    data = cfg.data
+    if data.source == "task":
+        train = _task_rows(digit_task_rows(data.task, num_rows=data.num_rows, seed=data.seed))
+        evals = _task_rows(digit_task_rows(data.task, num_rows=data.num_eval_prompts, seed=-1 - data.seed))
+        return train, evals, {"train": 0, "eval": 0}
+    key = data.prompt_key
+    plain = lambda value: OmegaConf.to_container(value) if OmegaConf.is_config(value) else value  # noqa: E731
+    rows = load_prompts(plain(data.path), tokenizer=tokenizer, prompt_key=key, what="data.path")
+    if data.eval_path is not None:
+        train, evals = rows, load_prompts(plain(data.eval_path), tokenizer=tokenizer, prompt_key=key,
+                                          what="data.eval_path")
+    else:
+        train, evals = hold_out_eval(rows, eval_size=data.eval_size, seed=data.seed)
+    length = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, long_prompts=data.long_prompts)
+    train, dropped_train = drop_long_prompts(train, label="data.path", **length)
+    dropped_eval = 0
+    if evals:
+        evals, dropped_eval = drop_long_prompts(evals, label="data.eval_path or the held-out rows", **length)
+    if 0 < len(evals) < world.world_size():
+        raise ConfigError(f"{len(evals)} evaluation prompts for {world.world_size()} ranks: every rank needs one "
+                          f"(add rows to data.eval_path, or set trainer.eval_every=0)")
+    return train, evals, {"train": dropped_train, "eval": dropped_eval}
+
+
+def resolve_steps(cfg: DictConfig, num_train_rows: Optional[int]) -> int:
+    """The run's step count: ``trainer.steps``, else ``ceil(epochs x rows / prompts_per_step)``, else the default."""
+    if cfg.trainer.steps is not None:
+        return int(cfg.trainer.steps)
+    if cfg.trainer.epochs is None:
+        return DEFAULT_STEPS
+    # The small tolerance keeps e.g. 0.3 x 100 rows / 10 at 3 steps despite 0.3 x 100 = 30.000000000000004.
+    return max(1, math.ceil(cfg.trainer.epochs * num_train_rows / cfg.rollout.prompts_per_step - 1e-9))
+
+
+class PromptSource:
+    """Prompt rows in epoch order, ``n`` samples each, scored by the reward functions; see the module docstring."""
+
+    def __init__(self, cfg: DictConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
+        self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
+        columns = sorted({name for row in self.train_rows[:1] for name in row.columns})
+        self.functions = load_reward_functions(reward_specs(cfg), cfg.reward.weights, columns=columns)
+        self.max_response_length = cfg.rollout.max_new_tokens
+        self.runner: Optional[RewardRunner] = None
+        self.step_metrics: Optional[Metrics] = None
+        self.samples: list[dict] = []
+        self.last_batch: Optional[RewardBatch] = None
+        self.last_scores: Optional[RewardScores] = None
+
+    def _runner(self) -> RewardRunner:
+        if self.runner is None:  # started on first use, inside the loop's try/finally that closes it
+            r = self.cfg.reward
+            self.runner = RewardRunner(self.functions, num_workers=r.num_workers, timeout_s=r.timeout_s,
+                                       timeout_score=r.timeout_score)
+        return self.runner
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def epoch_progress(self) -> float:
+        """Epochs of the training rows visited so far (fractional)."""
+        return self.order.epoch + self.order.position / self.order.num_rows
+
+    def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device):
+        ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
+        rollout = self.cfg.rollout
+        with generation_attention(models.policy):
+            return generate_responses(
+                models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
+                temperature=rollout.temperature if sample else 1.0, top_p=rollout.top_p if sample else 1.0,
+                do_sample=sample, generator_seed=seed, device=device)
+
+    def _score(self, rows: list[PromptRow], groups: list[int], outputs) -> tuple[RewardBatch, RewardScores]:
+        """Score this rank's samples; a failure on any rank stops every rank (one agreed flag, no hang)."""
+        names = sorted({name for row in rows for name in row.columns})
+        batch = RewardBatch(
+            prompts=[row.text for row in rows],
+            completions=[self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _ in outputs],
+            completion_ids=[list(ids) for _, ids, _ in outputs],
+            rows=[row.index for row in rows], groups=list(groups),
+            columns={name: [row.columns.get(name) for row in rows] for name in names})
+        scores, error = None, None
+        try:
+            scores = self._runner().score(batch)
+        except RewardError as err:
+            error = err
+        if world.any_flag(error is not None):
+            raise error if error is not None else RewardFailedOnAnotherRank()
+        return batch, scores
+
+    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+                 round_index: int = 0) -> list[Rollout]:
+        """This rank's rollouts of the step's next ``prompts_per_step`` rows; ``round_index`` > 0 is an extra round of
+        dynamic sampling (the next rows of the order, its own sampling seed; the reward metrics cover every round)."""
+        cfg = self.cfg
+        n = cfg.rollout.n
+        positions = self.order.take(cfg.rollout.prompts_per_step)
+        mine = [(i, self.train_rows[p]) for i, p in enumerate(positions) if i % world_size == rank]
+        seed = (sampling_seed(cfg.trainer.seed, step, rank) + 104_729 * round_index) % (2**31)
+        outputs = self._generate(models, [row for _, row in mine], repeat=n, sample=True, seed=seed, device=device)
+        rows = [row for _, row in mine for _ in range(n)]
+        groups = [i for i, _ in mine for _ in range(n)]
+        batch, scores = self._score(rows, groups, outputs)
+        metrics = reward_metrics(scores, groups=groups)
+        self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
+        self.last_batch, self.last_scores = batch, scores
+        self.samples = [{"row": batch.rows[k], "prompt": batch.prompts[k], "completion": batch.completions[k],
+                         "rewards": {name: values[k] for name, values in scores.raw.items()},
+                         "total": scores.total[k]} for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
+        return [Rollout(prompt_ids=prompt_ids, response_ids=response_ids, reward=scores.total[k], group=groups[k],
+                        truncated=truncated, prompt_text=batch.prompts[k], response_text=batch.completions[k])
+                for k, (prompt_ids, response_ids, truncated) in enumerate(outputs)]
+
+    @torch.no_grad()
+    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
+        """Greedy mean reward (the weighted total) over the evaluation rows, the same every time, over all ranks."""
+        mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
+        outputs = self._generate(models, [row for _, row in mine], repeat=1, sample=False, seed=0, device=device)
+        _, scores = self._score([row for _, row in mine], [i for i, _ in mine], outputs)
+        sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
+        return float(sums[0] / sums[1])
