@@ -21,6 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
 
+# Never reach the network: a model name that is not a local folder is a usage error (fsdptrain/model/checks.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
 USAGE_ERROR = 2
 CHECK_JSON_ENV = "FSDPTRAIN_CHECK_JSON"
 """Where check-metrics' ranks write ``--json``: set by the command, read by the ranks (fsdptrain.worker)."""
@@ -55,6 +59,17 @@ def _run_dir(cfg: DictConfig) -> Path:
     return Path("runs") / name
 
 
+def _claim_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """Check, lock and claim the run directory for this run (rank 0 under torchrun; the parent otherwise)."""
+    from fsdptrain.preflight import check_run_dir
+    from fsdptrain.train.run_ownership import claim_run_dir, lock_run_dir
+
+    check_run_dir(run_dir)
+    lock_run_dir(run_dir)
+    where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
+    claim_run_dir(cfg, run_dir, where)
+
+
 def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
               print_cfg: bool, nproc: int) -> None:
     from fsdptrain.distributed.torchrun import torchrun_world_size, under_torchrun
@@ -71,6 +86,18 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         typer.echo(OmegaConf.to_yaml(cfg), nl=False)
         raise typer.Exit(0)
     run_dir = str(_run_dir(cfg))
+    try:
+        from fsdptrain.preflight import check_inputs
+
+        check_inputs(cfg)
+        if command == "train" and int(os.environ.get("RANK", "0")) == 0:
+            _claim_run_dir(cfg, Path(run_dir))
+    except ConfigError as err:
+        _fail_usage(str(err))
+    if under_torchrun():
+        from fsdptrain.launch import die_with_parent
+
+        die_with_parent(os.getppid())  # torchrun's agent: a rank must not outlive it
     if under_torchrun() or nproc == 1:
         # This process is the (only) rank: signals reach the trainer directly, as they do under torchrun.
         from fsdptrain import worker
@@ -123,8 +150,12 @@ def check_metrics(
     # The ranks read the path from the environment (inherited by every launched rank); a stale value never leaks in.
     os.environ.pop(CHECK_JSON_ENV, None)
     if json_out is not None:
-        if not json_out.parent.is_dir():
-            _fail_usage(f"--json {json_out}: the folder {json_out.parent} does not exist; create it or choose another")
+        from fsdptrain.preflight import check_output_file
+
+        try:
+            check_output_file(json_out, option="--json")
+        except ConfigError as err:
+            _fail_usage(str(err))
         os.environ[CHECK_JSON_ENV] = str(json_out.resolve())
     _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc)
 

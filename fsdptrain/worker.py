@@ -8,6 +8,7 @@ torchrun, or with a single process, the CLI calls :func:`run_and_exit` in-proces
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -45,6 +46,25 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        if not _disk_full(err):
+            raise
+        if rank == 0:
+            print(f"error: no space left on the device while writing {run_dir}; the run stopped and earlier "
+                  "checkpoints are intact: free some space and resume with trainer.resume=auto", file=sys.stderr)
+        return 1
+
+
+def _disk_full(err: BaseException | None, depth: int = 0) -> bool:
+    """True when ``err`` or anything it wraps (a cause, a DCP per-rank failure) is ENOSPC."""
+    if err is None or depth > 8:
+        return False
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    failures = getattr(err, "failures", None)
+    nested = list(failures.values()) if isinstance(failures, dict) else []
+    return any(_disk_full(e, depth + 1) for e in [err.__cause__, err.__context__, *nested]
+               if isinstance(e, BaseException))
 
 
 def run_and_exit(command: str, cfg: DictConfig, run_dir: str) -> None:
@@ -61,6 +81,10 @@ def run_and_exit(command: str, cfg: DictConfig, run_dir: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    from fsdptrain.launch import LAUNCHER_PID_ENV, die_with_parent
+
+    if LAUNCHER_PID_ENV in os.environ:
+        die_with_parent(int(os.environ[LAUNCHER_PID_ENV]))
     command, config_path, run_dir = argv
     cfg = OmegaConf.load(config_path)
     assert isinstance(cfg, DictConfig)

@@ -28,6 +28,7 @@ from fsdptrain.train.experience import (
     reward_to_go,
     token_rewards,
 )
+from fsdptrain.train.files import write_atomic
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
 from fsdptrain.train.progress import (
@@ -224,7 +225,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     metrics_path = run_path / "metrics.jsonl"
     if info.is_main:
         run_path.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_path / "config.yaml")
+        write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
         keep_metrics_before(metrics_path, start)
     print_start_report(trainer)
     eval_rewards: dict[int, float] = {}
@@ -246,6 +247,8 @@ def train(cfg: DictConfig, run_dir: str) -> int:
                 eval_rewards[done] = trainer.source.eval_reward(trainer.models, rank=info.rank,
                                                                 world_size=info.world_size, device=trainer.device)
                 result["eval/reward"] = eval_rewards[done]
+            if isinstance(trainer.source, OfflineSource):
+                result["data/skipped_rows"] = trainer.source.num_skipped
             history.append(result)
             if info.is_main:
                 write_metrics_line(metrics_path, result)

@@ -14,6 +14,7 @@ from fsdptrain.data.tasks import reward as task_reward
 from fsdptrain.distributed import world
 from fsdptrain.model.attention import generation_attention
 from fsdptrain.model.generate import generate_responses
+from fsdptrain.train.progress import log
 from fsdptrain.train.setup import Models
 
 
@@ -77,6 +78,9 @@ class OfflineSource:
         rollouts, self.num_skipped = load_jsonl_rollouts(cfg.data.path, tokenizer,
                                                          max_response_length=cfg.data.max_response_length,
                                                          skip_bad_rows=cfg.data.skip_bad_rows)
+        if self.num_skipped:
+            log(f"warning: data.skip_bad_rows=true skipped {self.num_skipped} bad row(s) of {cfg.data.path} "
+                f"(logged as data/skipped_rows)")
         self.groups: dict[int, list[Rollout]] = {}
         for r in rollouts:
             self.groups.setdefault(r.group, []).append(r)
