@@ -82,8 +82,10 @@ def claim_run_dir(cfg: DictConfig, run_dir: Path, where: str) -> str:
             clear_run(run_dir)
         elif trainer.resume == "auto":
             check_config_change(cfg, run_dir)
-            existing = run_id(run_dir)
+            existing = run_id(run_dir) or _newest_marker_run_id(run_dir)
             if existing is not None:
+                if run_id(run_dir) is None:  # checkpoints copied in, or written before run.json existed: adopt them
+                    write_atomic(run_dir / STATE_FILE, json.dumps({"run_id": existing, "created": time.time()}) + "\n")
                 return existing
         else:
             raise ConfigError(f"{run_dir} already holds a run: continue it with {where} trainer.resume=auto, start "
@@ -91,6 +93,18 @@ def claim_run_dir(cfg: DictConfig, run_dir: Path, where: str) -> str:
     new_id = uuid.uuid4().hex
     write_atomic(run_dir / STATE_FILE, json.dumps({"run_id": new_id, "created": time.time()}) + "\n")
     return new_id
+
+
+def _newest_marker_run_id(run_dir: Path) -> str | None:
+    """The run id in the marker of the newest checkpoint folder that has one (torch-free: JSON only)."""
+    for folder in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True):
+        try:
+            found = json.loads((folder / "complete.json").read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return None
 
 
 def clear_run(run_dir: Path) -> None:

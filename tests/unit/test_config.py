@@ -86,3 +86,53 @@ def test_mesh_shape_from_world_size():
     cfg = compose_config(["parallel.dp_replicate=2", "parallel.dp_shard=2"])
     with pytest.raises(ConfigError, match="2 x 2 = 4 but the world size is 2"):
         validate_world(cfg, 2)
+
+
+# ---- every numeric field of the schema, generated from it (a new field is covered without touching this file) ----
+
+from fsdptrain.config.validate import FLOAT_RANGES, schema_fields  # noqa: E402
+
+
+def test_every_float_field_has_a_real_range():
+    assert set(schema_fields(float)) == set(FLOAT_RANGES)
+
+
+@pytest.mark.parametrize("key", schema_fields(float))
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_every_float_field_refuses_non_finite(key, bad):
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config([f"{key}={bad}"])
+    assert str(excinfo.value).startswith(f"{key}=") and "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize("key", schema_fields(float))
+def test_every_float_field_refuses_values_outside_its_range(key):
+    low, low_in, high, high_in = FLOAT_RANGES[key]
+    outside = [low - 1.0 if low_in else low] + ([high + 1.0 if high_in else high] if high != float("inf") else [])
+    for value in outside:
+        with pytest.raises(ConfigError, match=f"^{key}="):
+            compose_config([f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", schema_fields(int))
+def test_every_int_field_refuses_negative_and_non_int(key):
+    with pytest.raises(ConfigError, match=f"^{key}=-1 must be"):
+        compose_config([f"{key}=-1"])
+    with pytest.raises(ConfigError, match=key):
+        compose_config([f"{key}=1.5"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
+    (["trainer.grad_clip=nan"], "trainer.grad_clip=nan must be a finite number >= 0"),
+    (["algorithm.clip_ratio_c=nan"], "algorithm.clip_ratio_c=nan"),
+    (["algorithm.lam=-5"], "algorithm.lam=-5.0 must be a number in [0, 1]"),
+    (["algorithm.clip_ratio_low=inf"], "algorithm.clip_ratio_low=inf must be a number in (0, 1]"),
+    (["algorithm.gamma=nan"], "algorithm.gamma=nan must be a number in [0, 1]"),
+    (["model=local"], "model=local needs model.path="),
+    (["trainer.overwrite=true", "trainer.resume=auto"], "choose one"),
+])
+def test_issue_14_values_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config(overrides)
+    assert message in str(excinfo.value)
