@@ -41,8 +41,9 @@ _held_locks: list = []  # open lock files of this process: closed (released) onl
 
 
 def holds_run(run_dir: Path) -> bool:
-    """True when ``run_dir`` has a run's state, metrics, checkpoints or export in it."""
-    return any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "export", STATE_FILE))
+    """True when ``run_dir`` has a run's metrics, checkpoints or export in it (a ``run.json`` alone is a start that
+    failed before its first step: a new launch may take the directory over)."""
+    return any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "export"))
 
 
 def run_id(run_dir: Path) -> str | None:
