@@ -46,8 +46,8 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str) -> int:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    except Exception as err:
-        if not _disk_full(err):
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)) or not _disk_full(err):
             raise
         if rank == 0:
             print(f"error: no space left on the device while writing {run_dir}; the run stopped and earlier "
@@ -63,6 +63,7 @@ def _disk_full(err: BaseException | None, depth: int = 0) -> bool:
         return True
     failures = getattr(err, "failures", None)
     nested = list(failures.values()) if isinstance(failures, dict) else []
+    nested = [item[0] if isinstance(item, tuple) and item else item for item in nested]  # DCP: (exception, traceback)
     return any(_disk_full(e, depth + 1) for e in [err.__cause__, err.__context__, *nested]
                if isinstance(e, BaseException))
 
