@@ -170,3 +170,45 @@ def test_killing_the_launcher_kills_its_ranks(tmp_path):
     lines = (run_dir / "metrics.jsonl").read_text().count("\n")
     time.sleep(1.0)
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == lines  # nobody writes the run directory any more
+
+
+def _torchrun(*args: str, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "--max-restarts", str(restarts), "--no-python", *cli_command(), "train", *TINY, *args]
+
+
+def _rank_pid(agent: int, rank: int) -> int | None:
+    for pid in _children(agent):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_torchrun_restarts_a_killed_rank_and_resumes_exactly(tmp_path):
+    common = ("trainer.steps=6", "checkpoint.every=1", "trainer.resume=auto")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    reference = subprocess.run(_torchrun(*common, f"trainer.run_dir={tmp_path / 'ref'}"), cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "restarted"
+    agent = subprocess.Popen(_torchrun(*common, f"trainer.run_dir={run_dir}", restarts=2), cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text().count("\n") < 3:
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.05)
+    victim = _rank_pid(agent.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, err = agent.communicate(timeout=600)
+    assert agent.returncode == 0, err[-3000:]
+    assert "resumed from" in out
+    got, want = read_metrics(run_dir), read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(6))
+    assert [no_perf(r) for r in got] == [no_perf(r) for r in want]

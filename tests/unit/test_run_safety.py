@@ -4,6 +4,7 @@ rotation, the safetensors header check."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -121,3 +122,26 @@ def test_safetensors_header_check(tmp_path):
     assert "truncated" in safetensors_problem(short)
     (tmp_path / "c.safetensors").write_bytes(b"\xff" * 64)
     assert "damaged header" in safetensors_problem(tmp_path / "c.safetensors")
+
+
+ROW = {"prompt": "1+1=", "response": "2", "reward": 1.0}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"truncated": "false"}, "'truncated' must be a JSON boolean"),
+    ({"truncated": 0}, "'truncated' must be a JSON boolean"),
+    ({"behaviour_logprobs": [float("nan"), -0.1]}, "finite log-probabilities <= 0, got nan"),
+    ({"behaviour_logprobs": [1e30, -0.1]}, "got 1e+30"),
+    ({"behaviour_logprobs": [0.5, -0.1]}, "got 0.5"),
+])
+def test_jsonl_rows_are_typed_strictly(tmp_path, extra, message):
+    from fsdptrain.data.offline import DataError, load_jsonl_rollouts
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(ROW) + "\n" + json.dumps({**ROW, **extra}) + "\n")
+    tokenizer = load_bundled_tokenizer()
+    with pytest.raises(DataError, match=f"r.jsonl:2: .*{re.escape(message)}"):
+        load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=False)
+    rollouts, skipped = load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=True)
+    assert (len(rollouts), skipped) == (1, 1)
