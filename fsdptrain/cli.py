@@ -9,6 +9,7 @@ Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, b
 
 from __future__ import annotations
 
+import os
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
+
+# Never reach the network: a model name that is not a local folder is a usage error (fsdptrain/model/checks.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 USAGE_ERROR = 2
 
@@ -90,11 +95,22 @@ def _preflight(cfg: DictConfig) -> None:
         raise ConfigError(missing)
 
 
+def _claim_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """Check, lock and claim the run directory for this run (rank 0 under torchrun; the parent otherwise)."""
+    from fsdptrain.preflight import check_run_dir
+    from fsdptrain.train.run_ownership import claim_run_dir, lock_run_dir
+
+    check_run_dir(run_dir)
+    lock_run_dir(run_dir)
+    where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
+    claim_run_dir(cfg, run_dir, where)
+
+
 def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional[str], config_name: str,
               print_cfg: bool, nproc: int, options: Optional[List[str]] = None) -> None:
     """Compose and validate in this (parent) process, then run the ranks; ``options`` are the command's own
     arguments for the ranks (e.g. ``["--json", PATH]``), passed on their command line."""
-    from fsdptrain.distributed.torchrun import torchrun_world_size, under_torchrun
+    from fsdptrain.distributed.torchrun import env_rank, torchrun_world_size, under_torchrun
 
     if nproc != 1 and under_torchrun():
         _fail_usage(f"--nproc {nproc} was given under torchrun: torchrun already started the ranks; drop --nproc")
@@ -111,6 +127,18 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         typer.echo(OmegaConf.to_yaml(cfg), nl=False)
         raise typer.Exit(0)
     run_dir = str(_run_dir(cfg))
+    try:
+        from fsdptrain.preflight import check_inputs
+
+        check_inputs(cfg)
+        if command == "train" and env_rank() == 0:
+            _claim_run_dir(cfg, Path(run_dir))
+    except ConfigError as err:
+        _fail_usage(str(err))
+    if under_torchrun():
+        from fsdptrain.launch import die_with_parent
+
+        die_with_parent(os.getppid())  # torchrun's agent: a rank must not outlive it
     if under_torchrun() or nproc == 1:
         # This process is the (only) rank: signals reach the trainer directly, as they do under torchrun.
         from fsdptrain import worker
@@ -162,8 +190,12 @@ def check_metrics(
     """
     options = []
     if json_out is not None:
-        if not json_out.parent.is_dir():
-            _fail_usage(f"--json {json_out}: the folder {json_out.parent} does not exist; create it or choose another")
+        from fsdptrain.preflight import check_output_file
+
+        try:
+            check_output_file(json_out, option="--json")
+        except ConfigError as err:
+            _fail_usage(str(err))
         options = ["--json", str(json_out.resolve())]
     _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc, options)
 

@@ -64,6 +64,17 @@ def _check_no_extra_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"unknown config key '{group}.{key}'; valid keys in '{group}': {', '.join(known)}")
 
 
+def _own_error(err: BaseException) -> Optional[ConfigError]:
+    """Our own ConfigError raised inside a resolver, unwrapped from hydra's and OmegaConf's exceptions."""
+    while err is not None and not isinstance(err, ConfigError):
+        err = err.__cause__ or err.__context__
+    return err
+
+
+def _required(message: str):
+    raise ConfigError(message)
+
+
 def compose_config(
     overrides: Sequence[str] = (),
     *,
@@ -72,6 +83,7 @@ def compose_config(
 ) -> DictConfig:
     """Compose ``config_name`` with ``overrides`` and validate it; raise ConfigError with one line on any mistake."""
     register_schemas()
+    OmegaConf.register_new_resolver("fsdptrain_required", _required, replace=True)
     overrides = list(overrides)
     if config_dir is None:
         primary = PACKAGE_CONF_DIR
@@ -86,10 +98,12 @@ def compose_config(
         OmegaConf.resolve(cfg)
         _check_no_extra_keys(cfg)
         missing = sorted(OmegaConf.missing_keys(cfg))
+    except ConfigError:
+        raise
     except HydraException as err:
-        raise ConfigError(_hydra_message(err)) from None
+        raise _own_error(err) or ConfigError(_hydra_message(err)) from None
     except OmegaConfBaseException as err:
-        raise ConfigError(_omegaconf_message(err)) from None
+        raise _own_error(err) or ConfigError(_omegaconf_message(err)) from None
     if missing:
         raise ConfigError(f"missing required value: {missing[0]} (set it with {missing[0]}=...)")
     validate(cfg)

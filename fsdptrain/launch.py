@@ -6,13 +6,20 @@ file, so N ranks can never disagree about it or print N copies of one usage erro
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
+
+LAUNCHER_PID_ENV = "FSDPTRAIN_LAUNCHER_PID"
+"""The pid of the process that launched the ranks (set by :func:`launch_local`, read by each rank)."""
+_PR_SET_PDEATHSIG = 1
 
 
 def launch_local(nproc: int, worker_args: list[str]) -> int:
@@ -44,6 +51,7 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
         start_method="spawn",
         signals_to_handle="SIGHUP,SIGQUIT",
     )
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # inherited by the ranks: they die with this process
     previous = {sig: signal.signal(sig, _forward_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         elastic_launch(config, sys.executable)("-m", "fsdptrain.worker", *worker_args)
@@ -93,3 +101,30 @@ def _child_pids() -> list[int]:
         return pids
     found = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True)
     return [int(pid) for pid in found.stdout.split()]
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process as soon as ``parent_pid`` (its launcher) ends, even by SIGKILL.
+
+    torch's launcher starts ranks in sessions of their own, so nothing else stops them when the launcher is killed;
+    they would keep writing the run directory. On Linux the kernel does it (``prctl(PR_SET_PDEATHSIG)``, tied to the
+    launcher's main thread, which is the thread that starts the ranks); elsewhere a daemon thread polls the parent
+    pid. A parent that died before this call is caught by the pid check.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            _watch_parent(parent_pid)
+    else:
+        _watch_parent(parent_pid)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="fsdptrain-parent-watch", daemon=True).start()

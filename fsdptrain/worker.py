@@ -9,6 +9,8 @@ torchrun, or with a single process, the CLI calls :func:`run_and_exit` in-proces
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import traceback
 
@@ -55,6 +57,26 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
         return 2
     except RewardFailedOnAnotherRank:  # the rank where it failed prints the error
         return 2
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)) or not _disk_full(err):
+            raise
+        if rank == 0:
+            print(f"error: no space left on the device while writing {run_dir}; the run stopped and earlier "
+                  "checkpoints are intact: free some space and resume with trainer.resume=auto", file=sys.stderr)
+        return 1
+
+
+def _disk_full(err: BaseException | None, depth: int = 0) -> bool:
+    """True when ``err`` or anything it wraps (a cause, a DCP per-rank failure) is ENOSPC."""
+    if err is None or depth > 8:
+        return False
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    failures = getattr(err, "failures", None)
+    nested = list(failures.values()) if isinstance(failures, dict) else []
+    nested = [item[0] if isinstance(item, tuple) and item else item for item in nested]  # DCP: (exception, traceback)
+    return any(_disk_full(e, depth + 1) for e in [err.__cause__, err.__context__, *nested]
+               if isinstance(e, BaseException))
 
 
 def _option(options: list[str], name: str) -> str | None:
@@ -76,6 +98,10 @@ def run_and_exit(command: str, cfg: DictConfig, run_dir: str, options: list[str]
 
 
 def main(argv: list[str]) -> None:
+    from fsdptrain.launch import LAUNCHER_PID_ENV, die_with_parent
+
+    if LAUNCHER_PID_ENV in os.environ:
+        die_with_parent(int(os.environ[LAUNCHER_PID_ENV]))
     command, config_path, run_dir, *options = argv
     cfg = OmegaConf.load(config_path)
     assert isinstance(cfg, DictConfig)

@@ -221,7 +221,11 @@ class TrainerConfig:
     run_dir: Optional[str] = None
     """Run directory; null means runs/<run_name> under the current directory."""
     resume: str = "never"
-    """Resume: never, or auto (newest complete checkpoint in the run directory)."""
+    """Resume: never, or auto (newest intact checkpoint of the run); a used run directory needs auto or overwrite."""
+    overwrite: bool = False
+    """Start over in a run directory that holds a run: delete its checkpoints, metrics and export first."""
+    allow_config_change: bool = False
+    """Resume even though the model, algorithm or loss mode changed (the change is recorded in the run directory)."""
     device: str = "auto"
     """Device: auto (cuda when available), cpu or cuda."""
 

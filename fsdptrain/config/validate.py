@@ -6,6 +6,9 @@ any rank starts.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +24,7 @@ from fsdptrain.config.schema import (
     LR_SCHEDULES,
     MODEL_ARCHS,
     RESUME_MODES,
+    SCHEMA_GROUPS,
     TASKS,
     VALUE_INITS,
 )
@@ -60,21 +64,47 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 _POSITIVE_INTS = (
     "model.hidden_size", "model.num_layers", "model.num_heads", "model.num_kv_heads", "model.intermediate_size",
     "algorithm.ppo_epochs", "loss.logprob_chunk_size", "rollout.prompts_per_step", "rollout.n",
-    "rollout.max_new_tokens", "trainer.mini_batches_per_step", "trainer.token_budget",
+    "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
-    "check.num_prompts", "algorithm.filter_groups_max_rounds", "data.num_rows",
+    "check.num_prompts", "data.max_response_length", "algorithm.filter_groups_max_rounds", "data.num_rows",
 )
-_NON_NEGATIVE = (
-    "trainer.warmup_steps", "trainer.weight_decay", "trainer.grad_clip", "trainer.critic_grad_clip",
-    "trainer.eval_every", "checkpoint.every", "algorithm.entropy_coef", "algorithm.kl_loss_coef",
-    "algorithm.kl_in_reward_coef", "algorithm.cliprange_value", "algorithm.clip_ratio_low",
-    "algorithm.clip_ratio_high", "data.num_eval_prompts", "check.rtol", "check.atol",
-    "data.eval_size", "reward.num_workers", "logging.samples_every",
-)
-_POSITIVE_FLOATS = (
-    "trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor", "trainer.adam_eps",
-    "algorithm.dro_beta", "algorithm.rollout_correction_cap",
-)
+"""Every other int field of the schema must be >= 0 (seeds, counts, intervals): see :func:`_check_ints`."""
+
+_INF = float("inf")
+FLOAT_RANGES: dict[str, tuple[float, bool, float, bool]] = {
+    # field: (low, low included, high, high included); every float must also be finite (nan and inf are refused)
+    "algorithm.gamma": (0.0, True, 1.0, True),
+    "algorithm.lam": (0.0, True, 1.0, True),
+    "algorithm.clip_ratio_low": (0.0, False, 1.0, True),
+    "algorithm.clip_ratio_high": (0.0, False, _INF, False),
+    "algorithm.clip_ratio_c": (1.0, False, _INF, False),
+    "algorithm.cliprange_value": (0.0, False, _INF, False),
+    "algorithm.entropy_coef": (0.0, True, _INF, False),
+    "algorithm.kl_loss_coef": (0.0, True, _INF, False),
+    "algorithm.kl_in_reward_coef": (0.0, True, _INF, False),
+    "loss.loss_scale_factor": (0.0, False, _INF, False),
+    "rollout.temperature": (0.0, False, _INF, False),
+    "rollout.top_p": (0.0, False, 1.0, True),
+    "trainer.lr": (0.0, False, _INF, False),
+    "trainer.critic_lr": (0.0, False, _INF, False),
+    "trainer.min_lr_ratio": (0.0, True, 1.0, True),
+    "trainer.weight_decay": (0.0, True, _INF, False),
+    "trainer.grad_clip": (0.0, True, _INF, False),
+    "trainer.critic_grad_clip": (0.0, True, _INF, False),
+    "trainer.grad_norm_warn_factor": (0.0, False, _INF, False),
+    "check.rtol": (0.0, True, _INF, False),
+    "check.atol": (0.0, True, _INF, False),
+    "trainer.adam_beta1": (0.0, True, 1.0, False),
+    "trainer.adam_beta2": (0.0, True, 1.0, False),
+    "trainer.adam_eps": (0.0, False, _INF, False),
+    "trainer.epochs": (0.0, False, _INF, False),
+    "algorithm.dro_beta": (0.0, False, _INF, False),
+    "algorithm.kl_clamp": (0.0, False, _INF, False),
+    "algorithm.rollout_correction_cap": (0.0, False, _INF, False),
+    "reward.timeout_s": (0.0, False, _INF, False),
+    "reward.timeout_score": (-_INF, False, _INF, False),
+}
+"""The real range of every float field of the schema (a unit test checks that none is missing)."""
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -101,24 +131,50 @@ def _check_choices(cfg: DictConfig) -> None:
                               "or a function as module:function or path/to/file.py:function")
 
 
+def schema_fields(kind: type) -> list[str]:
+    """The dotted names of every schema field whose type is ``kind`` (int or float), Optional included."""
+    names = []
+    for group, schema in SCHEMA_GROUPS.items():
+        hints = typing.get_type_hints(schema)
+        for f in dataclasses.fields(schema):
+            hint = hints[f.name]
+            if hint is kind or (typing.get_origin(hint) is typing.Union and kind in typing.get_args(hint)):
+                names.append(f"{group}.{f.name}")
+    return names
+
+
+def _describe_range(low: float, low_in: bool, high: float, high_in: bool) -> str:
+    if high == _INF:
+        return f"a finite number {'>=' if low_in else '>'} {low:g}"
+    return f"a number in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+
+def _check_floats(cfg: DictConfig) -> None:
+    for key in schema_fields(float):
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        low, low_in, high, high_in = FLOAT_RANGES[key]
+        above = value >= low if low_in else value > low
+        below = value <= high if high_in else value < high
+        if not (math.isfinite(value) and above and below):
+            raise ConfigError(f"{key}={value} must be {_describe_range(low, low_in, high, high_in)}")
+
+
+def _check_ints(cfg: DictConfig) -> None:
+    for key in schema_fields(int):
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        if key in _POSITIVE_INTS and value < 1:
+            raise ConfigError(f"{key}={value} must be a positive integer")
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+
+
 def _check_ranges(cfg: DictConfig) -> None:
-    for key in _POSITIVE_INTS:
-        if _get(cfg, key) < 1:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be a positive integer")
-    for key in _NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0")
-    for key in _POSITIVE_FLOATS:
-        if not _get(cfg, key) > 0:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
-    top_p = cfg.rollout.top_p
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"rollout.top_p={top_p} must be in (0, 1]")
-    for key in ("trainer.adam_beta1", "trainer.adam_beta2"):
-        if not 0 <= _get(cfg, key) < 1:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be in [0, 1)")
-    if not 0 <= cfg.trainer.min_lr_ratio <= 1:
-        raise ConfigError(f"trainer.min_lr_ratio={cfg.trainer.min_lr_ratio} must be in [0, 1]")
+    _check_ints(cfg)
+    _check_floats(cfg)
     dp_shard = cfg.parallel.dp_shard
     if dp_shard != "auto" and not (str(dp_shard).isdigit() and int(dp_shard) >= 1):
         raise ConfigError(f"parallel.dp_shard={dp_shard!r} must be 'auto' or a positive integer")
@@ -182,22 +238,19 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if alg.adv_estimator in group_estimators and cfg.data.source != "jsonl" and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} compares samples of one prompt: "
                           f"rollout.n={cfg.rollout.n} must be at least 2")
-    if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1:
-        raise ConfigError(f"algorithm.clip_ratio_c={alg.clip_ratio_c} must be > 1 (or null to turn dual-clip off)")
     if cfg.model.num_heads % cfg.model.num_kv_heads != 0:
         raise ConfigError(f"model.num_kv_heads={cfg.model.num_kv_heads} must divide "
                           f"model.num_heads={cfg.model.num_heads}")
     if cfg.model.hidden_size % cfg.model.num_heads != 0:
         raise ConfigError(f"model.num_heads={cfg.model.num_heads} must divide "
                           f"model.hidden_size={cfg.model.hidden_size}")
-    factor = cfg.loss.loss_scale_factor
-    if factor is not None and not factor > 0:
-        raise ConfigError(f"loss.loss_scale_factor={factor} must be > 0 (or null for the max response length)")
     if cfg.data.source == "jsonl":
         if cfg.data.path is None:
             raise ConfigError("data.source=jsonl needs data.path=<file.jsonl>")
-        if cfg.data.max_response_length is None or cfg.data.max_response_length < 1:
+        if cfg.data.max_response_length is None:
             raise ConfigError("data.source=jsonl needs data.max_response_length=<declared maximum response tokens>")
+    if cfg.trainer.overwrite and cfg.trainer.resume == "auto":
+        raise ConfigError("trainer.overwrite=true deletes what trainer.resume=auto would continue: choose one")
     if cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")

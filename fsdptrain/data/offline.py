@@ -36,11 +36,16 @@ def _parse_row(row: object, path: Path, line_no: int) -> dict:
     reward = row.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise _row_error(path, line_no, f"'reward' must be a finite number, got {reward!r}")
+    if "truncated" in row and not isinstance(row["truncated"], bool):
+        raise _row_error(path, line_no, f"'truncated' must be a JSON boolean (true or false), got {row['truncated']!r}")
     logprobs = row.get("behaviour_logprobs")
     if logprobs is not None and not (
         isinstance(logprobs, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in logprobs)
     ):
         raise _row_error(path, line_no, "'behaviour_logprobs' must be a list of numbers")
+    bad = [x for x in logprobs or [] if not (math.isfinite(x) and x <= 0)]
+    if bad:
+        raise _row_error(path, line_no, f"'behaviour_logprobs' must be finite log-probabilities <= 0, got {bad[0]!r}")
     return row
 
 
@@ -58,20 +63,26 @@ def load_jsonl_rollouts(
     rollouts: list[Rollout] = []
     group_index: dict[object, int] = {}
     skipped = 0
-    with file.open() as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.path={path!r} is not UTF-8 text (near byte offset {err.start}): "
+                        f"save it as UTF-8") from None
+    if "\0" in text:
+        raise DataError(f"data.path={path!r} is a binary file (it holds NUL bytes), not JSONL text")
+    for line_no, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
             try:
-                try:
-                    row = _parse_row(json.loads(line), file, line_no)
-                except json.JSONDecodeError as err:
-                    raise _row_error(file, line_no, f"invalid JSON ({err.msg})") from None
-                rollouts.append(_tokenize_row(row, tokenizer, file, line_no, max_response_length, group_index))
-            except DataError:
-                if not skip_bad_rows:
-                    raise
-                skipped += 1
+                row = _parse_row(json.loads(line), file, line_no)
+            except json.JSONDecodeError as err:
+                raise _row_error(file, line_no, f"invalid JSON ({err.msg})") from None
+            rollouts.append(_tokenize_row(row, tokenizer, file, line_no, max_response_length, group_index))
+        except DataError:
+            if not skip_bad_rows:
+                raise
+            skipped += 1
     if not rollouts:
         raise DataError(f"{file}: no usable rows")
     return rollouts, skipped
@@ -81,7 +92,7 @@ def _tokenize_row(row: dict, tokenizer, file: Path, line_no: int, max_response_l
                   group_index: dict[object, int]) -> Rollout:
     prompt_ids = tokenizer(row["prompt"])["input_ids"]
     response_ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
-    truncated = bool(row.get("truncated", False))
+    truncated = row.get("truncated", False)
     if not truncated:
         response_ids = response_ids + [tokenizer.eos_token_id]
     if not response_ids or not prompt_ids:

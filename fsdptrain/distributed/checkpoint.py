@@ -109,18 +109,27 @@ def checkpoint_info(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads(marker.read_text())
 
 
-def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[Path]:
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int, run_id: str | None = None) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints, and every stale temp folder; return what was deleted.
 
-    Not collective: call it on one rank (save_checkpoint calls it on rank 0 after the rename).
+    With `run_id`, only checkpoints whose marker carries that run id count and may be deleted: another lineage's
+    checkpoints in the same folder are left alone. Not collective: call it on one rank (save_checkpoint calls it on
+    rank 0 after the rename).
     """
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
-    complete = complete_checkpoints(run_dir)
+    complete = [p for p in complete_checkpoints(run_dir) if run_id is None or _run_id_of(p) == run_id]
     doomed = complete[:-keep] + remove_stale_temp_dirs(run_dir, dry_run=True)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def _run_id_of(path: Path) -> str | None:
+    try:
+        return json.loads((path / MARKER).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False) -> list[Path]:
@@ -264,6 +273,7 @@ def save_checkpoint(
     schedulers: Mapping[str, LRScheduler],
     extra: Mapping[str, Any],
     keep: int | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Save a checkpoint of `step` atomically; return its final folder. Collective: every rank calls it.
 
@@ -273,6 +283,7 @@ def save_checkpoint(
     the data position and the non-finite counters; rank 0's copy is saved and every rank gets it back from
     `load_checkpoint`. The RNG states of every rank are captured here; the caller need not pass them.
     keep: if given, rank 0 then deletes all but the newest `keep` complete checkpoints (and stale temp folders).
+    run_id: the run's lineage, written into the marker; rotation then counts and deletes only that lineage's.
     An existing checkpoint of the same step is replaced.
     """
     if step < 0:
@@ -305,11 +316,12 @@ def save_checkpoint(
             "models": sorted(models),
             "optimizers": sorted(optimizers),
             "schedulers": sorted(schedulers),
+            "run_id": run_id,
         }
         _write_durably(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
         _rename_into_place(tmp, final)
         if keep is not None:
-            prune_checkpoints(run_dir, keep)
+            prune_checkpoints(run_dir, keep, run_id)
     _barrier()  # no rank returns (or exits on SIGTERM) before the checkpoint is in place
     return final
 

@@ -21,6 +21,7 @@ from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.train.experience import experience_settings, make_targets
+from fsdptrain.train.files import write_atomic
 from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
@@ -229,7 +230,7 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
     metrics_path, samples_path = run_path / "metrics.jsonl", run_path / "samples.jsonl"
     if info.is_main:
         run_path.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_path / "config.yaml")
+        write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
         keep_metrics_before(metrics_path, start)
         keep_metrics_before(samples_path, start)
     print_start_report(trainer)
@@ -252,6 +253,8 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
                 if evaluate and (done % cfg.trainer.eval_every == 0 or done == num_steps):
                     eval_rewards[done] = trainer.source.eval_reward(trainer.models, **eval_args)
                     result["eval/reward"] = eval_rewards[done]
+                if isinstance(trainer.source, OfflineSource):
+                    result["data/skipped_rows"] = trainer.source.num_skipped
                 history.append(result)
                 every = cfg.logging.samples_every
                 if info.is_main:

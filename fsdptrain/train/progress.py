@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from fsdptrain.distributed import world
 from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
+from fsdptrain.train.files import append_line
 from fsdptrain.train.setup import max_response_length
 
 if TYPE_CHECKING:
@@ -73,8 +74,8 @@ def print_start_report(trainer: "Trainer") -> None:
 
 
 def write_metrics_line(path: Path, result: dict) -> None:
-    with path.open("a") as handle:
-        handle.write(json.dumps(result) + "\n")
+    """One line per step, in one write: a crash leaves at most a partial last line, which resume drops."""
+    append_line(path, json.dumps(result))
 
 
 def write_samples(path: Path, step: int, samples: list[dict]) -> None:

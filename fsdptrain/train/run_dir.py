@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdptrain.distributed.checkpoint import load_checkpoint, save_checkpoint
+from fsdptrain.distributed.checkpoint_check import newest_intact_checkpoint
 from fsdptrain.distributed.export import export_hf
+from fsdptrain.train.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.train.progress import log
+from fsdptrain.train.run_ownership import run_id
 
 if TYPE_CHECKING:
     from fsdptrain.train.loop import Trainer
@@ -42,14 +45,15 @@ def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
     if order is not None:
         extra["prompt_order"] = order.state_dict()
     return save_checkpoint(run_dir, done, models=models, optimizers=optimizers, schedulers=schedulers, extra=extra,
-                           keep=trainer.cfg.checkpoint.keep)
+                           keep=trainer.cfg.checkpoint.keep, run_id=run_id(run_dir))
 
 
 def resume(trainer: "Trainer", run_dir: Path) -> int:
-    """With ``trainer.resume=auto``, restore the newest complete checkpoint of the run; return the steps done."""
+    """With ``trainer.resume=auto``, restore the newest intact checkpoint of the run's lineage (a damaged newer one is
+    skipped with a warning); return the steps done."""
     if trainer.cfg.trainer.resume != "auto":
         return 0
-    path = latest_checkpoint(run_dir)
+    path = newest_intact_checkpoint(run_dir, run_id(run_dir))
     if path is None:
         log(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting fresh")
         return 0
@@ -76,10 +80,12 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
 
 
 def keep_metrics_before(path: Path, step: int) -> None:
-    """Drop logged steps at or after ``step`` (they are about to be redone after a resume)."""
+    """Drop logged steps at or after ``step`` (they are about to be redone after a resume), and a partial last line
+    left by a crash. The trimmed file is written beside the old one and renamed over it: a kill at any moment leaves
+    the old file or the new one."""
     if path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in lines))
+        rows = [row for row in read_jsonl_dropping_partial_tail(path) if row["step"] < step]
+        write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def export(trainer: "Trainer", run_dir: Path) -> None:

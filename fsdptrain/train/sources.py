@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from fsdptrain.data.offline import load_jsonl_rollouts
 from fsdptrain.data.rollout import Rollout
+from fsdptrain.train.progress import log
 from fsdptrain.train.setup import Models
 
 
@@ -21,6 +22,9 @@ class OfflineSource:
         rollouts, self.num_skipped = load_jsonl_rollouts(cfg.data.path, tokenizer,
                                                          max_response_length=cfg.data.max_response_length,
                                                          skip_bad_rows=cfg.data.skip_bad_rows)
+        if self.num_skipped:
+            log(f"warning: data.skip_bad_rows=true skipped {self.num_skipped} bad row(s) of {cfg.data.path} "
+                f"(logged as data/skipped_rows)")
         self.groups: dict[int, list[Rollout]] = {}
         for r in rollouts:
             self.groups.setdefault(r.group, []).append(r)

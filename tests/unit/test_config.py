@@ -66,8 +66,8 @@ def test_configuration_doc_matches_the_schema():
         (["trainer.steps=0"], "trainer.steps=0 must be a positive integer"),
         (["algorithm.use_critic=false"], "algorithm.adv_estimator=gae needs a value model"),
         (["algorithm=grpo", "rollout.n=1"], "rollout.n=1 must be at least 2"),
-        (["algorithm.clip_ratio_c=0.5"], "clip_ratio_c=0.5 must be > 1"),
-        (["loss.loss_scale_factor=0"], "loss.loss_scale_factor=0.0 must be > 0"),
+        (["algorithm.clip_ratio_c=0.5"], "clip_ratio_c=0.5 must be a finite number > 1"),
+        (["loss.loss_scale_factor=0"], "loss.loss_scale_factor=0.0 must be a finite number > 0"),
         (["parallel.dp_shard=two"], "parallel.dp_shard='two'"),
         (["trainer.mini_batches_per_step=3"], "must divide rollout.prompts_per_step=16"),
     ],
@@ -92,7 +92,7 @@ def test_mesh_shape_from_world_size():
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["trainer.steps=5", "trainer.epochs=1"], "trainer.steps=5 and trainer.epochs=1.0 are both set: set one of them"),
-    (["trainer.epochs=0"], "trainer.epochs=0.0 must be > 0"),
+    (["trainer.epochs=0"], "trainer.epochs=0.0 must be a finite number > 0"),
     (["data=jsonl", "data.path=r.jsonl", "data.max_response_length=8", "trainer.epochs=1"], "trainer.epochs needs"),
     (["data=prompts", "data.path=train.jsonl"], "data.source=prompts needs reward.functions"),
     (["logging.backends=[jsonl,neptune]"], "logging.backends: 'neptune' is not a valid choice"),
@@ -111,3 +111,53 @@ def test_steps_follow_epochs_over_the_training_rows():
     # ceil(epochs x rows / prompts_per_step): 0.3 x 100 / 10 = 3 exactly (not 4 from 30.000000000000004)
     assert resolve_steps(compose_config(["trainer.epochs=0.3", "rollout.prompts_per_step=10"]), 100) == 3
     assert resolve_steps(compose_config(["trainer.epochs=2", "rollout.prompts_per_step=16"]), 30) == 4  # 60/16
+
+
+# ---- every numeric field of the schema, generated from it (a new field is covered without touching this file) ----
+
+from fsdptrain.config.validate import FLOAT_RANGES, schema_fields  # noqa: E402
+
+
+def test_every_float_field_has_a_real_range():
+    assert set(schema_fields(float)) == set(FLOAT_RANGES)
+
+
+@pytest.mark.parametrize("key", schema_fields(float))
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_every_float_field_refuses_non_finite(key, bad):
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config([f"{key}={bad}"])
+    assert str(excinfo.value).startswith(f"{key}=") and "\n" not in str(excinfo.value)
+
+
+@pytest.mark.parametrize("key", schema_fields(float))
+def test_every_float_field_refuses_values_outside_its_range(key):
+    low, low_in, high, high_in = FLOAT_RANGES[key]
+    outside = [low - 1.0 if low_in else low] + ([high + 1.0 if high_in else high] if high != float("inf") else [])
+    for value in outside:
+        with pytest.raises(ConfigError, match=f"^{key}="):
+            compose_config([f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", schema_fields(int))
+def test_every_int_field_refuses_negative_and_non_int(key):
+    with pytest.raises(ConfigError, match=f"^{key}=-1 must be"):
+        compose_config([f"{key}=-1"])
+    with pytest.raises(ConfigError, match=key):
+        compose_config([f"{key}=1.5"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["trainer.lr=inf"], "trainer.lr=inf must be a finite number > 0"),
+    (["trainer.grad_clip=nan"], "trainer.grad_clip=nan must be a finite number >= 0"),
+    (["algorithm.clip_ratio_c=nan"], "algorithm.clip_ratio_c=nan"),
+    (["algorithm.lam=-5"], "algorithm.lam=-5.0 must be a number in [0, 1]"),
+    (["algorithm.clip_ratio_low=inf"], "algorithm.clip_ratio_low=inf must be a number in (0, 1]"),
+    (["algorithm.gamma=nan"], "algorithm.gamma=nan must be a number in [0, 1]"),
+    (["model=local"], "model=local needs model.path="),
+    (["trainer.overwrite=true", "trainer.resume=auto"], "choose one"),
+])
+def test_issue_14_values_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config(overrides)
+    assert message in str(excinfo.value)

@@ -1,0 +1,116 @@
+"""Checks of a user's Hugging Face model folder before any rank starts: one line naming what is wrong.
+
+Torch-free and network-free (the CLI's parent runs them): the folder must exist, hold a config naming a causal LM,
+weights whose safetensors headers are whole, and a tokenizer. Loading may still fail for reasons only transformers
+sees; these are the mistakes users make.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+from fsdptrain.config import ConfigError
+
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_MAX_HEADER = 100 * 2**20
+
+
+def check_model_folder(path: str, *, key: str = "model.path") -> None:
+    """Raise ConfigError naming ``key`` when ``path`` is not a usable local causal-LM folder."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_NAME.match(path) and not path.startswith("."):
+            raise ConfigError(f"{key}={path!r} is not a local folder; fsdptrain never downloads (offline mode): "
+                              f"fetch it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR")
+        raise ConfigError(f"{key}={path!r}: no such folder")
+    if not folder.is_dir():
+        raise ConfigError(f"{key}={path!r} is a file, not a folder: give the folder that holds config.json")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{key}={path!r} has no config.json: not a Hugging Face model folder "
+                          f"(save one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR))")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{key}={path!r}: config.json is not valid JSON ({_first_line(err)})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{key}={path!r}: config.json is not a JSON object")
+    _check_causal(config, path, key)
+    _check_weights(folder, path, key)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"{key}={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it into "
+                          f"the folder with tokenizer.save_pretrained(DIR)")
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _check_causal(config: dict, path: str, key: str) -> None:
+    architectures = config.get("architectures") or []
+    if architectures:
+        if not any(str(a).endswith(CAUSAL_SUFFIXES) for a in architectures):
+            raise ConfigError(f"{key}={path!r} holds a {', '.join(map(str, architectures))}, not a causal LM (no "
+                              f"*ForCausalLM architecture in config.json): give a causal language model's folder")
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"{key}={path!r}: config.json model_type={model_type!r} is not a causal LM transformers "
+                          f"knows; give a causal language model's folder")
+
+
+def _check_weights(folder: Path, path: str, key: str) -> None:
+    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        raise ConfigError(f"{key}={path!r} has no weights (none of {', '.join(WEIGHT_FILES)})")
+    if "model.safetensors" in present:
+        _check_safetensors(folder / "model.safetensors", path, key)
+    elif "model.safetensors.index.json" in present:
+        try:
+            index = json.loads((folder / "model.safetensors.index.json").read_text(encoding="utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            raise ConfigError(f"{key}={path!r}: model.safetensors.index.json is damaged (no weight_map)") from None
+        for shard in shards:
+            if not (folder / shard).is_file():
+                raise ConfigError(f"{key}={path!r}: weight shard {shard} (listed in the index) is missing")
+            _check_safetensors(folder / shard, path, key)
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file's header and size, or None when it is whole."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"{file.name} is truncated ({size} bytes)"
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(_MAX_HEADER, size - 8):
+            return f"{file.name} has a damaged header (declares {header_len} header bytes in a {size}-byte file)"
+        try:
+            header = json.loads(handle.read(header_len).decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return f"{file.name} has a damaged header (not JSON)"
+    if not isinstance(header, dict):
+        return f"{file.name} has a damaged header (not a JSON object)"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return f"{file.name} has a damaged header (a tensor without data_offsets)"
+    if 8 + header_len + end > size:
+        return f"{file.name} is truncated ({size} bytes; its header needs {8 + header_len + end})"
+    return None
+
+
+def _check_safetensors(file: Path, path: str, key: str) -> None:
+    problem = safetensors_problem(file)
+    if problem is not None:
+        raise ConfigError(f"{key}={path!r}: {problem}; save or download the weights again")

@@ -1,0 +1,119 @@
+"""Checks of everything the user points at, in the CLI's parent before any rank starts (one line, exit 2, once).
+
+Model folders, data files, the run directory, output paths, the device and the attention backend. Under
+``--nproc N`` a mistake is reported once by the parent instead of as a collective error from every rank. Torch is
+imported only to check a device or backend the user named.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import shutil
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from fsdptrain.config import ConfigError
+
+MIN_FREE_BYTES = 16 * 2**20
+"""A run directory on a file system with less free space than this is refused before the run starts."""
+_CHUNK = 1 << 20
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """The model folder, the data file, the device and the attention backend of ``cfg``."""
+    if cfg.model.path is not None:
+        from fsdptrain.model.checks import check_model_folder
+
+        check_model_folder(cfg.model.path)
+    if cfg.data.source == "jsonl":
+        check_text_file(cfg.data.path, key="data.path")
+    check_device(cfg)
+
+
+def check_text_file(path: str, *, key: str) -> None:
+    """A readable UTF-8 text file (no NUL bytes), or ConfigError naming ``key``."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise ConfigError(f"{key}={path!r}: no such file")
+    if not file.is_file():
+        raise ConfigError(f"{key}={path!r} is not a file")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with file.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                nul = chunk.find(b"\0")
+                if nul >= 0:
+                    raise ConfigError(f"{key}={path!r} is a binary file (a NUL byte at offset {offset + nul}), "
+                                      f"not JSONL text")
+                decoder.decode(chunk)
+                offset += len(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{key}={path!r} is not UTF-8 text (byte {err.object[err.start]:#04x} near offset "
+                          f"{offset + err.start}): save it as UTF-8") from None
+    except OSError as err:
+        raise ConfigError(f"{key}={path!r} cannot be read ({err.strerror})") from None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` if needed and prove it is a writable folder with space, or raise ConfigError."""
+    for ancestor in [run_dir, *run_dir.parents]:
+        if ancestor.exists() or ancestor.is_symlink():
+            if not ancestor.is_dir():
+                what = "is a file" if ancestor == run_dir else f"is under {ancestor}, which is a file"
+                raise ConfigError(f"run directory {run_dir} {what}: choose another trainer.run_name or "
+                                  f"trainer.run_dir")
+            break
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_probe-{os.getpid()}"
+        with open(probe, "wb") as handle:
+            handle.write(b"x")
+            os.fsync(handle.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"run directory {run_dir} is not writable ({err.strerror}): choose another "
+                          f"trainer.run_dir") from None
+    free = shutil.disk_usage(run_dir).free
+    if free < MIN_FREE_BYTES:
+        raise ConfigError(f"run directory {run_dir} has no space left ({free // 2**20} MiB free): free some space "
+                          f"or choose another trainer.run_dir")
+
+
+def check_output_file(path: Path, *, option: str) -> None:
+    """A file the command will write at its end: its folder exists and a file can be created there now."""
+    if path.is_dir():
+        raise ConfigError(f"{option} {path} is a folder: give a file path")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{option} {path}: the folder {path.parent} does not exist; create it or choose another")
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{option} {path} cannot be written ({err.strerror}): choose another path") from None
+    if not existed:
+        path.unlink()
+
+
+def check_device(cfg: DictConfig) -> None:
+    """``trainer.device=cuda`` needs a GPU; a named attention backend must run on the device the run will use."""
+    if cfg.trainer.device != "cuda" and cfg.model.attn_backend == "auto":
+        return
+    import torch
+
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA GPU is available here: use trainer.device=cpu or auto")
+    if cfg.model.attn_backend == "auto":
+        return
+    from fsdptrain.model.attention import available_backends
+
+    device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, cfg.parallel.param_dtype)
+    available = available_backends(torch.device(device), dtype)
+    if cfg.model.attn_backend not in available:
+        raise ConfigError(f"model.attn_backend={cfg.model.attn_backend} is not available on {device} for "
+                          f"{cfg.parallel.param_dtype}; available here: {', '.join(available)} (or auto)")

@@ -1,0 +1,155 @@
+"""Who owns a run directory: one run's lineage, one writer at a time, no silent overwrite (docs/checkpointing.md).
+
+- ``run.json`` holds the run id of the directory's lineage; every checkpoint's marker carries it, and rotation
+  deletes only checkpoints of that id.
+- A directory that holds a run is continued only with ``trainer.resume=auto``; ``trainer.overwrite=true`` clears it
+  first; anything else is a usage error naming both.
+- ``.lock`` is held with ``fcntl.flock`` by the process that claimed the directory (the CLI's parent, or rank 0
+  under torchrun) for the run's life: the kernel releases it when that process ends, even by SIGKILL, so a stale
+  lock never blocks a later run.
+- A resume whose model, algorithm or loss mode differs from the saved ``config.yaml`` is refused unless
+  ``trainer.allow_config_change=true``; an accepted change is appended to ``config_changes.jsonl``.
+
+Torch-free: the CLI's parent runs it before any rank starts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from fsdptrain.config import ConfigError
+from fsdptrain.train.files import append_line, write_atomic
+
+STATE_FILE = "run.json"
+LOCK_FILE = ".lock"
+CHANGES_FILE = "config_changes.jsonl"
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "export", "config.yaml", STATE_FILE, CHANGES_FILE, "tensorboard",
+               "metrics.png")
+"""What a run writes into its directory: what ``trainer.overwrite=true`` deletes (nothing else)."""
+GUARDED_KEYS = ("model", "algorithm", "loss.agg_mode")
+"""Config a resume may not change without ``trainer.allow_config_change=true``."""
+
+_held_locks: list = []  # open lock files of this process: closed (released) only when the process ends
+
+
+def holds_run(run_dir: Path) -> bool:
+    """True when ``run_dir`` has a run's metrics, checkpoints or export in it (a ``run.json`` alone is a start that
+    failed before its first step: a new launch may take the directory over)."""
+    return any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "export"))
+
+
+def run_id(run_dir: Path) -> str | None:
+    """The lineage id of the run in ``run_dir`` (None for a directory without ``run.json``)."""
+    try:
+        return json.loads((Path(run_dir) / STATE_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold ``run_dir/.lock`` for the life of this process, or raise ConfigError when another process holds it."""
+    handle = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "unknown"
+        handle.close()
+        raise ConfigError(f"trainer.run_dir {run_dir} is in use by another fsdptrain run (pid {owner}): wait for it "
+                          f"to end, or choose another trainer.run_name") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _held_locks.append(handle)
+
+
+def claim_run_dir(cfg: DictConfig, run_dir: Path, where: str) -> str:
+    """Decide whether this launch may write ``run_dir`` (lock held); return the lineage's run id.
+
+    ``where`` is how the user named the directory (``trainer.run_name=x``), for the message.
+    """
+    trainer = cfg.trainer
+    if holds_run(run_dir):
+        if trainer.overwrite:
+            clear_run(run_dir)
+        elif trainer.resume == "auto":
+            check_config_change(cfg, run_dir)
+            existing = run_id(run_dir) or _newest_marker_run_id(run_dir)
+            if existing is not None:
+                if run_id(run_dir) is None:  # checkpoints copied in, or written before run.json existed: adopt them
+                    write_atomic(run_dir / STATE_FILE, json.dumps({"run_id": existing, "created": time.time()}) + "\n")
+                return existing
+        else:
+            raise ConfigError(f"{run_dir} already holds a run: continue it with {where} trainer.resume=auto, start "
+                              f"over with trainer.overwrite=true, or choose another trainer.run_name")
+    new_id = uuid.uuid4().hex
+    write_atomic(run_dir / STATE_FILE, json.dumps({"run_id": new_id, "created": time.time()}) + "\n")
+    return new_id
+
+
+def _newest_marker_run_id(run_dir: Path) -> str | None:
+    """The run id in the marker of the newest checkpoint folder that has one (torch-free: JSON only)."""
+    for folder in sorted((run_dir / "checkpoints").glob("step_*"), reverse=True):
+        try:
+            found = json.loads((folder / "complete.json").read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return None
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete what a run wrote (``RUN_ENTRIES``); other files in the directory are left alone."""
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _flat(cfg: DictConfig, key: str) -> dict[str, object]:
+    node = OmegaConf.select(cfg, key)
+    if isinstance(node, DictConfig):
+        return {f"{key}.{k}": v for k, v in OmegaConf.to_container(node).items()}
+    return {key: node}
+
+
+def config_changes(old: DictConfig, new: DictConfig) -> dict[str, list]:
+    """``{dotted key: [old, new]}`` for every guarded key that differs."""
+    changes = {}
+    for key in GUARDED_KEYS:
+        before, after = _flat(old, key), _flat(new, key)
+        for name in sorted(set(before) | set(after)):
+            if before.get(name) != after.get(name):
+                changes[name] = [before.get(name), after.get(name)]
+    return changes
+
+
+def check_config_change(cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse (or, when allowed, record) a resume whose model, algorithm or loss mode differs from the saved run's."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    try:
+        old = OmegaConf.load(saved)
+    except Exception as err:  # a damaged config.yaml: the user's to look at
+        raise ConfigError(f"{saved} cannot be read ({str(err).splitlines()[0]}): fix or remove it to resume") from None
+    changes = config_changes(old, cfg)
+    if not changes:
+        return
+    if not cfg.trainer.allow_config_change:
+        listed = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items())
+        raise ConfigError(f"resuming {run_dir} with a different config ({listed}): keep the run's values, or set "
+                          f"trainer.allow_config_change=true to resume anyway")
+    append_line(run_dir / CHANGES_FILE, json.dumps({"time": time.time(), "changes": changes}))

@@ -1,0 +1,221 @@
+"""Nothing lost, nothing silent: kills, a full disk, damaged files and restarts, through the real CLI.
+
+One real 2-step run (checkpoints after steps 1 and 2) is copied for each test that needs a used run directory.
+Patches live in a ``sitecustomize.py`` put first on PYTHONPATH (no product switch). Metric comparisons skip perf/*.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_command, run_cli
+
+TINY = ("rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
+        "logging.progress=false")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def no_perf(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("perf/")}
+
+
+def patched_env(directory: Path, body: str) -> dict:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(textwrap.dedent(body))
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def used(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("used")
+    result = run_cli("train", *TINY, "trainer.steps=2", "checkpoint.every=1", "trainer.run_name=u", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return cwd / "runs" / "u"
+
+
+@pytest.fixture
+def run_copy(used, tmp_path) -> Path:
+    target = tmp_path / "runs" / "u"
+    shutil.copytree(used, target)
+    (target / ".lock").unlink(missing_ok=True)
+    return target
+
+
+TRIM_KILL_PATCH = """
+    import builtins, io, os, signal
+    _open = io.open
+    def open(file, mode="r", *args, **kwargs):
+        handle = _open(file, mode, *args, **kwargs)
+        if "w" in mode and os.path.basename(str(file)).startswith("metrics.jsonl"):
+            os.kill(os.getpid(), signal.SIGKILL)  # killed right after opening metrics.jsonl (or its temp) to rewrite
+        return handle
+    io.open = builtins.open = open
+"""
+
+
+def test_a_kill_during_the_metrics_trim_leaves_the_old_file(run_copy, tmp_path):
+    before = (run_copy / "metrics.jsonl").read_bytes()
+    env = patched_env(tmp_path / "patch", TRIM_KILL_PATCH)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path, env=env)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert (run_copy / "metrics.jsonl").read_bytes() == before
+
+
+ENOSPC_PATCH = """
+    import errno, importlib.abc, importlib.util, sys
+    TARGET = "torch.distributed.checkpoint.filesystem"
+    def _patch(module):
+        def write_data(self, plan, planner):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        module.FileSystemWriter.write_data = write_data
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != TARGET:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            run = spec.loader.exec_module
+            def exec_and_patch(module):
+                run(module)
+                _patch(module)
+            spec.loader.exec_module = exec_and_patch
+            return spec
+    sys.meta_path.insert(0, _Finder())
+"""
+
+
+def test_disk_full_during_a_save_is_one_line_exit_1_and_keeps_the_checkpoints(run_copy, tmp_path):
+    checkpoints = tree(run_copy / "checkpoints")
+    env = patched_env(tmp_path / "patch", ENOSPC_PATCH)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path, env=env)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(errors) == 1 and "no space left" in errors[0], result.stderr
+    now = tree(run_copy / "checkpoints")
+    assert {k: v for k, v in now.items() if not k.startswith(".tmp_")} == checkpoints
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_a_partial_metrics_line(used, run_copy, tmp_path):
+    newest = run_copy / "checkpoints" / "step_00000002"
+    data = sorted(newest.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[:100])
+    with (run_copy / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 2, "reward/me')
+    result = run_cli("train", *TINY, "trainer.steps=2", "checkpoint.every=1", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"skipping damaged checkpoint {newest}: {data.name} is truncated" in result.stderr
+    assert "dropped a partial last line" in result.stderr
+    assert "resumed from" in result.stdout and "step_00000001 after step 1" in result.stdout
+    want, got = read_metrics(used), read_metrics(run_copy)
+    assert [r["step"] for r in got] == [0, 1]
+    assert [no_perf(r) for r in got] == [no_perf(r) for r in want]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        found += [int(p) for p in path.read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_the_launcher_kills_its_ranks(tmp_path):
+    run_dir = tmp_path / "runs" / "k"
+    proc = subprocess.Popen([*cli_command(), "train", "--nproc", "2", *TINY, "trainer.steps=200",
+                             f"trainer.run_dir={run_dir}"], cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its first step"
+        time.sleep(0.1)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2, ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [pid for pid in ranks if _alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, "ranks outlived their launcher"
+    lines = (run_dir / "metrics.jsonl").read_text().count("\n")
+    time.sleep(1.0)
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == lines  # nobody writes the run directory any more
+
+
+def _torchrun(*args: str, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+            "--max-restarts", str(restarts), "--no-python", *cli_command(), "train", *TINY, *args]
+
+
+def _rank_pid(agent: int, rank: int) -> int | None:
+    for pid in _children(agent):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="on CPU/gloo the restarted group hangs in gloo connectFullMesh (rank 0 waits to connect "
+                          "to rank 1); not yet diagnosed", strict=False)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_torchrun_restarts_a_killed_rank_and_resumes_exactly(tmp_path):
+    common = ("trainer.steps=6", "checkpoint.every=1", "trainer.resume=auto")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    reference = subprocess.run(_torchrun(*common, f"trainer.run_dir={tmp_path / 'ref'}"), cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run_dir = tmp_path / "restarted"
+    agent = subprocess.Popen(_torchrun(*common, f"trainer.run_dir={run_dir}", restarts=2), cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text().count("\n") < 3:
+        assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()
+        time.sleep(0.05)
+    victim = _rank_pid(agent.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    try:
+        out, err = agent.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        agent.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
+        agent.communicate()
+        raise
+    assert agent.returncode == 0, err[-3000:]
+    assert "resumed from" in out
+    got, want = read_metrics(run_dir), read_metrics(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(6))
+    assert [no_perf(r) for r in got] == [no_perf(r) for r in want]

@@ -1,0 +1,147 @@
+"""Run-directory safety pieces on their own: atomic rewrites, the partial-tail rule, the lock, ownership and lineage
+rotation, the safetensors header check."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fsdptrain.compose import compose_config
+from fsdptrain.config import ConfigError
+from fsdptrain.distributed.checkpoint import MARKER, prune_checkpoints
+from fsdptrain.model.checks import safetensors_problem
+from fsdptrain.train.files import append_line, read_jsonl_dropping_partial_tail, write_atomic
+from fsdptrain.train.run_ownership import claim_run_dir, config_changes, lock_run_dir, run_id
+
+
+def test_write_atomic_replaces_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_text("old")
+    write_atomic(path, "new")
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_partial_last_line_is_dropped_with_a_warning(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    append_line(path, json.dumps({"step": 0}))
+    append_line(path, json.dumps({"step": 1}))
+    with path.open("a") as handle:
+        handle.write('{"step": 2, "reward/me')
+    assert read_jsonl_dropping_partial_tail(path) == [{"step": 0}, {"step": 1}]
+    assert "dropped a partial last line" in capsys.readouterr().err
+
+
+def test_a_bad_line_before_the_end_is_corruption(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_jsonl_dropping_partial_tail(path)
+
+
+def test_lock_refuses_a_second_process_and_is_released_when_the_holder_dies(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from fsdptrain.train.run_ownership import lock_run_dir
+        lock_run_dir(Path({str(tmp_path)!r}))
+        print("locked", flush=True)
+        time.sleep(60)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=f"in use by another fsdptrain run \\(pid {holder.pid}\\)"):
+            lock_run_dir(tmp_path)
+    finally:
+        holder.kill()  # SIGKILL: the kernel releases the flock
+        holder.wait()
+    lock_run_dir(tmp_path)
+
+
+def test_a_used_run_dir_needs_resume_or_overwrite(tmp_path):
+    cfg = compose_config([])
+    first = claim_run_dir(cfg, tmp_path, "trainer.run_dir=X")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="already holds a run: continue it with trainer.run_dir=X trainer.resume"):
+        claim_run_dir(cfg, tmp_path, "trainer.run_dir=X")
+    assert claim_run_dir(compose_config(["trainer.resume=auto"]), tmp_path, "w") == first
+    second = claim_run_dir(compose_config(["trainer.overwrite=true"]), tmp_path, "w")
+    assert second != first and run_id(tmp_path) == second
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "run.json"]
+
+
+def test_config_change_on_resume_is_refused_or_recorded(tmp_path):
+    old = compose_config([])
+    (tmp_path / "config.yaml").write_text(__import__("omegaconf").OmegaConf.to_yaml(old))
+    (tmp_path / "metrics.jsonl").write_text("")
+    new = ["trainer.resume=auto", "model.hidden_size=128", "loss.agg_mode=token-sum"]
+    assert config_changes(old, compose_config(new)) == {"loss.agg_mode": ["token-mean", "token-sum"],
+                                                        "model.hidden_size": [64, 128]}
+    with pytest.raises(ConfigError, match="model.hidden_size: 64 -> 128, loss.agg_mode: 'token-mean' -> 'token-sum'"):
+        claim_run_dir(compose_config(new), tmp_path, "w")
+    claim_run_dir(compose_config([*new, "trainer.allow_config_change=true"]), tmp_path, "w")
+    record = json.loads((tmp_path / "config_changes.jsonl").read_text())
+    assert record["changes"]["model.hidden_size"] == [64, 128]
+
+
+def _fake_checkpoint(run_dir: Path, step: int, owner: str | None) -> Path:
+    folder = run_dir / "checkpoints" / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text(json.dumps({"step": step, "run_id": owner}))
+    return folder
+
+
+def test_rotation_deletes_only_this_lineage(tmp_path):
+    old = [_fake_checkpoint(tmp_path, s, "old") for s in (7, 8)]
+    mine = [_fake_checkpoint(tmp_path, s, "new") for s in (1, 2, 3)]
+    deleted = prune_checkpoints(tmp_path, 2, run_id="new")
+    assert deleted == [mine[0]]
+    assert all(p.is_dir() for p in old + mine[1:])
+
+
+def _safetensors(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_safetensors_header_check(tmp_path):
+    good = _safetensors(tmp_path / "a.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+                        b"\0" * 8)
+    assert safetensors_problem(good) is None
+    short = _safetensors(tmp_path / "b.safetensors", {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+                         b"\0" * 4)
+    assert "truncated" in safetensors_problem(short)
+    (tmp_path / "c.safetensors").write_bytes(b"\xff" * 64)
+    assert "damaged header" in safetensors_problem(tmp_path / "c.safetensors")
+
+
+ROW = {"prompt": "1+1=", "response": "2", "reward": 1.0}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"truncated": "false"}, "'truncated' must be a JSON boolean"),
+    ({"truncated": 0}, "'truncated' must be a JSON boolean"),
+    ({"behaviour_logprobs": [float("nan"), -0.1]}, "finite log-probabilities <= 0, got nan"),
+    ({"behaviour_logprobs": [1e30, -0.1]}, "got 1e+30"),
+    ({"behaviour_logprobs": [0.5, -0.1]}, "got 0.5"),
+])
+def test_jsonl_rows_are_typed_strictly(tmp_path, extra, message):
+    from fsdptrain.data.offline import DataError, load_jsonl_rollouts
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(ROW) + "\n" + json.dumps({**ROW, **extra}) + "\n")
+    tokenizer = load_bundled_tokenizer()
+    with pytest.raises(DataError, match=f"r.jsonl:2: .*{re.escape(message)}"):
+        load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=False)
+    rollouts, skipped = load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=True)
+    assert (len(rollouts), skipped) == (1, 1)
