@@ -134,11 +134,12 @@ def test_workers_give_the_in_process_scores(user):
 
 def test_a_call_past_the_timeout_scores_timeout_score_and_its_worker_is_replaced(user):
     functions = load_reward_functions([user("slow_on_b"), user("pid")])
-    with RewardRunner(functions, num_workers=1, timeout_s=1.0, timeout_score=-1.0) as runner:
+    # 5 s: a fast call must never time out, even on a loaded 2-core machine; the slow one sleeps 60 s
+    with RewardRunner(functions, num_workers=1, timeout_s=5.0, timeout_score=-1.0) as runner:
         before = runner.pool.pids
         start = time.monotonic()
         scores = runner.score(batch())
-        assert time.monotonic() - start < 20
+        assert time.monotonic() - start < 40
         after = runner.pool.pids
     assert scores.raw["slow_on_b"] == [2.0, 2.0, -1.0, -1.0]  # group 1's call timed out
     assert scores.num_timed_out == {"slow_on_b": 2, "pid": 0}
