@@ -1,4 +1,5 @@
-"""Built-in tasks: prompts made from a seed, and a verifiable reward in [0, 1] computed from text.
+"""The original built-in digit tasks, kept as an independent oracle for the tests: prompts made from a seed and the
+positional word-match reward. The product now builds these tasks as prompt rows (fsdptrain/data/prompt_tasks.py).
 
 Every task is a function of the prompt: the reward counts the response's words that match the prompt's answer position
 by position, so it gives partial credit (a learning signal for a tiny model from the first step) and cannot be gamed by
