@@ -99,3 +99,36 @@ def test_whitening_over_the_local_rank_fails_on_2_ranks(cli, tmp_path):
     result = cli("check-metrics", "--nproc", "2", env=_env(PYTHONPATH=pythonpath), timeout=400)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL experience: advantages = oracle (global whitening) [experience]" in result.stdout
+
+
+# Every estimator, policy loss and KL estimator added with the registries, at least once in CI (1 rank, the mode the
+# combination stresses most), and the whole product by hand (`pytest -m slow`) on 1 and 2 ranks.
+BREADTH = [
+    ("algorithm=grpo", "algorithm.policy_loss=cispo", "algorithm.adv_estimator=reinforce_plus_plus",
+     "loss.agg_mode=token-sum"),
+    ("algorithm=grpo", "algorithm.policy_loss=gmpo", "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+     "loss.agg_mode=seq-mean-token-mean", "algorithm.use_kl_loss=true", "algorithm.kl_estimator=k3+"),
+    ("algorithm=grpo", "algorithm.policy_loss=dro", "algorithm.adv_estimator=rloo",
+     "loss.agg_mode=seq-mean-token-sum-norm", "algorithm.use_kl_loss=true", "algorithm.kl_estimator=mse"),
+]
+# Not `abs`: |log r| has no gradient at r = 1, so on the on-policy pass its gradient is the sign of a rounding error
+# (+-kl_coef per token) and differs between layouts by construction (docs/algorithms.md).
+
+
+@pytest.mark.parametrize("overrides", BREADTH, ids=["cispo-rpp", "gmpo-rpp_baseline-k3+", "dro-rloo-mse"])
+def test_new_losses_and_estimators_are_exact_across_layouts(cli, overrides):
+    result = cli("check-metrics", "--nproc", "1", *overrides, env=_env(), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check-metrics: PASS" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", ["1", "2"])
+@pytest.mark.parametrize("loss", ["vanilla", "cispo", "gmpo", "dro"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "mse", "k1+", "k3+"])
+def test_breadth_matrix(cli, nproc, loss, estimator, kl):
+    result = cli("check-metrics", "--nproc", nproc, "algorithm=grpo", f"algorithm.policy_loss={loss}",
+                 f"algorithm.adv_estimator={estimator}", "algorithm.use_kl_loss=true", f"algorithm.kl_estimator={kl}",
+                 env=_env(), timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -237,3 +237,24 @@ def test_packed_and_padded_align_the_same(seed):
 def test_pad_rejects_no_sequences():
     with pytest.raises(ValueError, match="at least one sequence"):
         pad_sequences([], [])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_position_ids_restart_at_every_segment_the_model_sees(seed):
+    """What the model receives (`packed_model_inputs`): position ids 0..n-1 within every segment of `cu_seq_lens`,
+    the padding tail included, and never a position that runs on across a boundary."""
+    from fsdptrain.model.attention import packed_model_inputs
+
+    rng = random.Random(seed)
+    num = rng.randint(1, 6)
+    prompts = [[rng.randint(1, 9) for _ in range(rng.randint(1, 5))] for _ in range(num)]
+    responses = [[rng.randint(1, 9) for _ in range(rng.randint(1, 5))] for _ in range(num)]
+    real = sum(len(p) + len(r) for p, r in zip(prompts, responses))
+    inputs = packed_model_inputs(pack_sequences(prompts, responses, pad_to=real + rng.randint(0, 3)))
+    cu = inputs["cu_seq_lens_q"].tolist()
+    positions = inputs["position_ids"][0].tolist()
+    assert cu[0] == 0 and cu[-1] == len(positions)
+    for start, end in zip(cu, cu[1:]):
+        assert positions[start:end] == list(range(end - start)), (cu, positions)
+    restarts = [t for t, p in enumerate(positions) if p == 0]
+    assert restarts == cu[:-1]  # a restart exactly at every segment start, nowhere else
