@@ -16,8 +16,10 @@ from fsdptrain.config.schema import (
     DATA_SOURCES,
     DEVICES,
     DTYPES,
+    GATHER_MODES,
     LR_SCHEDULES,
     MODEL_ARCHS,
+    RECOMPUTE_MODES,
     RESUME_MODES,
     TASKS,
     VALUE_INITS,
@@ -44,6 +46,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": DEVICES,
     "parallel.param_dtype": DTYPES,
     "parallel.reduce_dtype": DTYPES,
+    "rollout.gather_weights": GATHER_MODES,
+    "algorithm.recompute_old_logprobs": RECOMPUTE_MODES,
 }
 
 _POSITIVE_INTS = (
@@ -83,6 +87,12 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in _POSITIVE_FLOATS:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
+    share = cfg.rollout.gather_weights_max_share
+    if not 0 < share <= 1:
+        raise ConfigError(f"rollout.gather_weights_max_share={share} must be in (0, 1]")
+    peak = cfg.perf.peak_tflops
+    if peak is not None and not peak > 0:
+        raise ConfigError(f"perf.peak_tflops={peak} must be > 0 or null")
     top_p = cfg.rollout.top_p
     if not 0 < top_p <= 1:
         raise ConfigError(f"rollout.top_p={top_p} must be in (0, 1]")

@@ -10,7 +10,6 @@ the group's global index within the step, so the mini-batches hold the same data
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from fsdptrain.train.experience import (
 )
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
+from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.train.progress import (
     GradNormWatch,
     log,
@@ -74,6 +74,8 @@ class Trainer:
         self.critic_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.policy_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.grad_clip, "policy")
         self.critic_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.critic_grad_clip, "critic")
+        self.skip_old_passes = skips_old_passes(cfg)
+        self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
 
     # -- experience --------------------------------------------------------------------------------------------------
 
@@ -82,8 +84,8 @@ class Trainer:
         cfg, models = self.cfg, self.models
         budget, device = cfg.trainer.token_budget, self.device
         chunk, temperature = cfg.loss.logprob_chunk_size, cfg.rollout.temperature
-        old_logprobs = policy_logprobs(models.policy, rollouts, temperature=temperature, chunk_size=chunk,
-                                       token_budget=budget, device=device)
+        old_logprobs = None if self.skip_old_passes else policy_logprobs(
+            models.policy, rollouts, temperature=temperature, chunk_size=chunk, token_budget=budget, device=device)
         behaviour = [r.behaviour_logprobs for r in rollouts]
         if any(b is not None for b in behaviour):
             old_logprobs = [torch.tensor(b, dtype=torch.float32) if b is not None else lp
@@ -92,7 +94,8 @@ class Trainer:
         if models.reference is not None:
             ref_logprobs = policy_logprobs(models.reference, rollouts, temperature=temperature, chunk_size=chunk,
                                            token_budget=budget, device=device)
-        kl_R = [o - r for o, r in zip(old_logprobs, ref_logprobs)] if ref_logprobs is not None else None
+        kl_R = ([o - r for o, r in zip(old_logprobs, ref_logprobs)]
+                if ref_logprobs is not None and old_logprobs is not None else None)
         rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=cfg.algorithm.kl_in_reward_coef)
         values = returns = None
         if cfg.algorithm.adv_estimator == "gae":
@@ -104,12 +107,13 @@ class Trainer:
             advantages = group_targets(rollouts, estimator=cfg.algorithm.adv_estimator,
                                        norm_by_std=cfg.algorithm.norm_adv_by_std)
             if models.critic is not None:
-                values = critic_values(models.critic, rollouts, token_budget=budget, device=device)
+                if not self.skip_old_passes:  # else the first update forward's detached values are the old values
+                    values = critic_values(models.critic, rollouts, token_budget=budget, device=device)
                 returns = [reward_to_go(r) for r in rewards]
         targets = []
         for i in range(len(rollouts)):
             targets.append(SeqTargets(
-                old_logprobs=old_logprobs[i], advantages=advantages[i],
+                old_logprobs=old_logprobs[i] if old_logprobs is not None else None, advantages=advantages[i],
                 ref_logprobs=ref_logprobs[i] if ref_logprobs is not None else None,
                 old_values=values[i] if values is not None else None,
                 returns=returns[i] if returns is not None else None,
@@ -183,26 +187,48 @@ class Trainer:
             out["actor/on_policy_max_ratio_dev"] = guard_value
         return merge_all(collected), out
 
+    def step_flops(self, rollouts: list[Rollout]) -> float:
+        """This rank's model FLOPs of the step (docs/performance.md), by the passes the step ran."""
+        cfg, models = self.cfg, self.models
+        epochs = cfg.algorithm.ppo_epochs
+        critic_pass = models.critic is not None and (cfg.algorithm.adv_estimator == "gae" or not self.skip_old_passes)
+        return step_flops(models.policy.config, [len(r.prompt_ids) for r in rollouts],
+                          [len(r.response_ids) for r in rollouts], generated=isinstance(self.source, TaskSource),
+                          policy_forwards=int(not self.skip_old_passes) + int(models.reference is not None),
+                          critic_forwards=int(critic_pass), policy_updates=epochs,
+                          critic_updates=epochs if models.critic is not None else 0)
+
     def run_step(self, step: int) -> dict[str, float]:
         """One training step on every rank; returns the finalised metrics (the same on every rank)."""
-        start = time.perf_counter()
         rank, world_size = self.info.rank, self.info.world_size
-        rollouts = self.source.rollouts(self.models, step, rank=rank, world_size=world_size, device=self.device)
-        targets, facts = self.make_experience(rollouts)
-        batches = self.minibatches(rollouts, targets)
-        update_metrics, update_facts = self.update(batches, facts["on_policy"])
-        for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler):
-            if scheduler is not None:
-                scheduler.step()
-        metrics = merge_all([self.rollout_metrics(rollouts), update_metrics])
-        result = {"step": step, **finalize(metrics), **update_facts}
-        elapsed = time.perf_counter() - start
-        result["perf/step_time_s"] = elapsed
-        result["perf/tokens_per_s"] = (result["batch/num_response_tokens"] + result["batch/num_prompt_tokens"]) / elapsed
+        with StepTimer() as timer:
+            rollouts = self.source.rollouts(self.models, step, rank=rank, world_size=world_size, device=self.device)
+            with phase("experience"):
+                targets, facts = self.make_experience(rollouts)
+            batches = self.minibatches(rollouts, targets)
+            with phase("update"):
+                update_metrics, update_facts = self.update(batches, facts["on_policy"])
+            for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler):
+                if scheduler is not None:
+                    scheduler.step()
+            metrics = merge_all([self.rollout_metrics(rollouts), update_metrics])
+        result = {"step": step, **finalize(metrics), **update_facts, **timer.metrics()}
+        result.update(throughput(timer.metrics(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
+                                 step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops,
+                                 device=self.device, world_size=world_size))
         result["actor/lr"] = self.models.policy_optimizer.param_groups[0]["lr"]
         result["loss/loss_scale_factor"] = self.loss_scale_factor
         result["train/nonfinite_skipped"] = self.policy_guard.num_skipped + self.critic_guard.num_skipped
         return result
+
+
+def skips_old_passes(cfg: DictConfig) -> bool:
+    """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
+    skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
+    experience; no behaviour log-probs from data; and no KL-in-reward (it reads the old log-probs before the update)."""
+    return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
+            and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source == "task"
+            and cfg.algorithm.kl_in_reward_coef == 0)
 
 
 # ---- the run --------------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from fsdptrain.data.offline import get_task, load_jsonl_rollouts, task_prompts
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.data.tasks import reward as task_reward
 from fsdptrain.distributed import world
-from fsdptrain.model.attention import generation_attention
 from fsdptrain.model.generate import generate_responses
+from fsdptrain.train.perf import generation, phase
 from fsdptrain.train.setup import Models
 
 
@@ -35,19 +35,20 @@ class TaskSource:
         groups = task_prompts(self.task, seed=cfg.data.seed, step=step, num_prompts=cfg.rollout.prompts_per_step)
         mine = [g for g in groups if g.index % world_size == rank]
         texts = [g.text for g in mine for _ in range(cfg.rollout.n)]
-        with generation_attention(models.policy):
+        with generation(models.policy, cfg, device):
             outputs = generate_responses(
                 models.policy, self.tokenizer, texts, max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, do_sample=True,
                 generator_seed=sampling_seed(cfg.trainer.seed, step, rank), device=device,
             )
         rollouts = []
-        for k, (prompt_ids, response_ids, truncated) in enumerate(outputs):
-            group = mine[k // cfg.rollout.n]
-            text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-            rollouts.append(Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
-                                    reward=task_reward(text, group.answer), group=group.index, truncated=truncated,
-                                    prompt_text=group.text, response_text=text))
+        with phase("reward"):
+            for k, (prompt_ids, response_ids, truncated) in enumerate(outputs):
+                group = mine[k // cfg.rollout.n]
+                text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
+                rollouts.append(Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
+                                        reward=task_reward(text, group.answer), group=group.index,
+                                        truncated=truncated, prompt_text=group.text, response_text=text))
         return rollouts
 
     @torch.no_grad()
@@ -58,7 +59,7 @@ class TaskSource:
                               stream="eval")
         mine = [g for g in groups if g.index % world_size == rank]
         total = 0.0
-        with generation_attention(models.policy):
+        with generation(models.policy, cfg, device):
             outputs = generate_responses(
                 models.policy, self.tokenizer, [g.text for g in mine],
                 max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, top_p=1.0, do_sample=False,
