@@ -72,12 +72,15 @@ def packing_row(args) -> dict:
 
 
 def loss_rows(args) -> list[dict]:
-    largs = loss_bench._parse_args([])
+    largs = loss_bench._parse_args(["--repeats", str(args.repeats)])
+    # The packed rows on a smaller head than loss.py's default (V 32000, H 512), which alone takes minutes per row on
+    # a shared 2-core machine; the memory rows keep the T 8192, V 32000, H 512.
+    packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256"])
     rows = []
     for num_seqs in (8, 64):
-        times = loss_bench._run_worker(largs, "packed", num_seqs=num_seqs)["times_s"]
+        times = loss_bench._run_worker(packed_args, "packed", num_seqs=num_seqs)["times_s"]
         ratio = times["per-sequence loop"] / times["fused packed"]
-        rows.append(row(f"fused packed loss vs per-sequence loop, {num_seqs} seqs (speed-up)", ratio, ">= 1.0",
+        rows.append(row(f"fused packed loss vs per-sequence loop, {num_seqs} seqs, V 8k H 256 (speed-up)", ratio, ">= 1.0",
                         f"fused {times['fused packed']:.3f} s"))
     res = {m: loss_bench._run_worker(largs, "memory", method=m) for m in ("naive", "chunked")}
     rows.append(row("chunked log-prob extra peak memory / naive (T 8192, V 32000, H 512)",
@@ -129,8 +132,10 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rows = []
     for section in (packing_row, loss_rows, dist_rows, step_rows):
+        began = time.perf_counter()
         got = section(args)
         rows += got if isinstance(got, list) else [got]
+        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s", flush=True)
     rows.append(row("flash_attn vs sdpa_segments (GPU)", float("nan"), None, "unchecked: no GPU"))
     rows.append(row("MFU, 0.5B-class config (GPU)", float("nan"), None, "unchecked: no GPU"))
     elapsed = time.perf_counter() - start

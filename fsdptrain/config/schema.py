@@ -198,7 +198,7 @@ class ParallelConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on the CPU (GPU runs only)."""
     compile: bool = False
-    """torch.compile each decoder layer before sharding: not implemented yet, true is refused (docs/performance.md)."""
+    """torch.compile each decoder layer before sharding, for the training forwards (docs/performance.md: when it pays)."""
 
 
 @dataclass

@@ -87,9 +87,6 @@ def _check_ranges(cfg: DictConfig) -> None:
     for key in _POSITIVE_FLOATS:
         if not _get(cfg, key) > 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be > 0")
-    if cfg.parallel.compile:
-        raise ConfigError("parallel.compile=true is not implemented yet (docs/performance.md); use "
-                          "parallel.compile=false")
     share = cfg.rollout.gather_weights_max_share
     if not 0 < share <= 1:
         raise ConfigError(f"rollout.gather_weights_max_share={share} must be in (0, 1]")

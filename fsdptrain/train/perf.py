@@ -89,15 +89,17 @@ def phase(name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def generation(model, cfg, device: torch.device) -> Iterator[None]:
-    """The block generates with ``model``: the ``generate`` phase, sdpa attention, and the policy's weights gathered
-    once for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it)."""
+    """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
+    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), and compiled
+    layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would recompile every token)."""
     from fsdptrain.train.setup import DTYPES
 
     with phase("generate"):
         gather = should_gather(model, mode=cfg.rollout.gather_weights, max_share=cfg.rollout.gather_weights_max_share,
                                param_dtype=DTYPES[cfg.parallel.param_dtype], device=device)
         with generation_attention(model), gathered_weights(
-                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward):
+                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
+                torch.compiler.set_stance("force_eager"):
             yield
 
 
