@@ -56,6 +56,7 @@ def worker(args) -> None:
     if info.is_main:
         print(json.dumps({"max_rank_bytes": float(total[0]), "params": params, "grads": grads, "state": state}))
     world.destroy_distributed()
+    world.exit_process(0)
 
 
 def main(argv=None) -> dict:

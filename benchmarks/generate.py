@@ -65,6 +65,7 @@ def worker(args) -> None:
     if info.is_main:
         print(json.dumps(result), flush=True)
     world.destroy_distributed()
+    world.exit_process(0)
 
 
 def main(argv=None) -> dict:
