@@ -13,6 +13,7 @@ give if cost were linear in tokens; attention's quadratic part and fixed per-cal
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -42,6 +43,7 @@ def _parse() -> argparse.Namespace:
         "--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is steadiest on a shared machine"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="also print the results as one JSON line at the end")
     return parser.parse_args()
 
 
@@ -126,6 +128,10 @@ def main() -> None:
     print(f"  measured speed-up packed/padded: {speed['packed'] / speed['padded']:.2f}x   "
           f"padding ceiling (padded tokens / real tokens = {padded_tokens}/{real_tokens}): "
           f"{padded_tokens / real_tokens:.2f}x")
+    if args.json:
+        print(json.dumps({"seconds": seconds, "speedup": speed["packed"] / speed["padded"],
+                          "ceiling": padded_tokens / real_tokens, "mean_len": real_tokens / len(lengths),
+                          "max_len": max(lengths)}))
 
 
 if __name__ == "__main__":

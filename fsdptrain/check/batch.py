@@ -147,6 +147,7 @@ def make_batch(trainer: Trainer) -> CheckBatch:
     shift = None
     if trainer.models.critic is not None and cfg.check.negative_values:
         shift = shift_values_below_zero(trainer, rollouts)
+    trainer.skip_old_passes = False  # the oracle compares against recomputed old log-probs and values
     targets, facts = trainer.make_experience(rollouts)
     (local,) = trainer.minibatches(rollouts, targets)
     entries = [((r.group, k), p, resp, t, info.rank, r.reward) for k, (r, p, resp, t) in

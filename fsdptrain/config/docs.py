@@ -24,6 +24,7 @@ GROUP_INTROS = {
     "trainer": "The loop, the optimizers and the run directory.",
     "parallel": "The device mesh and FSDP2 settings (see docs/scaling.md).",
     "logging": "Progress display, samples.jsonl and the experiment trackers.",
+    "perf": "Performance accounting (see docs/performance.md).",
     "checkpoint": "Periodic checkpoints (see docs/checkpointing.md).",
     "check": "Tolerances of `fsdptrain check-metrics` (see docs/check-metrics.md).",
 }

@@ -25,6 +25,8 @@ DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("never", "auto")
 VALUE_INITS = ("policy", "seed")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
+GATHER_MODES = ("auto", "always", "never")
+RECOMPUTE_MODES = ("auto", "always")
 
 
 @dataclass
@@ -106,6 +108,8 @@ class AlgorithmConfig:
     """Dynamic sampling: generation rounds per step at most, until rollout.prompts_per_step groups are useful."""
     kl_in_reward_coef: float = 0.0
     """Per-token KL penalty subtracted from the reward (0 turns it off; needs the reference model)."""
+    recompute_old_logprobs: str = "auto"
+    """Old log-probs: auto skips their pass when the update is strictly on-policy (exact), always recomputes."""
 
 
 @dataclass
@@ -174,6 +178,10 @@ class RolloutConfig:
     """Sampling temperature (log-probs in training use the same temperature)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
+    gather_weights: str = "auto"
+    """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never."""
+    gather_weights_max_share: float = 0.5
+    """gather_weights=auto gathers when the unsharded policy needs at most this share of free memory."""
 
 
 @dataclass
@@ -246,6 +254,8 @@ class ParallelConfig:
     """Recompute each decoder layer's activations in backward."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on the CPU (GPU runs only)."""
+    compile: bool = False
+    """torch.compile each decoder layer before sharding, for the training forwards (docs/performance.md: when it pays)."""
 
 
 @dataclass
@@ -256,6 +266,12 @@ class LoggingConfig:
     """Where metrics go: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow (each needs its library)."""
     samples_every: int = 10
     """Write a few prompts, completions and their rewards to samples.jsonl every this many steps (0 turns it off)."""
+
+
+@dataclass
+class PerfConfig:
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device in the param dtype for MFU; null: known GPUs auto, none on the CPU."""
 
 
 @dataclass
@@ -293,6 +309,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
 
@@ -307,6 +324,7 @@ SCHEMA_GROUPS = {
     "trainer": TrainerConfig,
     "parallel": ParallelConfig,
     "logging": LoggingConfig,
+    "perf": PerfConfig,
     "checkpoint": CheckpointConfig,
     "check": CheckConfig,
 }

@@ -19,10 +19,12 @@ from fsdptrain.config.schema import (
     DATA_SOURCES,
     DEVICES,
     DTYPES,
+    GATHER_MODES,
     LOGGING_BACKENDS,
     LONG_PROMPTS,
     LR_SCHEDULES,
     MODEL_ARCHS,
+    RECOMPUTE_MODES,
     RESUME_MODES,
     SCHEMA_GROUPS,
     TASKS,
@@ -59,6 +61,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": DEVICES,
     "parallel.param_dtype": DTYPES,
     "parallel.reduce_dtype": DTYPES,
+    "rollout.gather_weights": GATHER_MODES,
+    "algorithm.recompute_old_logprobs": RECOMPUTE_MODES,
 }
 
 _POSITIVE_INTS = (
@@ -103,6 +107,8 @@ FLOAT_RANGES: dict[str, tuple[float, bool, float, bool]] = {
     "algorithm.rollout_correction_cap": (0.0, False, _INF, False),
     "reward.timeout_s": (0.0, False, _INF, False),
     "reward.timeout_score": (-_INF, False, _INF, False),
+    "rollout.gather_weights_max_share": (0.0, False, 1.0, True),
+    "perf.peak_tflops": (0.0, False, _INF, False),
 }
 """The real range of every float field of the schema (a unit test checks that none is missing)."""
 

@@ -65,6 +65,13 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[index] = checkpoint_wrapper(layer)
 
 
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder layer in place (``nn.Module.compile``: names and types unchanged); packed rows change
+    length every step, so shapes are dynamic."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
 def apply_fsdp(
     model: nn.Module,
     *,
@@ -99,16 +106,22 @@ def parallelize(
     reshard_after_forward: bool,
     activation_checkpointing: bool,
     cpu_offload: bool,
+    compile: bool = False,
 ) -> nn.Module:
     """Apply activation checkpointing and FSDP2 (FSDP on a 1-D mesh, HSDP on a 2-D one) to `model` in place.
 
     param_dtype: the dtype of the all-gathered parameters used in forward/backward (the sharded master weights
     stay fp32); reduce_dtype: the dtype of the gradient reduce-scatter. cpu_offload keeps sharded parameters,
-    gradients and optimizer state on the CPU (pinned memory, so it needs an accelerator to be worth it).
+    gradients and optimizer state on the CPU (pinned memory, so it needs an accelerator to be worth it). compile:
+    torch.compile each decoder layer in place (torchtitan's way); generation runs them eagerly (see
+    fsdptrain/train/perf.py).
     """
     # Checkpointing before fully_shard: the wrapper must sit inside the layer's FSDP unit.
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    # Compile per layer, before fully_shard (torchtitan's order); FSDP2's hooks are dynamo-disabled, so they run eagerly.
+    if compile:
+        apply_compile(model)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     apply_fsdp(
@@ -167,6 +180,7 @@ def build_sharded_model(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
+    compile: bool = False,
     backbone_from_path: str | None = None,
     backbone_from_config: Mapping[str, Any] | PretrainedConfig | None = None,
     backbone_seed: int | None = None,
@@ -205,6 +219,7 @@ def build_sharded_model(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
+        compile=compile,
     )
     # Under CPU offload the sharded parameters live on the CPU; FSDP copies them to the device for compute.
     model.to_empty(device="cpu" if cpu_offload else device)

@@ -27,7 +27,14 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.rl.adv_estimators import AdvantageResult, AdvSettings, resolve_adv_estimator, whiten_stats, whitened
+from fsdptrain.rl.adv_estimators import (
+    ADV_ESTIMATOR_REGISTRY,
+    AdvantageResult,
+    AdvSettings,
+    resolve_adv_estimator,
+    whiten_stats,
+    whitened,
+)
 from fsdptrain.rl.metrics import Metrics
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
 from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
@@ -184,16 +191,21 @@ def correction_weights(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], *
     return _unpad(weights_BR, old_R), metrics.prefixed("experience/")
 
 
-def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings, *,
-                 device: torch.device) -> tuple[list[SeqTargets], bool, Metrics]:
+def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings, *, device: torch.device,
+                 skip_old_passes: bool = False) -> tuple[list[SeqTargets], bool, Metrics]:
     """Old/ref log-probs, values, rewards, advantages, returns and importance weights for this rank's rollouts.
 
     Collective (packed passes, one all-reduce). Returns the targets, whether the step is on-policy (no rollout
     carries behaviour log-probs), and this rank's experience metrics (rollout correction; empty without it).
+    ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/loop.py `skips_old_passes`): the old
+    log-probs, and the critic's old values when the estimator does not read them, are left None; the first update
+    forward's detached outputs stand in for them, which is what the passes would have computed.
     """
     budget = settings.token_budget
     logprob_args = dict(temperature=settings.temperature, chunk_size=settings.chunk_size, token_budget=budget,
                         device=device)
+    if skip_old_passes:
+        return _on_policy_targets(models, rollouts, settings, logprob_args)
     old = policy_logprobs(models.policy, rollouts, **logprob_args)
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else None for r in rollouts]
@@ -221,3 +233,23 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
                           is_weights=weights[i] if weights is not None else None)
                for i in range(len(rollouts))]
     return targets, on_policy, metrics
+
+
+def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings,
+                       logprob_args: dict) -> tuple[list[SeqTargets], bool, Metrics]:
+    """`make_targets` without the old log-prob pass (and without the critic's pass when the built-in estimator reads
+    no values): no behaviour log-probs, no KL in the reward, no rollout correction (the caller guarantees it)."""
+    ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None
+    rewards = token_rewards(rollouts, kl_R=None, kl_coef=0.0)
+    needs_values = models.critic is not None and settings.adv_fn is ADV_ESTIMATOR_REGISTRY["gae"]
+    values = (critic_values(models.critic, rollouts, token_budget=logprob_args["token_budget"],
+                            device=logprob_args["device"]) if needs_values else None)
+    advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn, settings=settings.adv)
+    if models.critic is not None and returns is None:
+        returns = [reward_to_go(r) for r in rewards]
+    targets = [SeqTargets(old_logprobs=None, advantages=advantages[i],
+                          ref_logprobs=ref[i] if ref is not None else None,
+                          old_values=values[i] if values is not None else None,
+                          returns=returns[i] if models.critic is not None else None)
+               for i in range(len(rollouts))]
+    return targets, True, Metrics({})

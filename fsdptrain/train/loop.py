@@ -10,7 +10,6 @@ the group's global index within the step, so the mini-batches hold the same data
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from fsdptrain.train.files import write_atomic
 from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
+from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.train.progress import (
     GradNormWatch,
     log,
@@ -73,6 +73,8 @@ class Trainer:
         self.critic_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
         self.policy_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.grad_clip, "policy")
         self.critic_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.critic_grad_clip, "critic")
+        self.skip_old_passes = skips_old_passes(cfg)
+        self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
 
     # -- experience --------------------------------------------------------------------------------------------------
 
@@ -80,7 +82,7 @@ class Trainer:
         """Old/ref log-probs, values, rewards, advantages and weights for this rank's rollouts (collective passes);
         facts: ``on_policy`` and this rank's experience ``metrics``."""
         targets, on_policy, metrics = make_targets(self.models, rollouts, self.experience_settings,
-                                                   device=self.device)
+                                                   device=self.device, skip_old_passes=self.skip_old_passes)
         return targets, {"on_policy": on_policy, "metrics": metrics}
 
     def step_rollouts(self, step: int) -> tuple[list[Rollout], Metrics]:
@@ -171,27 +173,42 @@ class Trainer:
             out["actor/on_policy_max_ratio_dev"] = guard_value
         return merge_all(collected), out
 
+    def step_flops(self, rollouts: list[Rollout]) -> float:
+        """This rank's model FLOPs of the step (docs/performance.md), by the passes the step ran."""
+        cfg, models = self.cfg, self.models
+        epochs = cfg.algorithm.ppo_epochs
+        critic_pass = models.critic is not None and (cfg.algorithm.adv_estimator == "gae"
+                                                     or not self.skip_old_passes)
+        return step_flops(models.policy.config, [len(r.prompt_ids) for r in rollouts],
+                          [len(r.response_ids) for r in rollouts], generated=isinstance(self.source, PromptSource),
+                          policy_forwards=int(not self.skip_old_passes) + int(models.reference is not None),
+                          critic_forwards=int(critic_pass), policy_updates=epochs,
+                          critic_updates=epochs if models.critic is not None else 0)
+
     def run_step(self, step: int) -> dict[str, float]:
         """One training step on every rank; returns the finalised metrics (the same on every rank)."""
-        start = time.perf_counter()
-        rollouts, filter_metrics = self.step_rollouts(step)
-        if world.agree_max_int(len(rollouts)) == 0:
-            raise RuntimeError(f"step {step}: no prompt group with a reward signal after "
-                               f"{self.cfg.algorithm.filter_groups_max_rounds} round(s) of dynamic sampling: raise "
-                               "algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
-        targets, facts = self.make_experience(rollouts)
-        batches = self.minibatches(rollouts, targets)
-        update_metrics, update_facts = self.update(batches, facts["on_policy"])
-        for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler):
-            if scheduler is not None:
-                scheduler.step()
-        experience = merge_all([filter_metrics, facts["metrics"]])
-        experience = reduce_metrics(experience) if experience else experience  # names fixed by the config
-        metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience, update_metrics])
-        result = {"step": step, **finalize(metrics), **update_facts}
-        elapsed = time.perf_counter() - start
-        result["perf/step_time_s"] = elapsed
-        result["perf/tokens_per_s"] = (result["batch/num_response_tokens"] + result["batch/num_prompt_tokens"]) / elapsed
+        with StepTimer() as timer:
+            rollouts, filter_metrics = self.step_rollouts(step)
+            if world.agree_max_int(len(rollouts)) == 0:
+                raise RuntimeError(f"step {step}: no prompt group with a reward signal after "
+                                   f"{self.cfg.algorithm.filter_groups_max_rounds} round(s) of dynamic sampling: "
+                                   "raise algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
+            with phase("experience"):
+                targets, facts = self.make_experience(rollouts)
+            batches = self.minibatches(rollouts, targets)
+            with phase("update"):
+                update_metrics, update_facts = self.update(batches, facts["on_policy"])
+            for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler):
+                if scheduler is not None:
+                    scheduler.step()
+            experience = merge_all([filter_metrics, facts["metrics"]])
+            experience = reduce_metrics(experience) if experience else experience  # names fixed by the config
+            metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience,
+                                 update_metrics])
+        result = {"step": step, **finalize(metrics), **update_facts, **timer.metrics()}
+        result.update(throughput(timer.metrics(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
+                                 step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops,
+                                 device=self.device, world_size=self.info.world_size))
         result["actor/lr"] = self.models.policy_optimizer.param_groups[0]["lr"]
         result["loss/loss_scale_factor"] = self.loss_scale_factor
         result["train/nonfinite_skipped"] = self.policy_guard.num_skipped + self.critic_guard.num_skipped
@@ -199,6 +216,15 @@ class Trainer:
             result["data/epoch"] = self.source.epoch_progress()
             result["data/num_long_prompts_skipped"] = self.source.dropped["train"]
         return result
+
+
+def skips_old_passes(cfg: DictConfig) -> bool:
+    """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
+    skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
+    experience; no behaviour log-probs from data; and no KL-in-reward (it reads the old log-probs before the update)."""
+    return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
+            and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
+            and cfg.algorithm.kl_in_reward_coef == 0)
 
 
 # ---- the run --------------------------------------------------------------------------------------------------------

@@ -65,9 +65,13 @@ class ValueLossSettings:
 
 @dataclass(frozen=True)
 class SeqTargets:
-    """One sequence's response-aligned training targets (`_R`); optional fields are None when unused."""
+    """One sequence's response-aligned training targets (`_R`); optional fields are None when unused.
 
-    old_logprobs: Tensor
+    ``old_logprobs`` (``old_values``) None: the update is strictly on-policy and the experience pass was skipped; the
+    loss takes the training forward's own detached outputs instead, which is what the pass would have given.
+    """
+
+    old_logprobs: Optional[Tensor]
     advantages: Tensor
     ref_logprobs: Optional[Tensor] = None
     old_values: Optional[Tensor] = None
@@ -90,6 +94,15 @@ def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedBatch, *, devic
         assert values.numel() == int(mask_T.sum()), "response values do not match the pack's response tokens"
         out_T[mask_T.to(device)] = values
     return out_T
+
+
+def old_or_current(old_R: Sequence[Optional[Tensor]], current_T: Tensor, packed: PackedBatch) -> Tensor:
+    """The old values of a pack `[T]`: scattered from the targets, or the current ones detached when the experience
+    pass was skipped (every target of a run then has None; an empty pack has no targets and is all masked)."""
+    if old_R and old_R[0] is None:
+        assert all(o is None for o in old_R), "a pack mixes skipped and recomputed old values"
+        return current_T.detach().float()
+    return scatter_responses(list(old_R), packed, device=current_T.device)
 
 
 def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
@@ -124,7 +137,7 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
         ref_T = scatter_responses([t.ref_logprobs for t in targets], packed, device=device)
     return policy_loss(
         logprobs_T,
-        scatter_responses([t.old_logprobs for t in targets], packed, device=device),
+        old_or_current([t.old_logprobs for t in targets], logprobs_T, packed),
         scatter_responses([t.advantages for t in targets], packed, device=device),
         mask_T,
         norms=norms,
@@ -154,7 +167,7 @@ def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets],
     values_T = value_token_outputs(model, packed)
     return value_loss(
         values_T,
-        scatter_responses([t.old_values for t in targets], packed, device=device),
+        old_or_current([t.old_values for t in targets], values_T, packed),
         scatter_responses([t.returns for t in targets], packed, device=device),
         packed.response_mask[0],
         norms=norms,

@@ -107,7 +107,9 @@ def progress_columns():
 
 
 def stats_line(result: dict) -> str:
-    parts = [f"reward {result['reward/mean']:.3f}", f"tok/s {result['perf/tokens_per_s']:.0f}"]
+    parts = [f"reward {result['reward/mean']:.3f}", f"tok/s {result['perf/tokens_per_s']:.0f}",
+             f"{result['perf/step_s']:.2f}s (gen {result['perf/generate_s']:.2f} exp {result['perf/experience_s']:.2f} "
+             f"upd {result['perf/update_s']:.2f})"]
     for key, label in (("actor/pg_loss", "pg"), ("critic/vf_loss", "vf"), ("actor/grad_norm", "|g|")):
         if key in result:
             parts.append(f"{label} {result[key]:.3g}")
@@ -131,7 +133,27 @@ def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:
         steps = sorted(eval_rewards)
         table.add_row(f"eval reward (greedy) at step {steps[0]}", f"{eval_rewards[steps[0]]:.3f}")
         table.add_row(f"eval reward (greedy) at step {steps[-1]}", f"{eval_rewards[steps[-1]]:.3f}")
+    for row in perf_summary_rows(history):
+        table.add_row(*row)
     Console(file=sys.stdout).print(table)
+
+
+def perf_summary_rows(history: list[dict]) -> list[tuple[str, str]]:
+    """Mean seconds per step of each phase (share of the step), throughput and peak memory (docs/performance.md)."""
+    mean = {key: sum(r[key] for r in history) / len(history) for key in history[0]
+            if key.startswith("perf/") and all(key in r for r in history)}
+    step = mean["perf/step_s"]
+    rows = [("mean step time", f"{step:.3f} s")]
+    for name in ("generate", "reward", "experience", "update", "other"):
+        seconds = mean[f"perf/{name}_s"]
+        rows.append((f"  {name}", f"{seconds:.3f} s ({100 * seconds / step:.0f}%)"))
+    for key, label, fmt in (("perf/generated_tokens_per_s", "generated tokens/s", "{:.0f}"),
+                            ("perf/trained_tokens_per_s", "trained tokens/s", "{:.0f}"),
+                            ("perf/tflops_per_rank", "TFLOP/s per rank", "{:.4f}"), ("perf/mfu", "MFU", "{:.1%}")):
+        if key in mean:
+            rows.append((label, fmt.format(mean[key])))
+    rows.append(("peak memory per rank", f"{max(r['perf/peak_mem_gib'] for r in history):.2f} GiB"))
+    return rows
 
 
 def quiet_known_warnings() -> None:

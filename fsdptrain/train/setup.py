@@ -18,7 +18,7 @@ from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_tokenizer(cfg: DictConfig):
@@ -91,13 +91,13 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend;
     the learning-rate schedules span ``num_steps``."""
     source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
-    parallel = dict(mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
-                    reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype],
+    parallel = dict(mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
+                    reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
                     reshard_after_forward=cfg.parallel.reshard_after_forward,
-                    cpu_offload=cfg.parallel.cpu_offload)
+                    cpu_offload=cfg.parallel.cpu_offload, compile=cfg.parallel.compile)
     seed = cfg.trainer.seed
     policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing)
-    backend = resolve_backend(cfg.model.attn_backend, device, _DTYPES[cfg.parallel.param_dtype])
+    backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
     schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
                     schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)

@@ -70,6 +70,10 @@ def test_configuration_doc_matches_the_schema():
         (["loss.loss_scale_factor=0"], "loss.loss_scale_factor=0.0 must be a finite number > 0"),
         (["parallel.dp_shard=two"], "parallel.dp_shard='two'"),
         (["trainer.mini_batches_per_step=3"], "must divide rollout.prompts_per_step=16"),
+        (["rollout.gather_weights=yes"], "rollout.gather_weights='yes' is not a valid choice"),
+        (["rollout.gather_weights_max_share=1.5"], "rollout.gather_weights_max_share=1.5 must be a number in (0, 1]"),
+        (["algorithm.recompute_old_logprobs=never"], "algorithm.recompute_old_logprobs='never' is not a valid"),
+        (["perf.peak_tflops=0"], "perf.peak_tflops=0.0 must be a finite number > 0"),
     ],
 )
 def test_validation_names_the_bad_value(overrides, message):

@@ -1,0 +1,153 @@
+"""Every benchmark, one after another, and one table of ratios measured side by side (docs/performance.md).
+
+    PYTHONPATH=. python benchmarks/run.py [--json out.json] [--quick]
+
+Each row spawns its own process(es) (torchrun for the multi-rank rows, the real ``fsdptrain train`` CLI for the
+step-time rows), pinned to ``--threads`` torch threads each (1 by default: steadiest on a shared 2-core machine).
+Rows with no goal are reported, not judged. GPU rows (flash_attn vs sdpa_segments, MFU of a 0.5B-class model) need a
+GPU and are listed as unchecked where there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import fsdp_memory, generate  # noqa: E402
+from benchmarks import loss as loss_bench  # noqa: E402
+from benchmarks.dist_util import REPO_ROOT  # noqa: E402
+
+MEDIUM = ("model.hidden_size=256", "model.num_layers=4", "model.intermediate_size=1024", "model.num_heads=8",
+          "model.num_kv_heads=4", "rollout.max_new_tokens=16")
+RUN = ("trainer.eval_every=0", "logging.progress=false")
+
+
+def _env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def train_run(*overrides: str, threads: int) -> list[dict]:
+    """``fsdptrain train`` with the overrides in a temporary run directory; its metrics.jsonl lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "fsdptrain.cli", "train", *RUN, *overrides, f"trainer.run_dir={tmp}/run"]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads), cwd=REPO_ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        return [json.loads(line) for line in Path(tmp, "run", "metrics.jsonl").read_text().splitlines() if line]
+
+
+def median_after_first(lines: list[dict], key: str) -> float:
+    return statistics.median(line[key] for line in lines[1:])
+
+
+def row(name: str, value: float, goal: str | None, detail: str) -> dict:
+    verdict = "-"
+    if goal is not None:
+        op, bound = goal.split()
+        verdict = "PASS" if (value >= float(bound) if op == ">=" else value <= float(bound)) else "FAIL"
+    return {"row": name, "value": value, "goal": goal or "report", "verdict": verdict, "detail": detail}
+
+
+def packing_row(args) -> dict:
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "packing.py"), "--layers", "4", "--hidden", "256",
+           "--heads", "8", "--vocab", "8192", "--num-seqs", "16", "--median-len", "159", "--sigma", "0.5",
+           "--max-len", "512", "--token-budget", "2048", "--repeats", str(args.repeats), "--threads",
+           str(args.threads), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(args.threads), cwd=REPO_ROOT, check=True)
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    return row("packed vs padded fwd+bwd (Qwen2 4x256, V 8k, 16 seqs)", res["speedup"], ">= 3.0",
+               f"padding ceiling {res['ceiling']:.2f}x; mean len {res['mean_len']:.0f}, max {res['max_len']}")
+
+
+def loss_rows(args) -> list[dict]:
+    largs = loss_bench._parse_args(["--repeats", str(args.repeats)])
+    # The packed rows on a smaller head than loss.py's default (V 32000, H 512), which alone takes minutes per row on
+    # a shared 2-core machine; the memory rows keep the issue's T 8192, V 32000, H 512.
+    packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256"])
+    rows = []
+    for num_seqs in (8, 64):
+        times = loss_bench._run_worker(packed_args, "packed", num_seqs=num_seqs)["times_s"]
+        ratio = times["per-sequence loop"] / times["fused packed"]
+        rows.append(row(f"fused packed loss vs per-sequence loop, {num_seqs} seqs, V 8k H 256 (speed-up)", ratio, ">= 1.0",
+                        f"fused {times['fused packed']:.3f} s"))
+    res = {m: loss_bench._run_worker(largs, "memory", method=m) for m in ("naive", "chunked")}
+    rows.append(row("chunked log-prob extra peak memory / naive (T 8192, V 32000, H 512)",
+                    res["chunked"]["extra_mib"] / res["naive"]["extra_mib"], "<= 0.05",
+                    f"naive {res['naive']['extra_mib']:.0f} MiB"))
+    rows.append(row("chunked log-prob fwd+bwd time / naive", res["chunked"]["fwd_bwd_s"] / res["naive"]["fwd_bwd_s"],
+                    "<= 1.0", f"naive {res['naive']['fwd_bwd_s']:.3f} s"))
+    return rows
+
+
+def dist_rows(args) -> list[dict]:
+    mem = fsdp_memory.main(["--nproc", "2"])
+    gen = generate.main(["--nproc", "2", "--repeats", "1", "--new-tokens", "16"])
+    return [row("FSDP2 per-rank params+grads+AdamW, 2 ranks / 1", mem["ratio"], "<= 0.55",
+                f"1 rank {mem['one']['max_rank_bytes'] / 2**20:.1f} MiB"),
+            row("generation tok/s, gathered once / per-token gathers (2 ranks)", gen["ratio"], ">= 1.0",
+                f"{gen['per_token']:.0f} -> {gen['gathered']:.0f} tok/s, same tokens {gen['same_tokens']}")]
+
+
+def step_rows(args) -> list[dict]:
+    steps = f"trainer.steps={args.steps}"
+    always = train_run(steps, "algorithm.recompute_old_logprobs=always", threads=args.threads)
+    auto = train_run(steps, threads=args.threads)
+    saving = median_after_first(always, "perf/step_s") / median_after_first(auto, "perf/step_s")
+    rows = [row("on-policy pass skipped: step time recompute / skip (default run)", saving, ">= 1.0",
+                f"experience {median_after_first(always, 'perf/experience_s'):.3f} -> "
+                f"{median_after_first(auto, 'perf/experience_s'):.3f} s")]
+    fp32 = train_run(steps, *MEDIUM, threads=args.threads)
+    bf16 = train_run(steps, *MEDIUM, "parallel.param_dtype=bfloat16", threads=args.threads)
+    ratio = median_after_first(fp32, "perf/step_s") / median_after_first(bf16, "perf/step_s")
+    rows.append(row("bf16 vs fp32 step time (medium: 4 x 256, 16 new tokens), speed-up", ratio, None,
+                    f"fp32 {median_after_first(fp32, 'perf/step_s'):.2f} s/step"))
+    phases = {k: median_after_first(auto, f"perf/{k}_s") for k in ("generate", "reward", "experience", "update",
+                                                                     "other")}
+    total = median_after_first(auto, "perf/step_s")
+    detail = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items())
+    rows.append(row("default run: step time (s), phase shares", total, None, detail))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="steps of each fsdptrain train run (the first is warm-up)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    rows = []
+    for section in (packing_row, loss_rows, dist_rows, step_rows):
+        began = time.perf_counter()
+        got = section(args)
+        rows += got if isinstance(got, list) else [got]
+        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s", flush=True)
+    rows.append(row("flash_attn vs sdpa_segments (GPU)", float("nan"), None, "unchecked: no GPU"))
+    rows.append(row("MFU, 0.5B-class config (GPU)", float("nan"), None, "unchecked: no GPU"))
+    elapsed = time.perf_counter() - start
+    print(f"\nbenchmarks/run.py: {elapsed:.0f} s, torch {torch.__version__}, {args.threads} thread(s) per process, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"| {'row':<72} | {'value':>7} | {'goal':<7} | verdict | detail")
+    for r in rows:
+        print(f"| {r['row']:<72} | {r['value']:7.3f} | {r['goal']:<7} | {r['verdict']:<7} | {r['detail']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seconds": elapsed, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

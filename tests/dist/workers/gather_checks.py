@@ -1,0 +1,74 @@
+"""Worker: generation with the policy's weights gathered once vs FSDP2's per-layer all-gather in every forward.
+
+Each rank builds the same sharded tiny policy (tied and untied heads, fp32 and bf16 params) and generates the same
+prompts greedily and with a seeded sampler, once per mode. It records the tokens, the number of FSDP all-gathers the
+profiler saw, and whether the layer weights were plain (unsharded) tensors inside the block and DTensors after it.
+Every rank writes <out>/rank<r>.json; tests/dist/test_gather.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
+from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import build_policy
+from fsdptrain.distributed.gather import gathered_weights
+from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.build import TINY_CONFIG
+
+PROMPTS = ["3 + 4 =", "repeat 7:", "hello", "9 9 9"]
+VARIANTS = {"tied": (True, torch.float32), "untied_bf16": (False, torch.bfloat16)}
+
+
+def generate(model, tokenizer, *, gather: bool, do_sample: bool) -> tuple[list[list[int]], int, bool]:
+    """(token ids per prompt, all-gathers seen by the profiler, layer weights unsharded inside the block)."""
+    from fsdptrain.model.generate import generate_responses
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with generation_attention(model), gathered_weights(model, enabled=gather, reshard_after_forward=True):
+            plain_inside = not isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)
+            outputs = generate_responses(model, tokenizer, PROMPTS, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                                         do_sample=do_sample, generator_seed=1234, device=torch.device("cpu"))
+    gathers = sum(1 for e in prof.events() if e.name.startswith("FSDP::all_gather") and "copy" not in e.name)
+    return [p + r for p, r, _ in outputs], gathers, plain_inside
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    info = world.init_distributed(device_type="cpu")
+    out = {"error": None, "results": {}}
+    code = 0
+    try:
+        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+        tokenizer = load_bundled_tokenizer()
+        for name, (tied, dtype) in VARIANTS.items():
+            config = {**TINY_CONFIG, "vocab_size": len(tokenizer), "tie_word_embeddings": tied,
+                      "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+            model = build_policy(path=None, config=config, seed=3, mesh=mesh, param_dtype=dtype)
+            for sampling in ("greedy", "sampled"):
+                for gather in (False, True):
+                    tokens, gathers, plain = generate(model, tokenizer, gather=gather, do_sample=sampling == "sampled")
+                    after = isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)
+                    out["results"][f"{name}/{sampling}/{'gathered' if gather else 'per_token'}"] = {
+                        "tokens": tokens, "all_gathers": gathers, "unsharded_inside": plain, "sharded_after": after}
+    except Exception:  # the test reads the traceback from the JSON
+        out["error"] = traceback.format_exc()
+        code = 1
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{info.rank}.json").write_text(json.dumps(out))
+    world.destroy_distributed()
+    world.exit_process(code)
+
+
+if __name__ == "__main__":
+    main()
