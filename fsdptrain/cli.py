@@ -71,8 +71,9 @@ def _check_user_functions(cfg: DictConfig) -> None:
 
 
 def _preflight(cfg: DictConfig) -> None:
-    """What the parent can check before any rank (or torch) starts: data paths are local, the reward functions load
-    with their signatures, the trackers' libraries are installed. Raises ConfigError."""
+    """What the parent can check before any rank starts: data paths are local, the reward functions load with their
+    signatures, each reward model folder is a one-label sequence classifier with a tokenizer (this imports torch), the
+    trackers' libraries are installed. Raises ConfigError."""
     if cfg.data.source == "jsonl":
         return
     from fsdptrain.config import reward_specs
@@ -89,7 +90,13 @@ def _preflight(cfg: DictConfig) -> None:
         if cfg.data.eval_path is not None:
             check_local_paths(plain(cfg.data.eval_path), what="data.eval_path")
     weights = None if cfg.reward.weights is None else list(cfg.reward.weights)
-    load_reward_functions(reward_specs(cfg), weights)
+    if reward_specs(cfg):
+        load_reward_functions(reward_specs(cfg), weights)
+    if cfg.reward.models:  # headers and tokenizers only; transformers (and torch) load just for this
+        from fsdptrain.model.reward_model import load_reward_model_spec
+
+        for path in cfg.reward.models:
+            load_reward_model_spec(path)
     missing = missing_backend_message(cfg.logging.backends)
     if missing is not None:
         raise ConfigError(missing)

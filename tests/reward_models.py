@@ -71,3 +71,29 @@ def save_policy_shaped_reward_model(folder: Path, *, seed: int = 0) -> Path:
     fields = {k: v for k, v in TINY_CONFIG.items() if k != "model_type"}
     config = LlamaConfig(**fields, num_labels=1, pad_token_id=0)
     return save_reward_model(folder, tokenizer=load_bundled_tokenizer(), config=config, seed=seed)
+
+
+def save_seven_reward_model(folder: Path) -> Path:
+    """A Llama reward model whose score is known: 1 when the text's last character is "7", else 0 (to ~1e-5).
+
+    Every decoder layer's output projections are zero, so the residual stream at each position is the token's
+    embedding: e1 for every token, e0 + e1 for "7". The final RMSNorm maps e0 + e1 to 4 (e0 + e1) (mean square 2/32)
+    and e1 to sqrt(32) e1; the score head reads e0 / 4. Without a chat template the text is prompt + completion, so
+    the last token is the completion's last character (the prompt's when the completion is empty)."""
+    tokenizer = char_tokenizer()
+    config = model_config("llama", vocab_size=len(tokenizer))
+    model = AutoModelForSequenceClassification.from_config(config)
+    seven = tokenizer.convert_tokens_to_ids("7")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        embed = model.model.embed_tokens.weight
+        embed.zero_()
+        embed[:, 1] = 1.0
+        embed[seven, 0] = 1.0
+        model.score.weight.zero_()
+        model.score.weight[0, 0] = 0.25
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -23,7 +23,8 @@ LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 TASKS = ("repeat_digit", "copy_digits", "reverse_digits", "sort_digits")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("never", "auto")
-VALUE_INITS = ("policy", "seed")
+VALUE_INITS = ("policy", "seed", "reward_model")
+REWARD_MODEL_NORMALIZE = ("none", "batch", "running")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
 RECOMPUTE_MODES = ("auto", "always")
@@ -50,7 +51,7 @@ class ModelConfig:
     attn_backend: str = "auto"
     """Packed attention for training forwards: auto, flash_attn, torch_varlen or sdpa_segments (generation uses sdpa)."""
     value_init: str = "policy"
-    """Where the value model's backbone starts: policy (copy of the policy's weights) or seed (fresh init)."""
+    """Where the value model's backbone starts: policy (copy of the policy's weights), seed (fresh init) or reward_model (the first of reward.models)."""
 
 
 @dataclass
@@ -164,6 +165,16 @@ class RewardConfig:
     """Longest one call may run (needs num_workers >= 1); a timed-out call scores timeout_score. null: no limit."""
     timeout_score: float = 0.0
     """Score of each sample whose call timed out (counted in reward/<function>/num_timed_out)."""
+    models: list[str] = field(default_factory=list)
+    """Local folders of learned reward models (sequence classifiers, one label); their weighted scores add to the functions' total (docs/reward-models.md)."""
+    model_weights: Optional[list[float]] = None
+    """One weight per reward model; null weighs each 1.0."""
+    model_normalize: str = "none"
+    """Scaling of each reward model's scores: none, batch (whitened over the step's global batch) or running (running moments, kept in checkpoints)."""
+    model_clip: Optional[float] = None
+    """Clamp each normalised reward-model score to [-model_clip, model_clip]; null: no clipping."""
+    model_offload: bool = False
+    """Keep the reward models' shards on the CPU between scoring phases (a GPU run's memory saver)."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ from fsdptrain.config.schema import (
     MODEL_ARCHS,
     RECOMPUTE_MODES,
     RESUME_MODES,
+    REWARD_MODEL_NORMALIZE,
     SCHEMA_GROUPS,
     TASKS,
     VALUE_INITS,
@@ -63,6 +64,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.reduce_dtype": DTYPES,
     "rollout.gather_weights": GATHER_MODES,
     "algorithm.recompute_old_logprobs": RECOMPUTE_MODES,
+    "reward.model_normalize": REWARD_MODEL_NORMALIZE,
 }
 
 _POSITIVE_INTS = (
@@ -109,6 +111,7 @@ FLOAT_RANGES: dict[str, tuple[float, bool, float, bool]] = {
     "reward.timeout_score": (-_INF, False, _INF, False),
     "rollout.gather_weights_max_share": (0.0, False, 1.0, True),
     "perf.peak_tflops": (0.0, False, _INF, False),
+    "reward.model_clip": (0.0, False, _INF, False),
 }
 """The real range of every float field of the schema (a unit test checks that none is missing)."""
 
@@ -193,9 +196,37 @@ TASK_REWARD = "word_match"
 
 
 def reward_specs(cfg: DictConfig) -> list[str]:
-    """The configured reward functions: ``reward.functions``, or the bundled tasks' reward when it is null."""
+    """The configured reward functions: ``reward.functions``; when it is null, none if ``reward.models`` is set,
+    else the bundled tasks' reward."""
     functions = cfg.reward.functions
-    return [TASK_REWARD] if functions is None else list(functions)
+    if functions is None:
+        return [] if cfg.reward.models else [TASK_REWARD]
+    return list(functions)
+
+
+def _check_reward_models(cfg: DictConfig) -> None:
+    """The reward-model settings that span fields (each folder itself is checked by the CLI's preflight)."""
+    r = cfg.reward
+    if r.functions is not None and len(r.functions) == 0 and not r.models:
+        raise ConfigError("reward.functions is empty and reward.models too: name at least one reward function or "
+                          "reward model")
+    if r.model_weights is not None:
+        if len(r.model_weights) != len(r.models):
+            raise ConfigError(f"reward.model_weights has {len(r.model_weights)} weights for {len(r.models)} "
+                              f"reward.models")
+        for w in r.model_weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ConfigError(f"reward.model_weights: {w!r} is not a finite number")
+    if cfg.model.value_init == "reward_model":
+        if not r.models:
+            raise ConfigError("model.value_init=reward_model needs a reward model: set reward.models=[PATH] or "
+                              "choose model.value_init=policy")
+        if not cfg.algorithm.use_critic:
+            raise ConfigError("model.value_init=reward_model starts the critic, but algorithm.use_critic=false: "
+                              "set algorithm.use_critic=true or drop model.value_init")
+    if r.models and cfg.data.source == "jsonl":
+        raise ConfigError("reward.models scores generated samples: use data=task or data=prompts, not data=jsonl "
+                          "(offline rollouts carry their rewards)")
 
 
 def _check_steps_and_logging(cfg: DictConfig) -> None:
@@ -215,9 +246,9 @@ def _check_steps_and_logging(cfg: DictConfig) -> None:
     if cfg.data.source == "prompts":
         if cfg.data.path is None:
             raise ConfigError("data.source=prompts needs data.path=<file or folder of prompts>")
-        if cfg.reward.functions is None:
+        if cfg.reward.functions is None and not cfg.reward.models:
             raise ConfigError("data.source=prompts needs reward.functions=[...] (built-in names, module:function "
-                              "or path.py:function)")
+                              "or path.py:function) or reward.models=[...]")
     max_prompt = cfg.data.max_prompt_length
     if max_prompt is not None and max_prompt < 1:
         raise ConfigError(f"data.max_prompt_length={max_prompt} must be a positive integer (or null)")
@@ -268,6 +299,7 @@ def validate(cfg: DictConfig) -> None:
     _check_ranges(cfg)
     _check_cross_fields(cfg)
     _check_steps_and_logging(cfg)
+    _check_reward_models(cfg)
 
 
 def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:

@@ -60,7 +60,7 @@ def print_start_report(trainer: "Trainer") -> None:
                if dropped["train"] or dropped["eval"] else "")
             + f"; {trainer.num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
             f"{trainer.num_steps * cfg.rollout.prompts_per_step / len(source.train_rows):.3g} epochs; rewards: "
-            + ", ".join(f"{f.name} x {f.weight:g}" for f in source.functions))
+            + ", ".join([f"{f.name} x {f.weight:g}" for f in source.functions] + _reward_model_names(cfg)))
     log("policy: " + describe_model_memory(trainer.models.policy, num_shards=trainer.dp_size))
     seqs = cfg.rollout.prompts_per_step // cfg.trainer.mini_batches_per_step * (
         cfg.rollout.n if cfg.data.source != "jsonl" else 1)
@@ -114,6 +114,11 @@ def stats_line(result: dict) -> str:
         if key in result:
             parts.append(f"{label} {result[key]:.3g}")
     return "  ".join(parts)
+
+
+def _reward_model_names(cfg) -> list[str]:
+    weights = cfg.reward.model_weights or [1.0] * len(cfg.reward.models)
+    return [f"reward_model/{m} ({path}) x {w:g}" for m, (path, w) in enumerate(zip(cfg.reward.models, weights))]
 
 
 def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:

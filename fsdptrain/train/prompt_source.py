@@ -12,6 +12,7 @@ prompts an uninterrupted one would, at any world size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -36,6 +37,8 @@ from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
 from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.rl.reward_scale import RunningMoments
+from fsdptrain.train.reward_scoring import ModelScores, score_with_reward_models
 from fsdptrain.train.setup import Models
 
 NUM_SAMPLES_SHOWN = 4
@@ -95,13 +98,17 @@ class PromptSource:
         self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
         columns = sorted({name for row in self.train_rows[:1] for name in row.columns})
-        self.functions = load_reward_functions(reward_specs(cfg), cfg.reward.weights, columns=columns)
+        specs = reward_specs(cfg)
+        self.functions = load_reward_functions(specs, cfg.reward.weights, columns=columns) if specs else []
+        self.reward_moments = [RunningMoments() for _ in cfg.reward.models]
+        """Running moments of each reward model's raw scores (reward.model_normalize=running), in checkpoints."""
         self.max_response_length = cfg.rollout.max_new_tokens
         self.runner: Optional[RewardRunner] = None
         self.step_metrics: Optional[Metrics] = None
         self.samples: list[dict] = []
         self.last_batch: Optional[RewardBatch] = None
         self.last_scores: Optional[RewardScores] = None
+        self.last_model_scores: Optional[ModelScores] = None
 
     def _runner(self) -> RewardRunner:
         if self.runner is None:  # started on first use, inside the loop's try/finally that closes it
@@ -128,8 +135,11 @@ class PromptSource:
                 temperature=rollout.temperature if sample else 1.0, top_p=rollout.top_p if sample else 1.0,
                 do_sample=sample, generator_seed=seed, device=device)
 
-    def _score(self, rows: list[PromptRow], groups: list[int], outputs) -> tuple[RewardBatch, RewardScores]:
-        """Score this rank's samples; a failure on any rank stops every rank (one agreed flag, no hang)."""
+    def _score(self, models: Models, rows: list[PromptRow], groups: list[int], outputs, *, device,
+               training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
+        """Score this rank's samples: the reward functions' weighted total plus the reward models' weighted, scaled
+        scores (docs/reward-models.md). A function's failure on any rank stops every rank (one agreed flag, no hang).
+        Only a ``training`` call keeps the reward models' running moments."""
         names = sorted({name for row in rows for name in row.columns})
         batch = RewardBatch(
             prompts=[row.text for row in rows],
@@ -137,14 +147,31 @@ class PromptSource:
             completion_ids=[list(ids) for _, ids, _ in outputs],
             rows=[row.index for row in rows], groups=list(groups),
             columns={name: [row.columns.get(name) for row in rows] for name in names})
-        scores, error = None, None
-        try:
-            scores = self._runner().score(batch)
-        except RewardError as err:
-            error = err
-        if world.any_flag(error is not None):
-            raise error if error is not None else RewardFailedOnAnotherRank()
-        return batch, scores
+        scores = RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
+        if self.functions:
+            scores, error = None, None
+            try:
+                scores = self._runner().score(batch)
+            except RewardError as err:
+                error = err
+            if world.any_flag(error is not None):
+                raise error if error is not None else RewardFailedOnAnotherRank()
+        if not models.reward_models:
+            return batch, scores, Metrics({})
+        model_scores = self._score_with_models(models, batch, device=device)
+        if training:
+            self.reward_moments = model_scores.running
+        self.last_model_scores = model_scores
+        total = [t + float(m) for t, m in zip(scores.total, model_scores.total_N)]
+        return batch, dataclasses.replace(scores, total=total), model_scores.metrics
+
+    def _score_with_models(self, models: Models, batch: RewardBatch, *, device) -> ModelScores:
+        r = self.cfg.reward
+        weights = [1.0] * len(r.models) if r.model_weights is None else [float(w) for w in r.model_weights]
+        return score_with_reward_models(
+            models.reward_models, models.reward_specs, batch.prompts, batch.completions, weights=weights,
+            mode=r.model_normalize, clip=r.model_clip, running=self.reward_moments,
+            token_budget=self.cfg.trainer.token_budget, device=device)
 
     def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
                  round_index: int = 0) -> list[Rollout]:
@@ -158,22 +185,30 @@ class PromptSource:
         outputs = self._generate(models, [row for _, row in mine], repeat=n, sample=True, seed=seed, device=device)
         rows = [row for _, row in mine for _ in range(n)]
         groups = [i for i, _ in mine for _ in range(n)]
-        batch, scores = self._score(rows, groups, outputs)
-        metrics = reward_metrics(scores, groups=groups)
+        batch, scores, model_metrics = self._score(models, rows, groups, outputs, device=device, training=True)
+        metrics = merge_all([reward_metrics(scores, groups=groups), model_metrics])
         self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
         self.last_batch, self.last_scores = batch, scores
         self.samples = [{"row": batch.rows[k], "prompt": batch.prompts[k], "completion": batch.completions[k],
-                         "rewards": {name: values[k] for name, values in scores.raw.items()},
+                         "rewards": {**{name: values[k] for name, values in scores.raw.items()},
+                                     **self._model_rewards(models, k)},
                          "total": scores.total[k]} for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
         return [Rollout(prompt_ids=prompt_ids, response_ids=response_ids, reward=scores.total[k], group=groups[k],
                         truncated=truncated, prompt_text=batch.prompts[k], response_text=batch.completions[k])
                 for k, (prompt_ids, response_ids, truncated) in enumerate(outputs)]
+
+    def _model_rewards(self, models: Models, k: int) -> dict[str, float]:
+        """Sample ``k``'s scaled score from each reward model, for samples.jsonl."""
+        if not models.reward_models:
+            return {}
+        return {f"reward_model/{m}": float(s[k]) for m, s in enumerate(self.last_model_scores.scaled_N)}
 
     @torch.no_grad()
     def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
         """Greedy mean reward (the weighted total) over the evaluation rows, the same every time, over all ranks."""
         mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
         outputs = self._generate(models, [row for _, row in mine], repeat=1, sample=False, seed=0, device=device)
-        _, scores = self._score([row for _, row in mine], [i for i, _ in mine], outputs)
+        _, scores, _ = self._score(models, [row for _, row in mine], [i for i, _ in mine], outputs, device=device,
+                                   training=False)
         sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
         return float(sums[0] / sums[1])

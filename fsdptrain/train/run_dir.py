@@ -13,6 +13,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.distributed.checkpoint import load_checkpoint, save_checkpoint
 from fsdptrain.distributed.checkpoint_check import newest_intact_checkpoint
 from fsdptrain.distributed.export import export_hf
+from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.train.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.train.progress import log
 from fsdptrain.train.run_ownership import run_id
@@ -44,6 +45,9 @@ def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
     order = getattr(trainer.source, "order", None)
     if order is not None:
         extra["prompt_order"] = order.state_dict()
+    moments = getattr(trainer.source, "reward_moments", None)
+    if moments:
+        extra["reward_model_moments"] = [m.state_dict() for m in moments]
     return save_checkpoint(run_dir, done, models=models, optimizers=optimizers, schedulers=schedulers, extra=extra,
                            keep=trainer.cfg.checkpoint.keep, run_id=run_id(run_dir))
 
@@ -72,11 +76,24 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
         if "prompt_order" not in extra:
             raise ConfigError(f"{path} holds no prompt order (it was saved by a run with another data.source)")
         order.load_state_dict(extra["prompt_order"])
+    _restore_reward_moments(trainer, extra, path)
     trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row = extra["nonfinite"]["policy"]
     trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row = extra["nonfinite"]["critic"]
     trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row = extra["grad_norm_watch"]
     log(f"resumed from {path} after step {extra['step']}")
     return int(extra["step"])
+
+
+def _restore_reward_moments(trainer: "Trainer", extra: dict, path: Path) -> None:
+    """The reward models' running moments (reward.model_normalize=running), one entry per reward model."""
+    moments = getattr(trainer.source, "reward_moments", None)
+    if not moments:
+        return
+    saved = extra.get("reward_model_moments", [])
+    if len(saved) != len(moments):
+        raise ConfigError(f"{path} holds running moments of {len(saved)} reward models, but reward.models lists "
+                          f"{len(moments)}: resume with the run's own reward.models")
+    trainer.source.reward_moments = [RunningMoments.from_state_dict(state) for state in saved]
 
 
 def keep_metrics_before(path: Path, step: int) -> None:

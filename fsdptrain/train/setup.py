@@ -5,15 +5,17 @@ Every rank runs these collectively, in the same order (docs/architecture.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 
 from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model
+from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention import resolve_backend, set_attention
 from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
@@ -79,6 +81,10 @@ class Models:
     critic_scheduler: Optional[object] = None
     reference: Optional[torch.nn.Module] = None
     backend: str = "sdpa_segments"
+    reward_specs: list[RewardModelSpec] = field(default_factory=list)
+    """The checked folders of ``reward.models``, in order (tokenizers for re-tokenising the text)."""
+    reward_models: list[torch.nn.Module] = field(default_factory=list)
+    """The frozen sharded reward models, one per spec, on the packed attention backend."""
 
 
 def adamw_settings(cfg: DictConfig) -> dict:
@@ -88,7 +94,7 @@ def adamw_settings(cfg: DictConfig) -> dict:
 
 
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
-    """Policy, optional critic and reference, sharded over ``mesh``, switched to the packed attention backend;
+    """Policy, optional critic, reference and reward models, sharded over ``mesh``, on the packed attention backend;
     the learning-rate schedules span ``num_steps``."""
     source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
     parallel = dict(mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
@@ -104,13 +110,9 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
     models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),
                     backend=backend)
+    models.reward_specs = [load_reward_model_spec(path) for path in cfg.reward.models]
     if cfg.algorithm.use_critic:
-        backbone = {}
-        if cfg.model.value_init == "policy":
-            backbone = (dict(backbone_from_path=cfg.model.path) if cfg.model.path else
-                        dict(backbone_from_config=source["config"], backbone_seed=seed))
-        critic = build_value_model(**source, **parallel, seed=seed + 1,
-                                   activation_checkpointing=cfg.parallel.activation_checkpointing, **backbone)
+        critic = _build_critic(cfg, source, parallel, tokenizer, models.reward_specs)
         set_attention(critic, backend)
         critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, **adamw_settings(cfg))
         models.critic, models.critic_optimizer = critic, critic_opt
@@ -119,7 +121,28 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
         reference = build_reference_model(**source, **parallel, seed=seed)
         set_attention(reference, backend)
         models.reference = reference
+    for spec in models.reward_specs:
+        reward_model = build_reward_model(spec, mesh=mesh, param_dtype=parallel["param_dtype"],
+                                          reshard_after_forward=cfg.parallel.reshard_after_forward,
+                                          offload=cfg.reward.model_offload)
+        set_attention(reward_model, backend)
+        models.reward_models.append(reward_model)
     return models
+
+
+def _build_critic(cfg: DictConfig, source: dict, parallel: dict, tokenizer, reward_specs: list) -> torch.nn.Module:
+    """The value model, its backbone from ``model.value_init``: the policy's, a fresh one, or the first reward
+    model's (backbone and head)."""
+    checkpointing = cfg.parallel.activation_checkpointing
+    if cfg.model.value_init == "reward_model":
+        return build_value_model_from_reward_model(reward_specs[0], policy_tokenizer=tokenizer, **source, **parallel,
+                                                   activation_checkpointing=checkpointing)
+    backbone = {}
+    if cfg.model.value_init == "policy":
+        backbone = (dict(backbone_from_path=cfg.model.path) if cfg.model.path else
+                    dict(backbone_from_config=source["config"], backbone_seed=cfg.trainer.seed))
+    return build_value_model(**source, **parallel, seed=cfg.trainer.seed + 1, activation_checkpointing=checkpointing,
+                             **backbone)
 
 
 def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
