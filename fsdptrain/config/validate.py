@@ -15,6 +15,7 @@ from fsdptrain.config.schema import (
     ATTN_BACKENDS,
     DATA_SOURCES,
     DEVICES,
+    DRAFT_ON,
     DTYPES,
     LR_SCHEDULES,
     MODEL_ARCHS,
@@ -52,6 +53,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": DEVICES,
     "parallel.param_dtype": DTYPES,
     "parallel.reduce_dtype": DTYPES,
+    "drafter.on": DRAFT_ON,
+    "drafter.export_dtype": DTYPES,
 }
 
 _POSITIVE_INTS = (
@@ -59,17 +62,18 @@ _POSITIVE_INTS = (
     "algorithm.ppo_epochs", "loss.logprob_chunk_size", "rollout.prompts_per_step", "rollout.n",
     "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
-    "check.num_prompts", "algorithm.filter_groups_max_rounds",
+    "check.num_prompts", "algorithm.filter_groups_max_rounds", "drafter.vocab_from_steps",
 )
 _NON_NEGATIVE = (
     "trainer.warmup_steps", "trainer.weight_decay", "trainer.grad_clip", "trainer.critic_grad_clip",
     "trainer.eval_every", "checkpoint.every", "algorithm.entropy_coef", "algorithm.kl_loss_coef",
     "algorithm.kl_in_reward_coef", "algorithm.cliprange_value", "algorithm.clip_ratio_low",
     "algorithm.clip_ratio_high", "data.num_eval_prompts", "check.rtol", "check.atol",
+    "drafter.loss_weight", "drafter.weight_decay", "drafter.grad_clip",
 )
 _POSITIVE_FLOATS = (
     "trainer.lr", "trainer.critic_lr", "rollout.temperature", "trainer.grad_norm_warn_factor", "trainer.adam_eps",
-    "algorithm.dro_beta", "algorithm.rollout_correction_cap",
+    "algorithm.dro_beta", "algorithm.rollout_correction_cap", "drafter.lr",
 )
 
 
@@ -162,11 +166,26 @@ def _check_cross_fields(cfg: DictConfig) -> None:
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
 
 
+def _check_drafter(cfg: DictConfig) -> None:
+    drafter = cfg.drafter
+    layers = drafter.feature_layers
+    if layers is not None and (len(layers) != 3 or any(i < 0 for i in layers)):
+        raise ConfigError(f"drafter.feature_layers={list(layers)} must name 3 policy layers (indices >= 0), "
+                          "or be null for vLLM's default")
+    size = drafter.draft_vocab_size
+    if size is not None and size < 1:
+        raise ConfigError(f"drafter.draft_vocab_size={size} must be a positive integer (or null)")
+    if drafter.enabled and drafter.vocab_path is None and drafter.vocab_from_steps > cfg.trainer.steps:
+        raise ConfigError(f"drafter.vocab_from_steps={drafter.vocab_from_steps} must be at most "
+                          f"trainer.steps={cfg.trainer.steps} (the drafter trains after its vocabulary is counted)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every choice, range and cross-field rule of a composed config; raise :class:`ConfigError` on the first."""
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_cross_fields(cfg)
+    _check_drafter(cfg)
 
 
 def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:
