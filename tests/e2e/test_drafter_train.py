@@ -41,7 +41,7 @@ def test_drafter_trains_and_logs_its_metrics(reference_run):
         for key in DRAFTER_METRICS:
             assert math.isfinite(row[key]), (row["step"], key)
         assert 0.0 <= row["drafter/accept_prob"] <= 1.0
-        assert 1.0 <= row["drafter/expected_accept_len@3"] <= 3.0
+        assert 0.0 <= row["drafter/expected_accept_len@3"] <= 3.0  # accepted draft tokens of 3 (no bonus)
         assert row["drafter/global_num_tokens"] > 0
     assert rows[1]["drafter/loss"] != rows[0]["drafter/loss"]  # the drafter moved (and so did its teacher)
 
