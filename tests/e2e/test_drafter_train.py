@@ -15,7 +15,7 @@ import torch
 
 from fsdptrain.model.drafter import ARCHITECTURE, load_drafter
 from tests.conftest import run_cli
-from tests.e2e.test_resume_export import load_dcp, read_metrics
+from tests.e2e.test_resume_export import copy_checkpoint, load_dcp, read_metrics
 
 TINY = (
     "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
@@ -107,3 +107,23 @@ def test_bad_drafter_settings_exit_2_with_one_line(cli, override, needle):
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     assert needle in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_resume_while_the_vocabulary_is_counted(tmp_path):
+    """vocab_from_steps=2 and a resume after step 1: the counts so far come back from the checkpoint, so the
+    vocabulary, and every later number, are those of the uninterrupted run."""
+    args = (*TINY, *DRAFTER, "drafter.vocab_from_steps=2", "drafter.draft_vocab_size=10", "checkpoint.every=1",
+            "checkpoint.keep=5")
+    whole = run_cli("train", *args, f"trainer.run_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    copy_checkpoint(tmp_path / "whole", 1, tmp_path / "resumed")
+    (tmp_path / "resumed" / "metrics.jsonl").write_text((tmp_path / "whole" / "metrics.jsonl").read_text())
+    resumed = run_cli("train", *args, "trainer.resume=auto", f"trainer.run_dir={tmp_path / 'resumed'}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "after step 1" in resumed.stdout + resumed.stderr
+    want, got = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    assert "drafter/accept_prob" not in want[0] and "drafter/accept_prob" in want[1]
+    for w, g in zip(want[1:], got[1:], strict=True):
+        for key in [k for k in w if not k.startswith("perf/")]:
+            assert g[key] == w[key], (w["step"], key)
