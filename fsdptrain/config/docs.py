@@ -27,6 +27,7 @@ GROUP_INTROS = {
     "perf": "Performance accounting (see docs/performance.md).",
     "checkpoint": "Periodic checkpoints (see docs/checkpointing.md).",
     "check": "Tolerances of `fsdptrain check-metrics` (see docs/check-metrics.md).",
+    "drafter": "An EAGLE-3 speculative-decoding drafter co-trained with the policy (see docs/drafter.md).",
 }
 
 

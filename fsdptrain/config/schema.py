@@ -28,6 +28,7 @@ REWARD_MODEL_NORMALIZE = ("none", "batch", "running")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
 RECOMPUTE_MODES = ("auto", "always")
+DRAFT_ON = ("response", "all")
 
 
 @dataclass
@@ -310,6 +311,34 @@ class CheckConfig:
 
 
 @dataclass
+class DrafterConfig:
+    enabled: bool = False
+    """Co-train an EAGLE-3 drafter with the policy, in the same train step (docs/drafter.md)."""
+    feature_layers: Optional[list[int]] = None
+    """The three policy layers whose inputs feed the drafter (HF hidden_states indices); null: vLLM's default."""
+    draft_vocab_size: Optional[int] = None
+    """Tokens of the draft vocabulary (at most the policy's vocabulary); null: min(32000, the policy's vocabulary)."""
+    vocab_path: Optional[str] = None
+    """JSON file of the draft vocabulary's token ids (save_draft_vocab's format); null: built from the rollouts."""
+    vocab_from_steps: int = 1
+    """Without vocab_path: count the tokens of the first this many steps' rollouts; the drafter trains from then on."""
+    on: str = "response"
+    """Which predicted tokens train the drafter: response (response tokens only) or all."""
+    loss_weight: float = 1.0
+    """Weight of the draft loss in loss = policy_loss + loss_weight * draft_loss."""
+    lr: float = 1.0e-4
+    """The drafter's AdamW learning rate (its own optimizer; the policy's schedule)."""
+    weight_decay: float = 0.0
+    """The drafter's AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the drafter's gradient to this global L2 norm (its own clip; 0 turns clipping off)."""
+    init_head_from_policy: bool = True
+    """Start the draft head from the policy's output rows of the draft vocabulary."""
+    export_dtype: str = "bfloat16"
+    """Dtype of the exported drafter's weights (export/drafter/): float32, bfloat16 or float16."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -323,6 +352,7 @@ class Config:
     perf: PerfConfig = field(default_factory=PerfConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
 
 
 SCHEMA_GROUPS = {
@@ -338,6 +368,7 @@ SCHEMA_GROUPS = {
     "perf": PerfConfig,
     "checkpoint": CheckpointConfig,
     "check": CheckConfig,
+    "drafter": DrafterConfig,
 }
 
 

@@ -18,6 +18,7 @@ from fsdptrain.config.schema import (
     ATTN_BACKENDS,
     DATA_SOURCES,
     DEVICES,
+    DRAFT_ON,
     DTYPES,
     GATHER_MODES,
     LOGGING_BACKENDS,
@@ -65,6 +66,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.gather_weights": GATHER_MODES,
     "algorithm.recompute_old_logprobs": RECOMPUTE_MODES,
     "reward.model_normalize": REWARD_MODEL_NORMALIZE,
+    "drafter.on": DRAFT_ON,
+    "drafter.export_dtype": DTYPES,
 }
 
 _POSITIVE_INTS = (
@@ -73,6 +76,7 @@ _POSITIVE_INTS = (
     "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
     "check.num_prompts", "data.max_response_length", "algorithm.filter_groups_max_rounds", "data.num_rows",
+    "drafter.vocab_from_steps",
 )
 """Every other int field of the schema must be >= 0 (seeds, counts, intervals): see :func:`_check_ints`."""
 
@@ -111,6 +115,10 @@ FLOAT_RANGES: dict[str, tuple[float, bool, float, bool]] = {
     "reward.timeout_score": (-_INF, False, _INF, False),
     "rollout.gather_weights_max_share": (0.0, False, 1.0, True),
     "perf.peak_tflops": (0.0, False, _INF, False),
+    "drafter.loss_weight": (0.0, True, _INF, False),
+    "drafter.lr": (0.0, False, _INF, False),
+    "drafter.weight_decay": (0.0, True, _INF, False),
+    "drafter.grad_clip": (0.0, True, _INF, False),
     "reward.model_clip": (0.0, False, _INF, False),
 }
 """The real range of every float field of the schema (a unit test checks that none is missing)."""
@@ -293,6 +301,21 @@ def _check_cross_fields(cfg: DictConfig) -> None:
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
 
 
+def _check_drafter(cfg: DictConfig) -> None:
+    drafter = cfg.drafter
+    layers = drafter.feature_layers
+    if layers is not None and (len(layers) != 3 or any(i < 0 for i in layers)):
+        raise ConfigError(f"drafter.feature_layers={list(layers)} must name 3 policy layers (indices >= 0), "
+                          "or be null for vLLM's default")
+    size = drafter.draft_vocab_size
+    if size is not None and size < 1:
+        raise ConfigError(f"drafter.draft_vocab_size={size} must be a positive integer (or null)")
+    steps = cfg.trainer.steps if cfg.trainer.steps is not None else DEFAULT_STEPS  # epochs: checked at the run
+    if drafter.enabled and drafter.vocab_path is None and drafter.vocab_from_steps > steps:
+        raise ConfigError(f"drafter.vocab_from_steps={drafter.vocab_from_steps} must be at most "
+                          f"trainer.steps={steps} (the drafter trains after its vocabulary is counted)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every choice, range and cross-field rule of a composed config; raise :class:`ConfigError` on the first."""
     _check_choices(cfg)
@@ -300,6 +323,7 @@ def validate(cfg: DictConfig) -> None:
     _check_cross_fields(cfg)
     _check_steps_and_logging(cfg)
     _check_reward_models(cfg)
+    _check_drafter(cfg)
 
 
 def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:

@@ -268,6 +268,25 @@ def output_projection_weight(model: nn.Module) -> torch.Tensor:
     return weight
 
 
+def shard_as_one_unit(module: nn.Module, *, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                      device: torch.device) -> nn.Module:
+    """fully_shard a small module (the co-trained drafter) as ONE unit with the policy's mixed precision, in place.
+
+    It must hold the same weights on every rank (built from the same seed); each rank keeps its shard. The unit
+    never reshards after forward, so a loss run after its forward can read a weight (the draft head) unsharded.
+    """
+    module.to(device)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    return module
+
+
+def gather_rows(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`weight[rows]` of a (possibly sharded) parameter, detached, on every rank. Collective for a DTensor."""
+    full = weight.full_tensor() if isinstance(weight, DTensor) else weight
+    return full.detach()[rows.to(full.device)].clone()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Size report and gathering (tests, export)
 # ---------------------------------------------------------------------------------------------------------------

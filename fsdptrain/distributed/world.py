@@ -197,3 +197,9 @@ def any_flag(flag: bool) -> bool:
     return agree_max_int(1 if flag else 0) == 1
 
 
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group of more than one rank)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()

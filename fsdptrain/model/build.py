@@ -136,12 +136,14 @@ def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of decoder layers: the one whose blocks are the model's `_no_split_modules` classes."""
+    """The ModuleList of decoder layers: the one whose blocks are the model's `_no_split_modules` classes (also
+    after FSDP2 sharding)."""
     no_split = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
             inner = [_unwrap(block) for block in module]
-            if all(type(block).__name__ in no_split for block in inner):
+            # by the class or a base: fully_shard swaps in a subclass (FSDP<Name>) of the layer's class
+            if all(any(cls.__name__ in no_split for cls in type(block).__mro__) for block in inner):
                 return module
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__}: no nn.ModuleList of its _no_split_modules "

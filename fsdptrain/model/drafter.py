@@ -112,6 +112,16 @@ def build_draft_vocab(sequences: Iterable[Sequence[int] | Tensor], *, vocab_size
     return DraftVocab.from_target_ids(chosen, vocab_size)
 
 
+def draft_vocab_from_counts(counts_V: Tensor, *, draft_vocab_size: int) -> DraftVocab:
+    """The `draft_vocab_size` ids of highest count in `counts_V` (`[V]`, e.g. all-reduced over ranks), ties and
+    unseen ids by the lowest id: the same choice as `build_draft_vocab` on the sequences counted."""
+    vocab_size = counts_V.numel()
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"drafter.draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    order = torch.argsort(-counts_V.to(torch.float64).cpu(), stable=True)  # stable: equal counts keep id order
+    return DraftVocab.from_target_ids(order[:draft_vocab_size].tolist(), vocab_size)
+
+
 def save_draft_vocab(vocab: DraftVocab, path: str | os.PathLike) -> None:
     """A JSON file `{"vocab_size": V, "token_ids": [...]}` (ascending target ids)."""
     data = {"vocab_size": vocab.t2d.numel(), "token_ids": vocab.draft_to_target.tolist()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -18,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import validate_world
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.model.drafter import DraftVocab, draft_vocab_from_counts
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.train.drafter_setup import build_drafter, draft_vocab_size, local_token_counts, vocab_from_file
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.files import write_atomic
 from fsdptrain.train.group_filter import filter_groups
@@ -49,8 +52,14 @@ from fsdptrain.train.setup import (
 )
 from fsdptrain.train.signals import StopRequest
 from fsdptrain.train.sources import OfflineSource
-from fsdptrain.train.step import MiniBatch, reduce_metrics, update_on_minibatch
+from fsdptrain.train.step import DrafterUpdate, MiniBatch, reduce_metrics, update_on_minibatch
 from fsdptrain.train.trackers import Trackers
+
+
+def actor_and_drafter_names(metrics: Metrics) -> Metrics:
+    """The policy step's metrics under `actor/`, the co-trained drafter's under their own `drafter/` names."""
+    return Metrics((name if name.startswith("drafter/") else "actor/" + name, metric)
+                   for name, metric in metrics.items())
 
 
 class Trainer:
@@ -75,6 +84,33 @@ class Trainer:
         self.critic_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.critic_grad_clip, "critic")
         self.skip_old_passes = skips_old_passes(cfg)
         self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
+        self.drafter: Optional[DrafterUpdate] = None
+        self.drafter_scheduler = None
+        self.draft_counts: Optional[torch.Tensor] = None
+        """Token counts (summed over ranks) of the steps so far, while the draft vocabulary is being counted."""
+        if cfg.drafter.enabled:
+            vocab_size = self.models.policy.config.vocab_size
+            draft_vocab_size(cfg, vocab_size)  # a size above the vocabulary fails before the first step
+            if cfg.drafter.vocab_path is not None:
+                self.start_drafter(vocab_from_file(cfg, vocab_size))
+
+    # -- the co-trained drafter -------------------------------------------------------------------------------------
+
+    def start_drafter(self, vocab: DraftVocab) -> None:
+        """Build the sharded drafter, its optimizer and scheduler over `vocab` (collective)."""
+        self.drafter, self.drafter_scheduler = build_drafter(self.cfg, self.models.policy, vocab, mesh=self.mesh,
+                                                             device=self.device, backend=self.models.backend)
+
+    def count_draft_vocab(self, step: int, rollouts: list[Rollout]) -> None:
+        """Add this step's token counts (summed over ranks); after `drafter.vocab_from_steps` steps, build the
+        drafter over the most frequent tokens (collective)."""
+        vocab_size = self.models.policy.config.vocab_size
+        counts = world.all_reduce_sum(local_token_counts(rollouts, vocab_size, on=self.cfg.drafter.on))
+        self.draft_counts = counts if self.draft_counts is None else self.draft_counts + counts
+        if step + 1 >= self.cfg.drafter.vocab_from_steps:
+            size = draft_vocab_size(self.cfg, vocab_size)
+            self.start_drafter(draft_vocab_from_counts(self.draft_counts, draft_vocab_size=size))
+            self.draft_counts = None
 
     # -- experience --------------------------------------------------------------------------------------------------
 
@@ -143,20 +179,23 @@ class Trainer:
                       token_budget=cfg.trainer.token_budget, device=self.device)
         collected = []
         facts = {"actor/grad_norm": [], "critic/grad_norm": [], "loss/global_num_tokens": [],
-                 "loss/global_num_seqs": []}
+                 "loss/global_num_seqs": [], "drafter/grad_norm": [], "drafter/global_num_tokens": []}
         guard_value = None
         for epoch in range(cfg.algorithm.ppo_epochs):
             for index, batch in enumerate(batches):
                 metrics, outcome = update_on_minibatch(
                     models.policy, models.policy_optimizer, batch, loss_fn=packed_policy_loss,
                     settings=self.policy_settings, grad_clip=cfg.trainer.grad_clip, guard=self.policy_guard,
-                    **common)
+                    drafter=self.drafter, **common)
                 if epoch == 0 and index == 0 and on_policy:
                     values = finalize(metrics)
                     deviations = [abs(values[k] - 1.0) for k in ("probs_ratio_min", "probs_ratio_max") if k in values]
                     guard_value = max(deviations) if deviations else None
-                collected.append(close_minibatch(metrics.prefixed("actor/")))
+                collected.append(close_minibatch(actor_and_drafter_names(metrics)))
                 facts["actor/grad_norm"].append(outcome.grad_norm)
+                if outcome.drafter is not None:
+                    facts["drafter/grad_norm"].append(outcome.drafter.grad_norm)
+                    facts["drafter/global_num_tokens"].append(outcome.drafter.norms.global_num_tokens)
                 facts["loss/global_num_tokens"].append(outcome.norms.global_num_tokens)
                 facts["loss/global_num_seqs"].append(outcome.norms.global_num_seqs)
                 self.policy_watch.observe(outcome.grad_norm)
@@ -193,12 +232,14 @@ class Trainer:
                 raise RuntimeError(f"step {step}: no prompt group with a reward signal after "
                                    f"{self.cfg.algorithm.filter_groups_max_rounds} round(s) of dynamic sampling: "
                                    "raise algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
+            if self.cfg.drafter.enabled and self.drafter is None:
+                self.count_draft_vocab(step, rollouts)
             with phase("experience"):
                 targets, facts = self.make_experience(rollouts)
             batches = self.minibatches(rollouts, targets)
             with phase("update"):
                 update_metrics, update_facts = self.update(batches, facts["on_policy"])
-            for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler):
+            for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler, self.drafter_scheduler):
                 if scheduler is not None:
                     scheduler.step()
             experience = merge_all([filter_metrics, facts["metrics"]])
@@ -215,6 +256,9 @@ class Trainer:
         if isinstance(self.source, PromptSource):
             result["data/epoch"] = self.source.epoch_progress()
             result["data/num_long_prompts_skipped"] = self.source.dropped["train"]
+        if self.drafter is not None:
+            result["drafter/lr"] = self.drafter.optimizer.param_groups[0]["lr"]
+            result["drafter/nonfinite_skipped"] = self.drafter.guard.num_skipped
         return result
 
 

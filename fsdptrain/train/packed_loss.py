@@ -106,12 +106,16 @@ def old_or_current(old_R: Sequence[Optional[Tensor]], current_T: Tensor, packed:
 
 
 def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
-                         compute_entropy: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+                         compute_entropy: bool = True, hidden_TH: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Optional[Tensor]]:
     """Per-token log-prob of the next token and the policy's entropy over the packed row: `([T], [T] or None)`.
 
     Positions with no next token (each sequence's last, the padding tail) get target id 0; the losses mask them.
+    `hidden_TH`: the final hidden states of a forward the caller already ran (the co-trained drafter's capture);
+    None runs the forward here.
     """
-    hidden_TH = final_hidden_states(model, packed)
+    if hidden_TH is None:
+        hidden_TH = final_hidden_states(model, packed)
     head = model.get_output_embeddings()
     targets_T = torch.where(packed.label_mask[0], packed.labels[0], torch.zeros_like(packed.labels[0]))
     return chunked_logprobs_entropy(
@@ -121,16 +125,16 @@ def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chun
 
 
 def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                       settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
+                       settings: PolicyLossSettings, hidden_TH: Optional[Tensor] = None) -> tuple[Tensor, Metrics]:
     """The policy loss of one pack (one micro-batch) with the mini-batch's global normalisers, and its metrics.
 
     `targets[i]` belongs to the pack's i-th sequence. The loss is this micro-batch's share of the mini-batch scalar
     (times dp_size, applied inside `agg_loss`): summing it over micro-batches and FSDP's mean over ranks give the
-    whole mini-batch's loss.
+    whole mini-batch's loss. `hidden_TH` as in `policy_token_outputs`.
     """
     device = packed.input_ids.device
     logprobs_T, entropy_T = policy_token_outputs(model, packed, temperature=settings.temperature,
-                                                 chunk_size=settings.chunk_size)
+                                                 chunk_size=settings.chunk_size, hidden_TH=hidden_TH)
     mask_T = packed.response_mask[0]
     ref_T = None
     if settings.use_reference:

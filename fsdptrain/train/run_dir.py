@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.checkpoint import load_checkpoint, save_checkpoint
+from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from fsdptrain.distributed.checkpoint_check import newest_intact_checkpoint
 from fsdptrain.distributed.export import export_hf
 from fsdptrain.rl.reward_scale import RunningMoments
+from fsdptrain.train.drafter_setup import export_sharded_drafter, placeholder_vocab
 from fsdptrain.train.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.train.progress import log
 from fsdptrain.train.run_ownership import run_id
@@ -29,6 +30,9 @@ def _checkpoint_state(trainer: "Trainer") -> tuple[dict, dict, dict]:
     schedulers = {"policy": m.policy_scheduler}
     if m.critic is not None:
         models["critic"], optimizers["critic"], schedulers["critic"] = m.critic, m.critic_optimizer, m.critic_scheduler
+    if trainer.drafter is not None:  # its weights, d2t/t2d (buffers), optimizer and scheduler
+        models["drafter"], optimizers["drafter"] = trainer.drafter.module, trainer.drafter.optimizer
+        schedulers["drafter"] = trainer.drafter_scheduler
     return models, optimizers, schedulers
 
 
@@ -48,6 +52,10 @@ def save(trainer: "Trainer", run_dir: Path, done: int) -> Path:
     moments = getattr(trainer.source, "reward_moments", None)
     if moments:
         extra["reward_model_moments"] = [m.state_dict() for m in moments]
+    if trainer.drafter is not None:
+        extra["drafter_nonfinite"] = [trainer.drafter.guard.num_skipped, trainer.drafter.guard.num_in_a_row]
+    if trainer.draft_counts is not None:  # the draft vocabulary is still being counted
+        extra["draft_counts"] = trainer.draft_counts.clone()
     return save_checkpoint(run_dir, done, models=models, optimizers=optimizers, schedulers=schedulers, extra=extra,
                            keep=trainer.cfg.checkpoint.keep, run_id=run_id(run_dir))
 
@@ -61,6 +69,9 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
     if path is None:
         log(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting fresh")
         return 0
+    if "drafter" in checkpoint_info(path)["models"] and trainer.drafter is None:
+        # the drafter's shapes, then the checkpoint's weights and d2t/t2d
+        trainer.start_drafter(placeholder_vocab(trainer.cfg, trainer.models.policy.config.vocab_size))
     models, optimizers, schedulers = _checkpoint_state(trainer)
     extra = load_checkpoint(path, models=models, optimizers=optimizers, schedulers=schedulers)
     per_step = trainer.cfg.rollout.prompts_per_step
@@ -80,6 +91,9 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
     trainer.policy_guard.num_skipped, trainer.policy_guard.num_in_a_row = extra["nonfinite"]["policy"]
     trainer.critic_guard.num_skipped, trainer.critic_guard.num_in_a_row = extra["nonfinite"]["critic"]
     trainer.policy_watch.in_a_row, trainer.critic_watch.in_a_row = extra["grad_norm_watch"]
+    if trainer.drafter is not None:
+        trainer.drafter.guard.num_skipped, trainer.drafter.guard.num_in_a_row = extra["drafter_nonfinite"]
+    trainer.draft_counts = extra.get("draft_counts")
     log(f"resumed from {path} after step {extra['step']}")
     return int(extra["step"])
 
@@ -110,3 +124,6 @@ def export(trainer: "Trainer", run_dir: Path) -> None:
     export_hf(trainer.models.policy, run_dir / "export" / "policy", tokenizer=trainer.tokenizer)
     if trainer.models.critic is not None:
         export_hf(trainer.models.critic, run_dir / "export" / "critic", tokenizer=trainer.tokenizer)
+    if trainer.drafter is not None:
+        export_sharded_drafter(trainer.drafter.module, run_dir / "export" / "drafter", trainer.models.policy.config,
+                               dtype=trainer.cfg.drafter.export_dtype)

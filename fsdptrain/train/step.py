@@ -24,8 +24,15 @@ from fsdptrain.distributed import world
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import Schema, describe, flatten, unflatten
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
+from fsdptrain.train.cotrain import (
+    CoTrainSettings,
+    DraftLossSettings,
+    global_normalizers_with_draft,
+    local_draft_counts,
+    packed_policy_and_draft_loss,
+)
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.train.packed_loss import SeqTargets
+from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -64,11 +71,14 @@ def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
     return plan
 
 
+def local_counts(batch: MiniBatch) -> tuple[int, int]:
+    """This rank's response tokens and sequences with at least one (no collective)."""
+    return sum(len(r) for r in batch.responses), sum(1 for r in batch.responses if len(r) > 0)
+
+
 def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float]) -> LossNormalizers:
     """The mini-batch's global counts (collective): response tokens and sequences with at least one such token."""
-    local = torch.tensor([sum(len(r) for r in batch.responses), sum(1 for r in batch.responses if len(r) > 0)],
-                         dtype=torch.float64)
-    total = world.all_reduce_sum(local)
+    total = world.all_reduce_sum(torch.tensor(local_counts(batch), dtype=torch.float64))
     return LossNormalizers(global_num_tokens=int(total[0]), global_num_seqs=int(total[1]), dp_size=dp_size,
                            loss_scale_factor=loss_scale_factor)
 
@@ -136,11 +146,24 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
 
 @dataclass
 class StepOutcome:
-    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, and the normalisers used."""
+    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, and the normalisers used
+    (with a co-trained drafter, `drafter` is the drafter's own step)."""
 
     grad_norm: float
     skipped: bool
     norms: Optional[LossNormalizers] = None
+    drafter: Optional["StepOutcome"] = None
+
+
+@dataclass
+class DrafterUpdate:
+    """A drafter co-trained with the policy: its sharded module, its own optimizer, clip and guard, its loss."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_clip: float
+    guard: NonFiniteGuard
+    loss: DraftLossSettings
 
 
 def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
@@ -155,11 +178,30 @@ def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard)
 
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
-                        guard: NonFiniteGuard, device: torch.device) -> tuple[Metrics, StepOutcome]:
-    """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome."""
-    norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
-    accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
-                                       token_budget=token_budget, device=device)
+                        guard: NonFiniteGuard, device: torch.device, drafter: Optional[DrafterUpdate] = None
+                        ) -> tuple[Metrics, StepOutcome]:
+    """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
+
+    With ``drafter`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
+    train the drafter too (`packed_policy_and_draft_loss`), and the drafter then takes its own clipped step.
+    """
+    if drafter is None:
+        norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+        accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
+                                           token_budget=token_budget, device=device)
+    else:
+        assert loss_fn is packed_policy_loss, "a drafter co-trains with the policy loss only"
+        plan = plan_agreed(batch.lengths(), token_budget)
+        draft_counts = local_draft_counts(batch.prompts, batch.responses, plan, on=drafter.loss.on)
+        norms, draft_norms = global_normalizers_with_draft(local_counts(batch), draft_counts, dp_size=dp_size,
+                                                           loss_scale_factor=loss_scale_factor)
+        joint = CoTrainSettings(policy=settings, drafter=drafter.module, draft=drafter.loss, draft_norms=draft_norms)
+        accumulated = accumulate_gradients(model, batch, loss_fn=packed_policy_and_draft_loss, settings=joint,
+                                           norms=norms, token_budget=token_budget, device=device, plan=plan)
     outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
     outcome.norms = norms
+    if drafter is not None:
+        outcome.drafter = optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
+                                         guard=drafter.guard)
+        outcome.drafter.norms = draft_norms
     return reduce_metrics(accumulated.metrics), outcome

@@ -1,0 +1,95 @@
+"""The policy and its EAGLE-3 drafter in one train step: one policy forward, one backward (docs/drafter.md).
+
+Legend: `_T` per-position tensors of one packed row, `_TH` `[T, H]`, `_DH` `[D, H]`.
+
+    loss = policy_loss + loss_weight * draft_loss
+
+The policy's forward runs once, through `capture_policy_features`: its final hidden state feeds the policy's chunked
+log-probs (with the graph) and the drafter's teacher (detached); the feature layers and the embeddings reach the
+drafter detached. So the policy's gradients are those of the policy loss alone, bit for bit; the drafter's come
+from the draft loss alone. The draft loss has its own global normalisers (its mask is not the response mask),
+counted over this rank's packs and all-reduced in the same call as the policy's counts (`global_normalizers_with_draft`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
+from fsdptrain.distributed import world
+from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.draft_loss import draft_loss
+from fsdptrain.rl.metrics import Metrics
+from fsdptrain.train.packed_loss import (
+    PolicyLossSettings,
+    SeqTargets,
+    count_draft_tokens_and_seqs,
+    packed_draft_mask,
+    packed_policy_loss,
+)
+
+
+@dataclass(frozen=True)
+class DraftLossSettings:
+    """The draft loss's knobs (fixed per run): which tokens train it, its weight, the attention backend."""
+
+    on: str
+    loss_weight: float
+    backend: str
+
+
+@dataclass(frozen=True)
+class CoTrainSettings:
+    """What `packed_policy_and_draft_loss` needs besides the data and the policy's normalisers: the policy loss's
+    settings, the (sharded) drafter, the draft loss's settings and the mini-batch's draft normalisers."""
+
+    policy: PolicyLossSettings
+    drafter: nn.Module
+    draft: DraftLossSettings
+    draft_norms: LossNormalizers
+
+
+def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *,
+                                 norms: LossNormalizers, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
+    """policy_loss + loss_weight * draft_loss of one pack, and both losses' metrics (the drafter's named
+    `drafter/*`). The agg mode, temperature and chunk size are the policy's."""
+    drafter, policy = settings.drafter, settings.policy
+    features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
+    loss, metrics = packed_policy_loss(model, packed, targets, norms=norms, settings=policy,
+                                       hidden_TH=features.final_hidden_TH)
+    teacher_DH, teacher_bias_D = teacher_head_rows(model, drafter)
+    with drafter.attention(settings.draft.backend):
+        draft_hidden_TH = run_drafter(drafter, features, packed)
+    mask_T = packed_draft_mask(packed, on=settings.draft.on).to(draft_hidden_TH.device)
+    # the drafter's root unit keeps its weights unsharded after forward, so its head reads as a plain tensor here
+    d_loss, d_metrics = draft_loss(
+        draft_hidden_TH, drafter.lm_head.weight, features.final_hidden_TH, teacher_DH, mask_T,
+        norms=settings.draft_norms, agg_mode=policy.agg_mode, cu_seqlens=packed.cu_seqlens,
+        temperature=policy.temperature, chunk_size=policy.chunk_size, teacher_bias_D=teacher_bias_D,
+    )
+    return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
+
+
+def local_draft_counts(prompts, responses, plan: PackPlan, *, on: str) -> tuple[int, int]:
+    """(scored draft positions, sequences with one) over this rank's packs of the mini-batch (no collective)."""
+    tokens = seqs = 0
+    for pack in plan.packs:
+        num_tokens, num_seqs = count_draft_tokens_and_seqs(pack_sequences(prompts, responses, pack), on=on)
+        tokens, seqs = tokens + num_tokens, seqs + num_seqs
+    return tokens, seqs
+
+
+def global_normalizers_with_draft(policy_counts: tuple[int, int], draft_counts: tuple[int, int], *, dp_size: int,
+                                  loss_scale_factor) -> tuple[LossNormalizers, LossNormalizers]:
+    """The policy's and the drafter's global normalisers from this rank's counts, in ONE all-reduce (collective)."""
+    total = world.all_reduce_sum(torch.tensor([*policy_counts, *draft_counts], dtype=torch.float64))
+    policy = LossNormalizers(global_num_tokens=int(total[0]), global_num_seqs=int(total[1]), dp_size=dp_size,
+                             loss_scale_factor=loss_scale_factor)
+    draft = LossNormalizers(global_num_tokens=int(total[2]), global_num_seqs=int(total[3]), dp_size=dp_size,
+                            loss_scale_factor=loss_scale_factor)
+    return policy, draft

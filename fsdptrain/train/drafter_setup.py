@@ -1,0 +1,122 @@
+"""The co-trained drafter's life in a run: its vocabulary, its sharded build, its optimizer, its export.
+
+Every rank runs these collectively, in the same order. The drafter is built once its draft vocabulary is known:
+at start from `drafter.vocab_path`, or from the token counts of the first `drafter.vocab_from_steps` steps' rollouts
+(summed over ranks, so every rank builds the same vocabulary), right before that last step's update. Its random
+initialisation draws from a generator of its own (seeded from `trainer.seed`), so turning the drafter on leaves the
+global RNG, and hence the rollouts and the policy's run, unchanged. docs/drafter.md describes the whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+
+from fsdptrain.config import ConfigError
+from fsdptrain.data.rollout import Rollout
+from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import gather_full_state_dict, gather_rows, shard_as_one_unit
+from fsdptrain.model.build import decoder_layers
+from fsdptrain.model.drafter import (
+    DraftVocab,
+    Eagle3Drafter,
+    default_feature_layers,
+    draft_config,
+    export_drafter,
+    load_draft_vocab,
+)
+from fsdptrain.train.cotrain import DraftLossSettings
+from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
+from fsdptrain.train.step import DrafterUpdate
+
+DEFAULT_DRAFT_VOCAB = 32000
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DRAFTER_SEED_OFFSET = 7919
+"""The drafter's init seed is trainer.seed + this (any fixed offset: the policy's seeds are trainer.seed and +1)."""
+
+
+def draft_vocab_size(cfg: DictConfig, vocab_size: int) -> int:
+    """`drafter.draft_vocab_size`, or min(32000, V) when null; a size above the policy's vocabulary is an error."""
+    size = cfg.drafter.draft_vocab_size
+    if size is None:
+        return min(DEFAULT_DRAFT_VOCAB, vocab_size)
+    if size > vocab_size:
+        raise ConfigError(f"drafter.draft_vocab_size={size} is larger than the policy's vocabulary of {vocab_size} "
+                          f"tokens: choose at most {vocab_size} (or null)")
+    return size
+
+
+def local_token_counts(rollouts: list[Rollout], vocab_size: int, *, on: str) -> torch.Tensor:
+    """float64 `[V]`: how often each id is a token the drafter would predict (response tokens, or every token with
+    `on=all`) in this rank's rollouts."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in rollouts:
+        ids = list(r.response_ids) if on == "response" else list(r.prompt_ids) + list(r.response_ids)
+        if ids:
+            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size).to(torch.float64)
+    return counts
+
+
+def vocab_from_file(cfg: DictConfig, vocab_size: int) -> DraftVocab:
+    vocab = load_draft_vocab(cfg.drafter.vocab_path, vocab_size=vocab_size)
+    if vocab.size != draft_vocab_size(cfg, vocab_size) and cfg.drafter.draft_vocab_size is not None:
+        raise ConfigError(f"{cfg.drafter.vocab_path} holds {vocab.size} tokens but drafter.draft_vocab_size="
+                          f"{cfg.drafter.draft_vocab_size}: set drafter.draft_vocab_size=null or {vocab.size}")
+    return vocab
+
+
+def placeholder_vocab(cfg: DictConfig, vocab_size: int) -> DraftVocab:
+    """The first D ids: a drafter of the right shapes whose d2t/t2d a checkpoint then overwrites."""
+    return DraftVocab.from_target_ids(range(draft_vocab_size(cfg, vocab_size)), vocab_size)
+
+
+def plain_drafter(policy, vocab: DraftVocab, *, feature_layers, init_head_from_policy: bool,
+                  seed: int) -> Eagle3Drafter:
+    """The full drafter on the CPU, the same on every rank (collective when the head is copied from a sharded
+    policy)."""
+    num_layers = len(decoder_layers(policy))
+    layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(num_layers)
+    if any(not 0 <= i < num_layers for i in layers):
+        raise ConfigError(f"drafter.feature_layers={list(layers)} must lie in [0, {num_layers}) for this policy "
+                          f"of {num_layers} decoder layers")
+    config = draft_config(policy.config, draft_vocab_size=vocab.size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drafter = Eagle3Drafter(config, vocab, layers)
+    if init_head_from_policy:
+        rows = gather_rows(policy.get_output_embeddings().weight, vocab.draft_to_target)
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(rows.to(device="cpu", dtype=drafter.lm_head.weight.dtype))
+    return drafter
+
+
+def build_drafter(cfg: DictConfig, policy, vocab: DraftVocab, *, mesh, device: torch.device,
+                  backend: str) -> tuple[DrafterUpdate, object]:
+    """The sharded drafter, its AdamW (drafter.lr, trainer's betas and eps) and scheduler (the policy's schedule)."""
+    d, t = cfg.drafter, cfg.trainer
+    drafter = plain_drafter(policy, vocab, feature_layers=d.feature_layers,
+                            init_head_from_policy=d.init_head_from_policy, seed=t.seed + DRAFTER_SEED_OFFSET)
+    shard_as_one_unit(drafter, mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
+                      reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype], device=device)
+    optimizer = build_optimizer(drafter, lr=d.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                weight_decay=d.weight_decay)
+    scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                                schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio)
+    update = DrafterUpdate(module=drafter, optimizer=optimizer, grad_clip=d.grad_clip,
+                           guard=NonFiniteGuard(t.max_nonfinite_in_a_row),
+                           loss=DraftLossSettings(on=d.on, loss_weight=d.loss_weight, backend=backend))
+    return update, scheduler
+
+
+def export_sharded_drafter(drafter: Eagle3Drafter, out_dir: Path, target_config, *, dtype: str,
+                           embed_tokens: Optional[torch.Tensor] = None) -> None:
+    """`export_drafter` of the gathered drafter, written by rank 0 (collective)."""
+    state = gather_full_state_dict(drafter)
+    if world.rank() == 0:
+        plain = Eagle3Drafter(drafter.config, DraftVocab(d2t=state["d2t"], t2d=state["t2d"]), drafter.feature_layers)
+        plain.load_state_dict(state, strict=True)
+        export_drafter(plain, out_dir, target_config, dtype=_DTYPES[dtype], embed_tokens=embed_tokens)
+    world.barrier()
