@@ -80,8 +80,10 @@ def resume(trainer: "Trainer", run_dir: Path) -> int:
             f"{path} consumed {extra['data_position']} prompt groups in {extra['step']} steps, which "
             f"rollout.prompts_per_step={per_step} does not give: resume with the run's own rollout.prompts_per_step")
     if extra["step"] > trainer.num_steps:
-        raise ConfigError(f"{path} is after step {extra['step']} but this run has {trainer.num_steps} steps: "
-                          f"raise trainer.steps (or trainer.epochs) to continue this run")
+        given = (f"trainer.steps={trainer.cfg.trainer.steps}" if trainer.cfg.trainer.steps is not None
+                 else f"trainer.epochs={trainer.cfg.trainer.epochs} ({trainer.num_steps} steps)")
+        raise ConfigError(f"{path} is after step {extra['step']} but {given}: raise trainer.steps (or "
+                          f"trainer.epochs) to continue this run")
     order = getattr(trainer.source, "order", None)
     if order is not None:
         if "prompt_order" not in extra:

@@ -4,7 +4,7 @@
 - ``wandb``: a run named after the run directory, files under ``<run_dir>``; ``WANDB_MODE=offline`` (or
   ``wandb offline``) keeps it local.
 - ``mlflow``: a run in the experiment ``fsdptrain`` of the tracking URI mlflow is configured with
-  (``MLFLOW_TRACKING_URI``, e.g. ``file:/path/mlruns``; mlflow's default is ``./mlruns``).
+  (``MLFLOW_TRACKING_URI``; when unset, a local store ``file:<run_dir>/mlruns``).
 
 Only rank 0 opens trackers. A backend whose library is missing is refused by the CLI before any rank starts
 (:func:`missing_backend_message`), so a run never trains for an hour and then finds it cannot log.
@@ -13,6 +13,7 @@ Only rank 0 opens trackers. A backend whose library is missing is refused by the
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -56,6 +57,10 @@ class Trackers:
         if "mlflow" in backends:
             import mlflow
 
+            uri = os.environ.setdefault("MLFLOW_TRACKING_URI", f"file:{run_dir.resolve() / 'mlruns'}")
+            if uri.startswith("file:") or "://" not in uri:
+                # a local folder is what an offline run has; mlflow 3 wants an opt-in for its file store
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_experiment("fsdptrain")
             self.mlflow = mlflow
             mlflow.start_run(run_name=run_dir.name)
