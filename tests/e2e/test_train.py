@@ -122,7 +122,8 @@ def test_stale_old_logprobs_raise_the_on_policy_guard(cli, tmp_path):
         experience.policy_logprobs = _stale
         """))
     env = {"PYTHONPATH": os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])}
-    result = cli("train", *TINY, "trainer.run_name=stale", env=env)
+    # the guard watches the recomputed old log-probs; `auto` skips that pass on a strictly on-policy step
+    result = cli("train", *TINY, "algorithm.recompute_old_logprobs=always", "trainer.run_name=stale", env=env)
     assert result.returncode == 0, result.stderr
     rows = _metrics(tmp_path / "runs" / "stale")
     # old log-probs 0.1 lower than the policy's: the first ratio is exp(0.1) on every token
