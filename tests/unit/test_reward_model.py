@@ -279,3 +279,19 @@ def test_the_critic_refuses_a_reward_model_with_another_tokenizer(folders, mesh)
     with pytest.raises(ConfigError, match="has its own tokenizer"):
         build_value_model_from_reward_model(spec, policy_tokenizer=load_bundled_tokenizer(), path=None,
                                             config=TINY_CONFIG, mesh=mesh)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_offload_setting_reaches_the_reward_model_from_the_config(folders, mesh, offload):
+    """`reward.model_offload` through the trainer's own set-up: the built reward model's FSDP2 units carry the CPU
+    offload policy exactly when the config asks (on a GPU that keeps its shards on the CPU between scorings)."""
+    from fsdptrain.compose import compose_config
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
+    from fsdptrain.train.setup import build_models
+
+    cfg = compose_config(["algorithm=grpo", f"reward.models=[{folders['llama']}]",
+                          f"reward.model_offload={str(offload).lower()}"])
+    models = build_models(cfg, load_bundled_tokenizer(), mesh, torch.device("cpu"), num_steps=1)
+    (reward_model,) = models.reward_models
+    assert _offload_policies(reward_model) == {"CPUOffloadPolicy" if offload else "OffloadPolicy"}
+    assert _offload_policies(models.policy) == {"OffloadPolicy"}  # the setting is the reward model's alone
