@@ -86,3 +86,17 @@ def check_signature(fn: Callable, *, spec: str, what: str, required: Sequence[st
         raise ConfigError(f"{what}: {spec!r} must accept ({expected}); its parameter {unfilled[0]!r} would never be set")
     if var_keyword and not accepts_any_keyword:
         raise ConfigError(f"{what}: {spec!r} must accept ({expected}); add **kwargs to receive the dataset's columns")
+
+
+def resolve_function(name_or_spec: str, registry: dict, *, what: str, required: Sequence[str]) -> Callable:
+    """``registry[name_or_spec]`` for a built-in, else the user's ``module:function`` / ``path.py:function``, loaded
+    and checked to take ``required`` by keyword. ConfigError (one line) for an unknown name or a function that does
+    not fit."""
+    if name_or_spec in registry:
+        return registry[name_or_spec]
+    if ":" not in name_or_spec:
+        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(registry)}) "
+                          "nor of the form module:function or path/to/file.py:function")
+    fn = load_callable(name_or_spec, what=what)
+    check_signature(fn, spec=name_or_spec, what=what, required=required)
+    return fn

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdptrain.distributed import world
+from fsdptrain.distributed.files import fsync_dir
 
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
@@ -155,14 +156,6 @@ def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False)
 def _barrier() -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_durably(path: Path, write) -> None:
@@ -337,7 +330,7 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def load_checkpoint(

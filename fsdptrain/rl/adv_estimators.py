@@ -26,10 +26,9 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from fsdptrain.config import ConfigError
-from fsdptrain.plugins import check_signature, load_callable
+from fsdptrain.plugins import resolve_function
 from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.rl.names import ADV_ESTIMATOR_ARGS, ADV_ESTIMATORS
+from fsdptrain.rl.names import ADV_ESTIMATOR_ARGS
 
 
 @dataclass(frozen=True)
@@ -134,11 +133,4 @@ def resolve_adv_estimator(name_or_spec: str, *, what: str = "algorithm.adv_estim
     """A built-in by name (`ADV_ESTIMATORS`), or a user's `module:function` / `path.py:function` whose signature takes
     `ADV_ESTIMATOR_ARGS` by keyword. Raises ConfigError (one line) for an unknown name or a function that does not fit.
     """
-    if name_or_spec in ADV_ESTIMATOR_REGISTRY:
-        return ADV_ESTIMATOR_REGISTRY[name_or_spec]
-    if ":" not in name_or_spec:
-        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(ADV_ESTIMATORS)}) "
-                          "nor of the form module:function or path/to/file.py:function")
-    fn = load_callable(name_or_spec, what=what)
-    check_signature(fn, spec=name_or_spec, what=what, required=ADV_ESTIMATOR_ARGS)
-    return fn
+    return resolve_function(name_or_spec, ADV_ESTIMATOR_REGISTRY, what=what, required=ADV_ESTIMATOR_ARGS)

@@ -31,11 +31,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from fsdptrain.config import ConfigError
-from fsdptrain.plugins import check_signature, load_callable
+from fsdptrain.plugins import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
-from fsdptrain.rl.names import POLICY_LOSS_ARGS, POLICY_LOSSES
+from fsdptrain.rl.names import POLICY_LOSS_ARGS
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -191,12 +190,5 @@ def resolve_policy_loss(name_or_spec: str, *, what: str = "algorithm.policy_loss
     """A built-in by name (`POLICY_LOSSES`), or a user's `module:function` / `path.py:function` whose signature takes
     `POLICY_LOSS_ARGS` by keyword. Raises ConfigError (one line) for an unknown name or a function that does not fit.
     """
-    if name_or_spec in POLICY_LOSS_REGISTRY:
-        return POLICY_LOSS_REGISTRY[name_or_spec]
-    if ":" not in name_or_spec:
-        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(POLICY_LOSSES)}) "
-                          "nor of the form module:function or path/to/file.py:function")
-    fn = load_callable(name_or_spec, what=what)
-    check_signature(fn, spec=name_or_spec, what=what, required=POLICY_LOSS_ARGS)
-    return fn
+    return resolve_function(name_or_spec, POLICY_LOSS_REGISTRY, what=what, required=POLICY_LOSS_ARGS)
 

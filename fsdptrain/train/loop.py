@@ -19,11 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import validate_world
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.files import write_atomic
 from fsdptrain.model.drafter import DraftVocab, draft_vocab_from_counts
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.train.drafter_setup import build_drafter, draft_vocab_size, local_token_counts, vocab_from_file
 from fsdptrain.train.experience import experience_settings, make_targets
-from fsdptrain.train.files import write_atomic
 from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss

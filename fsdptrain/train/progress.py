@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdptrain.distributed import world
+from fsdptrain.distributed.files import append_line
 from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
-from fsdptrain.train.files import append_line
 from fsdptrain.train.setup import max_response_length
 
 if TYPE_CHECKING:

@@ -13,9 +13,9 @@ from fsdptrain.config import ConfigError
 from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from fsdptrain.distributed.checkpoint_check import newest_intact_checkpoint
 from fsdptrain.distributed.export import export_hf
+from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.train.drafter_setup import export_sharded_drafter, placeholder_vocab
-from fsdptrain.train.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.train.progress import log
 from fsdptrain.train.run_ownership import run_id
 

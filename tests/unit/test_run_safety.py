@@ -16,8 +16,8 @@ import pytest
 from fsdptrain.compose import compose_config
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed.checkpoint import MARKER, prune_checkpoints
+from fsdptrain.distributed.files import append_line, read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.checks import safetensors_problem
-from fsdptrain.train.files import append_line, read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.train.run_ownership import claim_run_dir, config_changes, lock_run_dir, run_id
 
 
