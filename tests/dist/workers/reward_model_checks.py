@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 
 from fsdptrain.distributed import world as fdist
 from fsdptrain.model.attention import set_attention
@@ -46,7 +46,7 @@ def sharded_scores(spec, *, mesh, rank: int, world_size: int, offload: bool) -> 
     local = score_sequences(model, ids, plan.packs, device="cpu")
     model.reshard()
     gathered: list = [None] * world_size
-    dist.all_gather_object(gathered, dict(zip(mine, local.tolist())))
+    torch.distributed.all_gather_object(gathered, dict(zip(mine, local.tolist())))
     by_index = {i: s for part in gathered for i, s in part.items()}
     return {"scores": [by_index[i] for i in range(len(SEQUENCES))], "num_packs": plan.num_packs,
             "frozen": not any(p.requires_grad for p in model.parameters()), "training": model.training}

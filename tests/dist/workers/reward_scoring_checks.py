@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 
 from fsdptrain.distributed import world as fdist
 from fsdptrain.distributed.reward_model import build_reward_model
@@ -39,7 +39,7 @@ TOKEN_BUDGET = 24  # rank 0 needs more packs than rank 1, which runs empty ones
 def gather(mine: list[int], values: list) -> list:
     parts: list = [None] * fdist.world_size()
     if fdist.world_size() > 1:
-        dist.all_gather_object(parts, dict(zip(mine, values)))
+        torch.distributed.all_gather_object(parts, dict(zip(mine, values)))
     else:
         parts = [dict(zip(mine, values))]
     by_index = {i: v for part in parts for i, v in part.items()}
