@@ -22,6 +22,7 @@ import torch
 
 from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.distributed import world
+from tests.dist.workers.report import report_and_exit
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, gather_full_state_dict, shard_as_one_unit
 from fsdptrain.model.attention import set_attention
 from fsdptrain.model.build import build_full_model
@@ -196,10 +197,7 @@ def main() -> None:
     except Exception:  # the test reads the traceback from the JSON
         out["error"] = traceback.format_exc()
         code = 1
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{info.rank}.json").write_text(json.dumps(out))
-    world.destroy_distributed()
-    world.exit_process(code)
+    report_and_exit(args.out, info.rank, out, code)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed import world
+from tests.dist.workers.report import report_and_exit
 from fsdptrain.distributed.fsdp import build_policy
 from fsdptrain.distributed.gather import gathered_weights
 from fsdptrain.model.attention import generation_attention
@@ -64,10 +65,7 @@ def main() -> None:
     except Exception:  # the test reads the traceback from the JSON
         out["error"] = traceback.format_exc()
         code = 1
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{info.rank}.json").write_text(json.dumps(out))
-    world.destroy_distributed()
-    world.exit_process(code)
+    report_and_exit(args.out, info.rank, out, code)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fsdptrain.distributed import world
+from tests.dist.workers.report import report_and_exit
 from fsdptrain.model.attention import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.names import AGG_MODES
@@ -188,10 +189,7 @@ def main() -> None:
     except Exception:  # the test reads the traceback from the JSON
         out["error"] = traceback.format_exc()
         code = 1
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{info.rank}.json").write_text(json.dumps(out))
-    world.destroy_distributed()
-    world.exit_process(code)
+    report_and_exit(args.out, info.rank, out, code)
 
 
 if __name__ == "__main__":
