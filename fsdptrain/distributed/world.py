@@ -50,6 +50,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def attempt_store(store: torch.distributed.Store) -> torch.distributed.Store:
+    """`store` under a key prefix of its own for this torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's agent hosts one TCPStore for every restart of the worker group, and the ranks connect to it without a
+    prefix; the process group's keys (each rank's gloo address) from a failed attempt are still there when the
+    restarted ranks look them up, so a restarted rank would read a dead peer's address and fail or hang connecting
+    to it. A prefix per attempt makes every attempt start from an empty namespace. The "default_pg" part is the
+    prefix ``init_process_group`` itself would add.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"fsdptrain/attempt_{attempt}/default_pg", store)
+
+
 def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
     """Create the default process group from torchrun's environment, or a 1-rank group when there is none.
 
@@ -75,13 +88,11 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world_size = next(torch.distributed.rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        torch.distributed.init_process_group(backend=backend, store=attempt_store(store), rank=rank,
+                                             world_size=world_size, timeout=timeout)
     return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
                     local_rank=local_rank, device=device)
 
