@@ -44,3 +44,14 @@ def test_gathered_once(two_ranks, variant):
         assert per_token["all_gathers"] >= 8 * 2
         assert gathered["unsharded_inside"] and not per_token["unsharded_inside"]
         assert gathered["sharded_after"] and per_token["sharded_after"]
+
+
+def test_the_trainers_rollouts_honour_gather_weights(two_ranks):
+    """rollout.gather_weights reaches the training loop's generation (PromptSource.rollouts): the same tokens, one
+    all-gather per unit with `always` instead of one per layer per decoded token with `never`."""
+    for rank in (0, 1):
+        results = two_ranks[rank]["results"]
+        never, always = results["trainer/never"], results["trainer/always"]
+        assert always["tokens"] == never["tokens"]
+        assert always["all_gathers"] <= UNITS
+        assert never["all_gathers"] >= 6 * 2

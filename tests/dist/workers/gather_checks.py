@@ -3,6 +3,8 @@
 Each rank builds the same sharded tiny policy (tied and untied heads, fp32 and bf16 params) and generates the same
 prompts greedily and with a seeded sampler, once per mode. It records the tokens, the number of FSDP all-gathers the
 profiler saw, and whether the layer weights were plain (unsharded) tensors inside the block and DTensors after it.
+The same again through the trainer's own rollout path (PromptSource.rollouts, the default task) with
+rollout.gather_weights=always and =never, to check the setting reaches training's generation.
 Every rank writes <out>/rank<r>.json; tests/dist/test_gather.py asserts on them.
 """
 
@@ -41,6 +43,25 @@ def generate(model, tokenizer, *, gather: bool, do_sample: bool) -> tuple[list[l
     return [p + r for p, r, _ in outputs], gathers, plain_inside
 
 
+def trainer_rollouts(model, tokenizer, mode: str) -> tuple[list[list[int]], int]:
+    """(token ids of this rank's rollouts of step 0, all-gathers seen) through the trainer's PromptSource."""
+    from types import SimpleNamespace
+
+    from fsdptrain.compose import compose_config
+    from fsdptrain.train.prompt_source import PromptSource
+
+    cfg = compose_config([f"rollout.gather_weights={mode}", "rollout.prompts_per_step=4", "rollout.n=2",
+                          "rollout.max_new_tokens=6"])
+    source = PromptSource(cfg, tokenizer)
+    models = SimpleNamespace(policy=model, reward_models=[], reward_specs=[])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rollouts = source.rollouts(models, 0, rank=world.rank(), world_size=world.world_size(),
+                                   device=torch.device("cpu"))
+    source.close()
+    gathers = sum(1 for e in prof.events() if e.name.startswith("FSDP::all_gather") and "copy" not in e.name)
+    return [list(r.prompt_ids) + list(r.response_ids) for r in rollouts], gathers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -62,6 +83,10 @@ def main() -> None:
                     after = isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)
                     out["results"][f"{name}/{sampling}/{'gathered' if gather else 'per_token'}"] = {
                         "tokens": tokens, "all_gathers": gathers, "unsharded_inside": plain, "sharded_after": after}
+            if name == "tied":
+                for mode in ("never", "always"):
+                    tokens, gathers = trainer_rollouts(model, tokenizer, mode)
+                    out["results"][f"trainer/{mode}"] = {"tokens": tokens, "all_gathers": gathers}
     except Exception:  # the test reads the traceback from the JSON
         out["error"] = traceback.format_exc()
         code = 1
