@@ -29,6 +29,7 @@ MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
 RECOMPUTE_MODES = ("auto", "always")
 DRAFT_ON = ("response", "all")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -268,6 +269,8 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state on the CPU (GPU runs only)."""
     compile: bool = False
     """torch.compile each decoder layer before sharding, for the training forwards (docs/performance.md: when it pays)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend with parallel.compile: inductor (generated kernels), aot_eager or eager (no codegen)."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config.schema import (
     ALGORITHM_NAMES,
     ATTN_BACKENDS,
+    COMPILE_BACKENDS,
     DATA_SOURCES,
     DEVICES,
     DRAFT_ON,
@@ -63,6 +64,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": DEVICES,
     "parallel.param_dtype": DTYPES,
     "parallel.reduce_dtype": DTYPES,
+    "parallel.compile_backend": COMPILE_BACKENDS,
     "rollout.gather_weights": GATHER_MODES,
     "algorithm.recompute_old_logprobs": RECOMPUTE_MODES,
     "reward.model_normalize": REWARD_MODEL_NORMALIZE,

@@ -65,11 +65,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[index] = checkpoint_wrapper(layer)
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each decoder layer in place (``nn.Module.compile``: names and types unchanged); packed rows change
-    length every step, so shapes are dynamic."""
+def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
+    """torch.compile each decoder layer in place (``nn.Module.compile``: names and types unchanged) with ``backend``;
+    packed rows change length every step, so shapes are dynamic."""
     for layer in decoder_layers(model):
-        layer.compile(dynamic=True)
+        layer.compile(backend=backend, dynamic=True)
 
 
 def apply_fsdp(
@@ -107,21 +107,22 @@ def parallelize(
     activation_checkpointing: bool,
     cpu_offload: bool,
     compile: bool = False,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """Apply activation checkpointing and FSDP2 (FSDP on a 1-D mesh, HSDP on a 2-D one) to `model` in place.
 
     param_dtype: the dtype of the all-gathered parameters used in forward/backward (the sharded master weights
     stay fp32); reduce_dtype: the dtype of the gradient reduce-scatter. cpu_offload keeps sharded parameters,
     gradients and optimizer state on the CPU (pinned memory, so it needs an accelerator to be worth it). compile:
-    torch.compile each decoder layer in place (torchtitan's way); generation runs them eagerly (see
-    fsdptrain/train/perf.py).
+    torch.compile each decoder layer in place (torchtitan's way) with ``compile_backend``; generation runs them eagerly
+    (see fsdptrain/train/perf.py).
     """
     # Checkpointing before fully_shard: the wrapper must sit inside the layer's FSDP unit.
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     # Compile per layer, before fully_shard (torchtitan's order); FSDP2's hooks are dynamo-disabled, so they run eagerly.
     if compile:
-        apply_compile(model)
+        apply_compile(model, backend=compile_backend)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     apply_fsdp(
@@ -181,6 +182,7 @@ def build_sharded_model(
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
     compile: bool = False,
+    compile_backend: str = "inductor",
     backbone_from_path: str | None = None,
     backbone_from_config: Mapping[str, Any] | PretrainedConfig | None = None,
     backbone_seed: int | None = None,
@@ -220,6 +222,7 @@ def build_sharded_model(
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
         compile=compile,
+        compile_backend=compile_backend,
     )
     # Under CPU offload the sharded parameters live on the CPU; FSDP copies them to the device for compute.
     model.to_empty(device="cpu" if cpu_offload else device)

@@ -68,6 +68,9 @@ def _explicit_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: A
     return torch.matmul(probs, v)
 
 
+# A compiled decoder layer (parallel.compile) runs this eagerly between two graphs: the loop needs the segment bounds
+# on the host, so dynamo would break the graph at the first `.item()` anyway; disabling it skips the failed trace.
+@torch.compiler.disable(reason="per-segment loop over host-side segment bounds")
 def sdpa_segments_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -29,14 +29,18 @@ from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
 from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.train.progress import (
+    METRIC_KINDS_FILE,
     GradNormWatch,
     log,
+    metric_kinds,
     print_samples,
     print_start_report,
     print_summary,
     progress_columns,
     quiet_known_warnings,
+    read_metric_kinds,
     stats_line,
+    write_metric_kinds,
     write_metrics_line,
     write_samples,
 )
@@ -84,6 +88,8 @@ class Trainer:
         self.critic_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.critic_grad_clip, "critic")
         self.skip_old_passes = skips_old_passes(cfg)
         self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
+        self.kinds: dict[str, str] = {}
+        """The kind of every typed metric logged so far (``Kind`` values); the other logged numbers are facts."""
         self.drafter: Optional[DrafterUpdate] = None
         self.drafter_scheduler = None
         self.draft_counts: Optional[torch.Tensor] = None
@@ -246,10 +252,13 @@ class Trainer:
             experience = reduce_metrics(experience) if experience else experience  # names fixed by the config
             metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience,
                                  update_metrics])
-        result = {"step": step, **finalize(metrics), **update_facts, **timer.metrics()}
-        result.update(throughput(timer.metrics(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
-                                 step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops,
-                                 device=self.device, world_size=self.info.world_size))
+        result = {"step": step, **finalize(metrics), **update_facts}
+        perf = merge_all([timer.metrics(), throughput(
+            timer.timings(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
+            step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops, device=self.device,
+            world_size=self.info.world_size)])
+        result.update(finalize(perf))
+        self.kinds.update((name, metric.kind.value) for name, metric in merge_all([metrics, perf]).items())
         result["actor/lr"] = self.models.policy_optimizer.param_groups[0]["lr"]
         result["loss/loss_scale_factor"] = self.loss_scale_factor
         result["train/nonfinite_skipped"] = self.policy_guard.num_skipped + self.critic_guard.num_skipped
@@ -298,6 +307,8 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
     cfg, info, run_path, num_steps = trainer.cfg, trainer.info, trainer.run_dir, trainer.num_steps
     start = resume(trainer, run_path)
     metrics_path, samples_path = run_path / "metrics.jsonl", run_path / "samples.jsonl"
+    kinds_path = run_path / METRIC_KINDS_FILE
+    logged_kinds = read_metric_kinds(kinds_path) if start > 0 else {}
     if info.is_main:
         run_path.mkdir(parents=True, exist_ok=True)
         write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
@@ -329,6 +340,10 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
                 every = cfg.logging.samples_every
                 if info.is_main:
                     write_metrics_line(metrics_path, result)
+                    now = metric_kinds(result, trainer.kinds)
+                    if not now.items() <= logged_kinds.items():
+                        logged_kinds.update(now)
+                        write_metric_kinds(kinds_path, logged_kinds)
                     trackers.log(result)
                     if trainer.source.samples and every > 0 and step % every == 0:
                         write_samples(samples_path, step, trainer.source.samples)

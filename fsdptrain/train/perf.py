@@ -5,7 +5,10 @@ A :class:`StepTimer` is active for one training step; code anywhere under it mar
 tests that call the sources directly time nothing). Phases do not nest: an inner phase's time is taken out of the
 outer one, so the phases and ``other`` add up to the step's wall time exactly.
 
-Every number here is a DIAGNOSTIC (docs/metrics.md): a fact about how the work ran, skipped by every comparison.
+Every number here is a typed DIAGNOSTIC metric (docs/metrics.md): a fact about how the work ran, skipped by every
+comparison by its kind, never by its name. Each wraps a MAX: the wall times are rank 0's own (not reduced across
+ranks, so that the phases add up to ``perf/step_s`` exactly; the MAX says that merging several ranks' timings keeps the
+slowest), the throughputs are computed from them, and the peak memory is the max over ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from fsdptrain.distributed import world
 from fsdptrain.distributed.gather import gathered_weights, should_gather
 from fsdptrain.model.attention import generation_attention
+from fsdptrain.rl.metrics import Diagnostic, Max, Metrics
 
 PHASES = ("generate", "reward", "experience", "update")
 
@@ -64,12 +68,22 @@ class StepTimer:
         if self._stack:  # resume the outer phase
             self._stack[-1] = (self._stack[-1][0], now)
 
-    def metrics(self) -> dict[str, float]:
-        """``perf/<phase>_s`` for each phase, ``perf/other_s`` (the rest) and ``perf/step_s`` (their sum)."""
+    def timings(self) -> dict[str, float]:
+        """``perf/<phase>_s`` for each phase, ``perf/other_s`` (the rest) and ``perf/step_s`` (their sum), in
+        seconds."""
         out = {f"perf/{name}_s": self.seconds[name] for name in PHASES}
         out["perf/other_s"] = max(self.total - sum(self.seconds.values()), 0.0)
         out["perf/step_s"] = sum(out.values())
         return out
+
+    def metrics(self) -> Metrics:
+        """:meth:`timings` as DIAGNOSTIC metrics (this rank's wall times)."""
+        return diagnostics(self.timings())
+
+
+def diagnostics(values: dict[str, float]) -> Metrics:
+    """Plain numbers about how the work ran as ``Diagnostic(Max(value))`` metrics."""
+    return Metrics({name: Diagnostic(Max(value)) for name, value in values.items()})
 
 
 @contextlib.contextmanager
@@ -174,8 +188,9 @@ def step_flops(config, prompt_lengths: Sequence[int], response_lengths: Sequence
 
 
 def throughput(timings: dict[str, float], *, result: dict, update_epochs: int, step_flops_local: float,
-               peak: Optional[float], device: torch.device, world_size: int) -> dict[str, float]:
-    """Tokens per second, achieved TFLOP/s per rank, MFU (when the peak is known), peak memory (max over ranks).
+               peak: Optional[float], device: torch.device, world_size: int) -> Metrics:
+    """Tokens per second, achieved TFLOP/s per rank, MFU (when the peak is known), peak memory (max over ranks), as
+    DIAGNOSTIC metrics; ``timings`` are :meth:`StepTimer.timings`.
 
     Collective: one all-reduce sum (FLOPs) and one max (memory).
     """
@@ -191,4 +206,4 @@ def throughput(timings: dict[str, float], *, result: dict, update_epochs: int, s
         out["perf/mfu"] = out["perf/tflops_per_rank"] / peak
     mem = world.all_reduce_max(torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64))
     out["perf/peak_mem_gib"] = float(mem[0]) / 2**30
-    return out
+    return diagnostics(out)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdptrain.distributed import world
-from fsdptrain.distributed.files import append_line
+from fsdptrain.distributed.files import append_line, write_atomic
 from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
 from fsdptrain.train.setup import max_response_length
@@ -71,6 +71,27 @@ def print_start_report(trainer: "Trainer") -> None:
                                seq_lengths=[max_len] * seqs, dp_size=trainer.dp_size,
                                loss_scale_factor=trainer.loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
     log(f"normalisation (a mini-batch of {seqs} sequences at the maximum length {max_len}): " + report.describe())
+
+
+METRIC_KINDS_FILE = "metric_kinds.json"
+FACT = "fact"
+"""The kind recorded for a logged number that is no typed metric: the loop's own fact (a grad norm, the lr, ...)."""
+
+
+def metric_kinds(result: dict, typed: dict[str, str]) -> dict[str, str]:
+    """The kind of every number of a metrics line but ``step``: the typed metric's kind, else ``fact``."""
+    return {name: typed.get(name, FACT) for name in result if name != "step"}
+
+
+def write_metric_kinds(path: Path, kinds: dict[str, str]) -> None:
+    """``metric_kinds.json``: name -> kind of every number metrics.jsonl has held (docs/metrics.md), replaced
+    atomically whenever a new name appears."""
+    write_atomic(path, json.dumps(dict(sorted(kinds.items())), indent=1) + "\n")
+
+
+def read_metric_kinds(path: Path) -> dict[str, str]:
+    """What :func:`write_metric_kinds` wrote, or nothing when the file is absent."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def write_metrics_line(path: Path, result: dict) -> None:

@@ -31,13 +31,13 @@ from fsdptrain.data.prompts import (
 )
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.model.attention import generation_attention
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
 from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
+from fsdptrain.train.perf import generation, phase
 from fsdptrain.train.reward_scoring import ModelScores, score_with_reward_models
 from fsdptrain.train.setup import Models
 
@@ -129,7 +129,7 @@ class PromptSource:
     def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device):
         ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
         rollout = self.cfg.rollout
-        with generation_attention(models.policy):
+        with generation(models.policy, self.cfg, device):  # timed, sdpa, weights gathered once, layers eager
             return generate_responses(
                 models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
                 temperature=rollout.temperature if sample else 1.0, top_p=rollout.top_p if sample else 1.0,
@@ -185,7 +185,8 @@ class PromptSource:
         outputs = self._generate(models, [row for _, row in mine], repeat=n, sample=True, seed=seed, device=device)
         rows = [row for _, row in mine for _ in range(n)]
         groups = [i for i, _ in mine for _ in range(n)]
-        batch, scores, model_metrics = self._score(models, rows, groups, outputs, device=device, training=True)
+        with phase("reward"):
+            batch, scores, model_metrics = self._score(models, rows, groups, outputs, device=device, training=True)
         metrics = merge_all([reward_metrics(scores, groups=groups), model_metrics])
         self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
         self.last_batch, self.last_scores = batch, scores

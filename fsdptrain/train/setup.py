@@ -100,7 +100,8 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     parallel = dict(mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
                     reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
                     reshard_after_forward=cfg.parallel.reshard_after_forward,
-                    cpu_offload=cfg.parallel.cpu_offload, compile=cfg.parallel.compile)
+                    cpu_offload=cfg.parallel.cpu_offload, compile=cfg.parallel.compile,
+                    compile_backend=cfg.parallel.compile_backend)
     seed = cfg.trainer.seed
     policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing)
     backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])

@@ -4,7 +4,7 @@ One 4-step reference run (checkpoints after steps 2 and 4, module-scoped) is wha
 against: a run resumed from its step-2 checkpoint must reproduce its steps 3-4; a run killed inside the DCP writer
 must leave its previous checkpoint usable; a SIGTERM'd run must stop cleanly and resume onto the same numbers; the
 export must hold the final checkpoint's weights. Patches live in a ``sitecustomize.py`` the test writes onto
-PYTHONPATH (no product switch). Metric comparisons skip ``perf/*`` (timings).
+PYTHONPATH (no product switch). Metric comparisons skip the DIAGNOSTIC numbers (timings) by their recorded kind.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli_command, run_cli
+from tests.conftest import cli_command, metric_kinds, run_cli, without_diagnostics
 
 TINY = (
     "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
@@ -38,10 +38,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def assert_same_metrics(got: dict, want: dict, *, tol: float = 1e-6) -> None:
-    """Every non-timing key present in both, and equal within ``tol`` (absolute, or relative for large values)."""
-    keys = {k for k in want if not k.startswith("perf/")}
-    assert keys == {k for k in got if not k.startswith("perf/")}, (sorted(keys ^ set(got)))
+def assert_same_metrics(got: dict, want: dict, kinds: dict[str, str], *, tol: float = 1e-6) -> None:
+    """Every key but the DIAGNOSTIC ones (by ``kinds``) present in both, and equal within ``tol`` (absolute, or
+    relative for large values)."""
+    got, want = without_diagnostics(got, kinds), without_diagnostics(want, kinds)
+    keys = set(want)
+    assert keys == set(got), sorted(keys ^ set(got))
     for key in sorted(keys):
         assert math.isclose(got[key], want[key], rel_tol=tol, abs_tol=tol), (got["step"], key, got[key], want[key])
 
@@ -173,7 +175,7 @@ def test_resume_reproduces_the_uninterrupted_run(reference, tmp_path):
     resumed = read_metrics(run_b)
     assert [m["step"] for m in resumed] == [2, 3]
     for got, want in zip(resumed, reference["metrics"][2:]):
-        assert_same_metrics(got, want)
+        assert_same_metrics(got, want, metric_kinds(reference["run_dir"]))
 
     # RNG: right after the load, torch's and python's generators hold what run A saved after step 2, which differs
     # from a fresh manual_seed(trainer.seed=0) state (run A drew from it every step), so the check can fail.
@@ -294,7 +296,7 @@ def test_crash_inside_the_writer_keeps_the_previous_checkpoint(reference, tmp_pa
     assert [m["step"] for m in metrics] == [0, 1, 2]
     # checkpoint.every does not change the numbers: the resumed steps are the reference run's.
     for got, want in zip(metrics, reference["metrics"]):
-        assert_same_metrics(got, want)
+        assert_same_metrics(got, want, metric_kinds(reference["run_dir"]))
 
 
 # ---- SIGTERM, one process -------------------------------------------------------------------------------------------
@@ -327,7 +329,7 @@ def test_sigterm_saves_exits_zero_and_resumes(reference, tmp_path):
     metrics = read_metrics(run_t)
     assert [m["step"] for m in metrics] == list(range(stopped_at + 1))
     for got, want in zip(metrics, reference["metrics"]):  # the steps both runs took (at least 2 of them)
-        assert_same_metrics(got, want)
+        assert_same_metrics(got, want, metric_kinds(reference["run_dir"]))
     assert (run_t / "export" / "policy" / "model.safetensors").is_file()
 
 

@@ -1,7 +1,7 @@
 """Nothing lost, nothing silent: kills, a full disk, damaged files and restarts, through the real CLI.
 
 One real 2-step run (checkpoints after steps 1 and 2) is copied for each test that needs a used run directory.
-Patches live in a ``sitecustomize.py`` put first on PYTHONPATH (no product switch). Metric comparisons skip perf/*.
+Patches live in a ``sitecustomize.py`` put first on PYTHONPATH (no product switch). Metric comparisons skip the DIAGNOSTIC numbers (timings) by their recorded kind.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_command, run_cli
+from tests.conftest import cli_command, metric_kinds, run_cli, without_diagnostics
 
 TINY = ("rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
         "logging.progress=false")
@@ -28,8 +28,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def no_perf(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("perf/")}
+def compared(rows: list[dict], run_dir: Path) -> list[dict]:
+    kinds = metric_kinds(run_dir)
+    return [without_diagnostics(row, kinds) for row in rows]
 
 
 def patched_env(directory: Path, body: str) -> dict:
@@ -128,7 +129,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_a_partial_metrics_line(use
     assert "resumed from" in result.stdout and "step_00000001 after step 1" in result.stdout
     want, got = read_metrics(used), read_metrics(run_copy)
     assert [r["step"] for r in got] == [0, 1]
-    assert [no_perf(r) for r in got] == [no_perf(r) for r in want]
+    assert compared(got, run_copy) == compared(want, used)
 
 
 def _children(pid: int) -> list[int]:
@@ -215,4 +216,4 @@ def test_torchrun_restarts_a_killed_rank_and_resumes_exactly(tmp_path):
     assert "resumed from" in out
     got, want = read_metrics(run_dir), read_metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == list(range(6))
-    assert [no_perf(r) for r in got] == [no_perf(r) for r in want]
+    assert compared(got, run_dir) == compared(want, tmp_path / "ref")

@@ -55,6 +55,26 @@ def test_grpo_preset_runs_without_a_critic(cli, tmp_path):
     assert not (tmp_path / "runs" / "grpo" / "export" / "critic").exists()
 
 
+def test_metric_kinds_json_gives_every_logged_number_its_kind(cli, tmp_path):
+    """metric_kinds.json types every number of metrics.jsonl; every perf/* number is DIAGNOSTIC, so a comparison that
+    skips by kind skips it (and would not skip a non-diagnostic metric that happened to be named perf/...)."""
+    result = cli("train", *TINY, "trainer.run_name=kinds")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "kinds"
+    kinds = json.loads((run_dir / "metric_kinds.json").read_text())
+    logged = {key for row in _metrics(run_dir) for key in row} - {"step"}
+    assert set(kinds) == logged
+    perf = {key for key in logged if key.startswith("perf/")}
+    assert {"perf/step_s", "perf/update_s", "perf/tokens_per_s", "perf/peak_mem_gib"} <= perf
+    assert {kinds[key] for key in perf} == {"diagnostic"}, {k: kinds[k] for k in perf}
+    first = _metrics(run_dir)[0]
+    assert first["perf/generate_s"] > 0 and first["perf/reward_s"] > 0  # the phases are timed where they run
+    assert "mean step time" in result.stdout and "generated tokens/s" in result.stdout  # the summary reads them
+    assert (kinds["actor/pg_loss"], kinds["critic/values_min"], kinds["batch/num_seqs"]) == ("loss", "min", "sum")
+    assert (kinds["actor/fill_efficiency"], kinds["actor/lr"]) == ("diagnostic", "fact")
+    assert set(kinds.values()) <= {"sum", "mean", "min", "max", "loss", "derived", "diagnostic", "fact"}
+
+
 def _write_rollouts(path: Path, bad_line: str | None = None) -> None:
     rows = []
     for group, digit in enumerate("3719"):

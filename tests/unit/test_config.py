@@ -74,6 +74,7 @@ def test_configuration_doc_matches_the_schema():
         (["rollout.gather_weights_max_share=1.5"], "rollout.gather_weights_max_share=1.5 must be a number in (0, 1]"),
         (["algorithm.recompute_old_logprobs=never"], "algorithm.recompute_old_logprobs='never' is not a valid"),
         (["perf.peak_tflops=0"], "perf.peak_tflops=0.0 must be a finite number > 0"),
+        (["parallel.compile_backend=cudagraphs"], "parallel.compile_backend='cudagraphs' is not a valid choice"),
     ],
 )
 def test_validation_names_the_bad_value(overrides, message):

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fsdptrain.rl.metrics import Kind, Max, finalize
 from fsdptrain.train.perf import (
     StepTimer,
     forward_flops,
@@ -16,6 +17,7 @@ from fsdptrain.train.perf import (
     peak_memory_bytes,
     peak_tflops,
     phase,
+    throughput,
 )
 
 # hidden 4, 1 layer, 2 query heads of size 2, 1 kv head, MLP 8, vocab 10
@@ -47,7 +49,7 @@ def test_phases_add_up_and_do_not_nest():
                 time.sleep(0.3)
         with phase("update"):
             pass
-    metrics = timer.metrics()
+    metrics = timer.timings()
     parts = [metrics[f"perf/{name}_s"] for name in ("generate", "reward", "experience", "update", "other")]
     assert metrics["perf/step_s"] == sum(parts)
     assert metrics["perf/step_s"] == pytest.approx(timer.total, abs=1e-9)
@@ -65,3 +67,27 @@ def test_cpu_has_no_peak_and_reports_rss():
     assert peak_tflops(None, torch.device("cpu")) is None
     assert peak_tflops(100.0, torch.device("cpu")) == 100.0
     assert peak_memory_bytes(torch.device("cpu")) > 10 * 2**20  # torch alone is more than 10 MiB
+
+
+def test_every_perf_metric_is_a_diagnostic_max_with_the_plain_value():
+    """A consumer tells a perf/* number from a compared one by its kind (docs/metrics.md), not by its name."""
+    with StepTimer() as timer:
+        with phase("generate"):
+            time.sleep(0.01)
+        with phase("update"):
+            time.sleep(0.01)
+    result = {"batch/num_response_tokens": 30.0, "batch/num_prompt_tokens": 10.0}
+    perf = {**timer.metrics(), **throughput(timer.timings(), result=result, update_epochs=2, step_flops_local=4e9,
+                                            peak=8.0, device=torch.device("cpu"), world_size=1)}
+    names = {*timer.timings(), "perf/tokens_per_s", "perf/generated_tokens_per_s", "perf/trained_tokens_per_s",
+             "perf/tflops_per_rank", "perf/mfu", "perf/peak_mem_gib"}
+    assert set(perf) == names
+    for name, metric in perf.items():
+        assert metric.kind is Kind.DIAGNOSTIC and isinstance(metric.inner, Max), name
+    values, timings = finalize(perf), timer.timings()
+    assert {k: values[k] for k in timings} == timings  # exactly rank 0's seconds, so the phases still add up
+    step_s = timings["perf/step_s"]
+    assert values["perf/tokens_per_s"] == pytest.approx(40.0 / step_s, rel=1e-12)
+    assert values["perf/trained_tokens_per_s"] == pytest.approx(80.0 / timings["perf/update_s"], rel=1e-12)
+    assert values["perf/tflops_per_rank"] == pytest.approx(4e9 / step_s / 1e12, rel=1e-12)
+    assert values["perf/mfu"] == pytest.approx(values["perf/tflops_per_rank"] / 8.0, rel=1e-12)
