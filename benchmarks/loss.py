@@ -238,7 +238,8 @@ def _run_worker(args, kind: str, **overrides) -> dict:
             continue
         flag = "--" + key.replace("_", "-")
         cmd += [flag] if value is True else [flag, str(value)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"worker {kind} {overrides} failed:\n{done.stderr}")
@@ -301,6 +302,7 @@ def _parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (the best is reported)")
     parser.add_argument("--mean-len", type=float, default=128.0, help="mean of the log-normal sequence lengths")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker (1: steadiest here)")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the packed section's model")
     parser.add_argument("--token-budget", type=int, default=4096, help="tokens per pack in the packed section")
     parser.add_argument("--sections", default="memory,packed", help="comma list of: memory (includes timing), packed")
@@ -314,6 +316,7 @@ def _parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.worker == "memory":
         print(json.dumps(_worker_memory_and_time(args)))
         return 0

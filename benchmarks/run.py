@@ -54,6 +54,12 @@ def median_after_first(lines: list[dict], key: str) -> float:
     return statistics.median(line[key] for line in lines[1:])
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of the finished child processes: the table's work, whatever the machine's load."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
 def row(name: str, value: float, goal: str | None, detail: str) -> dict:
     verdict = "-"
     if goal is not None:
@@ -77,10 +83,11 @@ def train_step_row(args) -> dict:
 def loss_rows(args) -> list[dict]:
     # The memory rows: the first forward+backward gives the peak, one more its time (the first doubles as the
     # warm-up); the forward-only timing of loss.py is not a row and is skipped.
-    largs = loss_bench._parse_args(["--repeats", "1"])
+    largs = loss_bench._parse_args(["--repeats", "1", "--threads", str(args.threads)])
     # The packed rows on a smaller head than loss.py's default (V 32000, H 512), which alone takes minutes per row on
     # a shared 2-core machine; the memory rows keep the issue's T 8192, V 32000, H 512.
-    packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256"])
+    packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256", "--threads",
+                                          str(args.threads)])
     rows = []
     for num_seqs in (8, 64):
         res = loss_bench._run_worker(packed_args, "packed", num_seqs=num_seqs)
@@ -142,20 +149,22 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rows = []
     for section in (train_step_row, loss_rows, dist_rows, step_rows):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), _children_cpu_s()
         got = section(args)
         rows += got if isinstance(got, list) else [got]
-        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s", flush=True)
+        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s wall, {_children_cpu_s() - began_cpu:.0f} s "
+              f"CPU in its processes, load average {os.getloadavg()[0]:.1f}", flush=True)
     rows.append(row("flash_attn vs sdpa_segments (GPU)", float("nan"), None, "unchecked: no GPU"))
     rows.append(row("MFU, 0.5B-class config (GPU)", float("nan"), None, "unchecked: no GPU"))
     elapsed = time.perf_counter() - start
-    print(f"\nbenchmarks/run.py: {elapsed:.0f} s, torch {torch.__version__}, {args.threads} thread(s) per process, "
+    print(f"\nbenchmarks/run.py: {elapsed:.0f} s ({_children_cpu_s():.0f} s CPU in its processes), torch {torch.__version__}, {args.threads} thread(s) per process, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"| {'row':<72} | {'value':>7} | {'goal':<7} | verdict | detail")
     for r in rows:
         print(f"| {r['row']:<72} | {r['value']:7.3f} | {r['goal']:<7} | {r['verdict']:<7} | {r['detail']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"seconds": elapsed, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"seconds": elapsed, "cpu_seconds": _children_cpu_s(), "rows": rows},
+                                              indent=1))
     return 0
 
 
