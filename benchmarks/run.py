@@ -81,9 +81,9 @@ def train_step_row(args) -> dict:
 
 
 def loss_rows(args) -> list[dict]:
-    # The memory rows: the first forward+backward gives the peak, one more its time (the first doubles as the
-    # warm-up); the forward-only timing of loss.py is not a row and is skipped.
-    largs = loss_bench._parse_args(["--repeats", "1", "--threads", str(args.threads)])
+    # The memory rows: the first forward+backward gives the peak and, with two more, the time (best of 3); the
+    # forward-only timing of loss.py is not a row and is skipped.
+    largs = loss_bench._parse_args(["--repeats", "2", "--threads", str(args.threads)])
     # The packed rows on a smaller head than loss.py's default (V 32000, H 512), which alone takes minutes per row on
     # a shared 2-core machine; the memory rows keep the T 8192, V 32000, H 512.
     packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256", "--threads",
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="steps of each fsdptrain train run (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=8, help="steps of each fsdptrain train run (the first is warm-up)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
