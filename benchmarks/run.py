@@ -1,6 +1,6 @@
 """Every benchmark, one after another, and one table of ratios measured side by side (docs/performance.md).
 
-    PYTHONPATH=. python benchmarks/run.py [--json out.json] [--quick]
+    PYTHONPATH=. python benchmarks/run.py [--json out.json] [--threads 1] [--repeats 2] [--steps 8]
 
 Each row spawns its own process(es) (torchrun for the multi-rank rows, the real ``fsdptrain train`` CLI for the
 step-time rows), pinned to ``--threads`` torch threads each (1 by default: steadiest on a shared 2-core machine).

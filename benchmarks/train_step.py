@@ -193,7 +193,7 @@ class PaddedSide:
         logp_BLV = self._logp_BLV()
         logprobs_BL = logp_BLV.gather(-1, self.labels_BL.unsqueeze(-1)).squeeze(-1)
         with torch.no_grad():  # logged, as TRL's PPO trainer does
-            _masked_mean(-(logp_BLV.exp() * logp_BLV).sum(-1), self.mask_BL)
+            self.entropy = float(_masked_mean(-(logp_BLV.exp() * logp_BLV).sum(-1), self.mask_BL))
         ratio_BL = torch.exp(logprobs_BL - old_logprobs_BL)
         pg_BL = torch.maximum(-self.advantages_BL * ratio_BL,
                               -self.advantages_BL * ratio_BL.clamp(1.0 - CLIP, 1.0 + CLIP))
