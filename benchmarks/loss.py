@@ -13,9 +13,10 @@ Sections:
   (`per_sequence_policy_loss`), at 8 and 64 sequences of log-normal lengths (mean about 128), V=32000, hidden 512.
   Goal: the fused path is never slower.
 
-Times are the best of --repeats runs after a warm-up: the machine is shared, and the minimum is the measure least
-disturbed by other work. Every measurement runs in a fresh subprocess (this file with --worker), one at a time, so that one path's
-allocations never inflate another's peak and the machine is not asked for two naive peaks at once.
+Times are the best of --repeats runs after a warm-up (the packed section warms up on its first 8 sequences): the
+machine is shared, and the minimum is the measure least disturbed by other work. Every measurement runs in a fresh
+subprocess (this file with --worker), one at a time, so that one path's allocations never inflate another's peak and
+the machine is not asked for two naive peaks at once.
 
 Suffixes: `_T` [T], `_TH` [T, H], `_VH` [V, H].
 """
@@ -33,15 +34,29 @@ import time
 import torch
 
 from fsdptrain.check.oracles import per_sequence_policy_loss
+from fsdptrain.config.schema import LossConfig
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}
+WARMUP_SEQS = 8
 
 
 # ---------------------------------------------------------------------------------------------------------- memory
+
+
+class _Clock:
+    """Wall time and this process's CPU time since construction. On the shared machine the CPU time is the measure
+    of the work (one thread per process); the wall time also counts the time other jobs held the cores."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        """(cpu_s, wall_s)."""
+        return time.process_time() - self.cpu, time.perf_counter() - self.wall
 
 
 def _read_status_kib(field: str) -> int:
@@ -96,16 +111,18 @@ def _worker_memory_and_time(args) -> dict:
     gc.collect()
     measure = _reset_peak_rss()
     base_kib = _read_status_kib("VmRSS")
+    clock = _Clock()
     step().backward()
     peak_kib = _peak_rss_kib(measure)
-
-    fwd_bwd_s, fwd_s = [], []
+    # The first run counts among the timed ones: every run allocates (and page-faults) its buffers afresh, the first
+    # no more than the others, so the peak run is one more sample for the minimum.
+    fwd_bwd, fwd_s = [clock.read()], []
     for _ in range(args.repeats):
         hidden_TH.grad = weight_VH.grad = None
-        start = time.perf_counter()
+        clock = _Clock()
         step().backward()
-        fwd_bwd_s.append(time.perf_counter() - start)
-    for _ in range(args.repeats):
+        fwd_bwd.append(clock.read())
+    for _ in range(0 if args.skip_forward else args.repeats):
         with torch.no_grad():
             start = time.perf_counter()
             step()
@@ -114,8 +131,9 @@ def _worker_memory_and_time(args) -> dict:
         "measure": measure,
         "base_mib": base_kib / 1024,
         "extra_mib": (peak_kib - base_kib) / 1024,
-        "fwd_bwd_s": min(fwd_bwd_s),
-        "fwd_s": min(fwd_s),
+        "fwd_bwd_s": min(wall for _, wall in fwd_bwd),
+        "fwd_bwd_cpu_s": min(cpu for cpu, _ in fwd_bwd),
+        "fwd_s": min(fwd_s) if fwd_s else None,
     }
 
 
@@ -130,13 +148,16 @@ def lognormal_lengths(num_seqs: int, mean: float, seed: int, sigma: float = 0.6)
     return [max(2, round(float(x))) for x in draws]
 
 
-def _packed_variants(model, prompts, responses, targets, *, token_budget, chunk_size):
+def _packed_variants(model, prompts, responses, targets, *, token_budget, chunk_size, num_seqs=None):
     """name -> a callable giving one step's total loss to backward, on the same model and sequences.
 
     fused: `fsdptrain.train.packed_loss.packed_policy_loss` over packs planned under `token_budget` (one packed forward per
     pack, the chunked projection, the loss computed once per row); per-sequence: the reference path
     `per_sequence_policy_loss`, one forward per sequence through the unpacked model, full logits, a Python loop.
+    `num_seqs`: only the first ones (the warm-up's subset).
     """
+    if num_seqs is not None:
+        prompts, responses, targets = prompts[:num_seqs], responses[:num_seqs], targets[:num_seqs]
     num_tokens = sum(len(r) for r in responses)
     norms = LossNormalizers(global_num_tokens=num_tokens, global_num_seqs=len(responses), dp_size=1,
                             loss_scale_factor=None)
@@ -188,17 +209,23 @@ def _worker_packed(args) -> dict:
     model = _benchmark_model(args)
     variants, num_packs = _packed_variants(model, prompts, responses, targets, token_budget=args.token_budget,
                                            chunk_size=args.chunk_size)
-    times = {}
+    # Warm-up on the first WARMUP_SEQS sequences only: it runs every code path once (the per-sequence loop over 64
+    # sequences is most of the section's time, and its warm-up would double it).
+    warmups, _ = _packed_variants(model, prompts, responses, targets, token_budget=args.token_budget,
+                                  chunk_size=args.chunk_size, num_seqs=WARMUP_SEQS)
+    times, cpu_times = {}, {}
     for name, step in variants.items():
-        step().backward()  # warm-up
+        warmups[name]().backward()
         samples = []
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
+            clock = _Clock()
             step().backward()
-            samples.append(time.perf_counter() - start)
-        times[name] = min(samples)
-    return {"num_tokens": sum(lengths), "max_len": max(lengths), "num_packs": num_packs, "times_s": times}
+            samples.append(clock.read())
+        times[name] = min(wall for _, wall in samples)
+        cpu_times[name] = min(cpu for cpu, _ in samples)
+    return {"num_tokens": sum(lengths), "max_len": max(lengths), "num_packs": num_packs, "times_s": times,
+            "cpu_times_s": cpu_times}
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
@@ -211,7 +238,8 @@ def _run_worker(args, kind: str, **overrides) -> dict:
             continue
         flag = "--" + key.replace("_", "-")
         cmd += [flag] if value is True else [flag, str(value)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"worker {kind} {overrides} failed:\n{done.stderr}")
@@ -238,7 +266,8 @@ def _section_memory_and_timing(args) -> bool:
         print(f"peak measure: {chunked['measure']}")
         for name, res in results.items():
             print(f"{name:>8}: extra peak RSS {res['extra_mib']:8.1f} MiB (inputs built: {res['base_mib']:.0f} MiB)"
-                  f" | fwd+bwd {res['fwd_bwd_s']:.3f} s | fwd no_grad {res['fwd_s']:.3f} s")
+                  f" | fwd+bwd {res['fwd_bwd_s']:.3f} s ({res['fwd_bwd_cpu_s']:.3f} s CPU) | fwd no_grad "
+                  f"{res['fwd_s']:.3f} s")
         print(f"memory ratio chunked/naive = {ratio:.3f} (goal <= 0.25): {'PASS' if ok else 'FAIL'}")
         print(f"time ratio chunked/naive: fwd+bwd {chunked['fwd_bwd_s'] / naive['fwd_bwd_s']:.2f}, "
               f"fwd {chunked['fwd_s'] / naive['fwd_s']:.2f}")
@@ -268,10 +297,12 @@ def _parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=LossConfig.logprob_chunk_size,
+                        help="tokens per chunk (default: the trainer's loss.logprob_chunk_size)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (the best is reported)")
     parser.add_argument("--mean-len", type=float, default=128.0, help="mean of the log-normal sequence lengths")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each worker (1: steadiest here)")
     parser.add_argument("--layers", type=int, default=1, help="decoder layers of the packed section's model")
     parser.add_argument("--token-budget", type=int, default=4096, help="tokens per pack in the packed section")
     parser.add_argument("--sections", default="memory,packed", help="comma list of: memory (includes timing), packed")
@@ -279,11 +310,13 @@ def _parse_args(argv=None):
     parser.add_argument("--method", choices=sorted(METHODS), help=argparse.SUPPRESS)
     parser.add_argument("--entropy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--num-seqs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--skip-forward", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.worker == "memory":
         print(json.dumps(_worker_memory_and_time(args)))
         return 0

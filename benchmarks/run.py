@@ -1,10 +1,12 @@
 """Every benchmark, one after another, and one table of ratios measured side by side (docs/performance.md).
 
-    PYTHONPATH=. python benchmarks/run.py [--json out.json] [--quick]
+    PYTHONPATH=. python benchmarks/run.py [--json out.json] [--threads 1] [--repeats 2] [--steps 8]
 
 Each row spawns its own process(es) (torchrun for the multi-rank rows, the real ``fsdptrain train`` CLI for the
 step-time rows), pinned to ``--threads`` torch threads each (1 by default: steadiest on a shared 2-core machine).
-Rows with no goal are reported, not judged. GPU rows (flash_attn vs sdpa_segments, MFU of a 0.5B-class model) need a
+The ratio rows that time work inside one process (the train step, the loss rows) compare the process's CPU time,
+the work done whatever else the shared machine runs; their details give the wall-time ratio too. The step-time rows
+of the CLI runs are wall time (`perf/step_s`). Rows with no goal are reported, not judged. GPU rows (flash_attn vs sdpa_segments, MFU of a 0.5B-class model) need a
 GPU and are listed as unchecked where there is none.
 """
 
@@ -52,6 +54,12 @@ def median_after_first(lines: list[dict], key: str) -> float:
     return statistics.median(line[key] for line in lines[1:])
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of the finished child processes: the table's work, whatever the machine's load."""
+    times = os.times()
+    return times.children_user + times.children_system
+
+
 def row(name: str, value: float, goal: str | None, detail: str) -> dict:
     verdict = "-"
     if goal is not None:
@@ -60,34 +68,43 @@ def row(name: str, value: float, goal: str | None, detail: str) -> dict:
     return {"row": name, "value": value, "goal": goal or "report", "verdict": verdict, "detail": detail}
 
 
-def packing_row(args) -> dict:
-    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "packing.py"), "--layers", "4", "--hidden", "256",
-           "--heads", "8", "--vocab", "8192", "--num-seqs", "16", "--median-len", "159", "--sigma", "0.5",
-           "--max-len", "512", "--token-budget", "2048", "--repeats", str(args.repeats), "--threads",
-           str(args.threads), "--json"]
+def train_step_row(args) -> dict:
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "train_step.py"), "--repeats", str(args.repeats),
+           "--threads", str(args.threads), "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=_env(args.threads), cwd=REPO_ROOT, check=True)
     res = json.loads(done.stdout.strip().splitlines()[-1])
-    return row("packed vs padded fwd+bwd (Qwen2 4x256, V 8k, 16 seqs)", res["speedup"], ">= 3.0",
-               f"padding ceiling {res['ceiling']:.2f}x; mean len {res['mean_len']:.0f}, max {res['max_len']}")
+    cpu = res["seconds"]["cpu"]
+    return row("PPO step (exp.+update, policy+value) packed vs padded TRL-style, CPU time", res["speedup"]["cpu"],
+               ">= 3.0", f"padding ceiling {res['ceiling']:.2f}x (mean len {res['mean_len']:.0f}, max "
+               f"{res['max_len']}); CPU s/step {cpu['padded']:.1f} -> {cpu['packed']:.1f}; wall ratio "
+               f"{res['speedup']['wall']:.2f}")
 
 
 def loss_rows(args) -> list[dict]:
-    largs = loss_bench._parse_args(["--repeats", str(args.repeats)])
+    # The memory rows: the first forward+backward gives the peak and, with two more, the time (best of 3); the
+    # forward-only timing of loss.py is not a row and is skipped.
+    largs = loss_bench._parse_args(["--repeats", "2", "--threads", str(args.threads)])
     # The packed rows on a smaller head than loss.py's default (V 32000, H 512), which alone takes minutes per row on
     # a shared 2-core machine; the memory rows keep the issue's T 8192, V 32000, H 512.
-    packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256"])
+    packed_args = loss_bench._parse_args(["--repeats", "1", "--vocab", "8192", "--hidden", "256", "--threads",
+                                          str(args.threads)])
     rows = []
     for num_seqs in (8, 64):
-        times = loss_bench._run_worker(packed_args, "packed", num_seqs=num_seqs)["times_s"]
-        ratio = times["per-sequence loop"] / times["fused packed"]
-        rows.append(row(f"fused packed loss vs per-sequence loop, {num_seqs} seqs, V 8k H 256 (speed-up)", ratio, ">= 1.0",
-                        f"fused {times['fused packed']:.3f} s"))
-    res = {m: loss_bench._run_worker(largs, "memory", method=m) for m in ("naive", "chunked")}
+        res = loss_bench._run_worker(packed_args, "packed", num_seqs=num_seqs)
+        cpu, wall = res["cpu_times_s"], res["times_s"]
+        rows.append(row(f"fused packed loss vs per-sequence loop, {num_seqs} seqs, V 8k H 256 (speed-up)",
+                        cpu["per-sequence loop"] / cpu["fused packed"], ">= 1.0",
+                        f"fused {cpu['fused packed']:.3f} s CPU; wall ratio "
+                        f"{wall['per-sequence loop'] / wall['fused packed']:.2f}"))
+    res = {m: loss_bench._run_worker(largs, "memory", method=m, skip_forward=True) for m in ("naive", "chunked")}
     rows.append(row("chunked log-prob extra peak memory / naive (T 8192, V 32000, H 512)",
                     res["chunked"]["extra_mib"] / res["naive"]["extra_mib"], "<= 0.05",
                     f"naive {res['naive']['extra_mib']:.0f} MiB"))
-    rows.append(row("chunked log-prob fwd+bwd time / naive", res["chunked"]["fwd_bwd_s"] / res["naive"]["fwd_bwd_s"],
-                    "<= 1.0", f"naive {res['naive']['fwd_bwd_s']:.3f} s"))
+    naive, chunked = res["naive"], res["chunked"]
+    rows.append(row(f"chunked log-prob fwd+bwd CPU time / naive (chunk {largs.chunk_size})",
+                    chunked["fwd_bwd_cpu_s"] / naive["fwd_bwd_cpu_s"], "<= 1.0",
+                    f"naive {naive['fwd_bwd_cpu_s']:.2f} s CPU; wall ratio "
+                    f"{chunked['fwd_bwd_s'] / naive['fwd_bwd_s']:.2f}"))
     return rows
 
 
@@ -126,26 +143,28 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="steps of each fsdptrain train run (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=8, help="steps of each fsdptrain train run (the first is warm-up)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     rows = []
-    for section in (packing_row, loss_rows, dist_rows, step_rows):
-        began = time.perf_counter()
+    for section in (train_step_row, loss_rows, dist_rows, step_rows):
+        began, began_cpu = time.perf_counter(), _children_cpu_s()
         got = section(args)
         rows += got if isinstance(got, list) else [got]
-        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s", flush=True)
+        print(f"{section.__name__}: {time.perf_counter() - began:.0f} s wall, {_children_cpu_s() - began_cpu:.0f} s "
+              f"CPU in its processes, load average {os.getloadavg()[0]:.1f}", flush=True)
     rows.append(row("flash_attn vs sdpa_segments (GPU)", float("nan"), None, "unchecked: no GPU"))
     rows.append(row("MFU, 0.5B-class config (GPU)", float("nan"), None, "unchecked: no GPU"))
     elapsed = time.perf_counter() - start
-    print(f"\nbenchmarks/run.py: {elapsed:.0f} s, torch {torch.__version__}, {args.threads} thread(s) per process, "
+    print(f"\nbenchmarks/run.py: {elapsed:.0f} s ({_children_cpu_s():.0f} s CPU in its processes), torch {torch.__version__}, {args.threads} thread(s) per process, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"| {'row':<72} | {'value':>7} | {'goal':<7} | verdict | detail")
     for r in rows:
         print(f"| {r['row']:<72} | {r['value']:7.3f} | {r['goal']:<7} | {r['verdict']:<7} | {r['detail']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"seconds": elapsed, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"seconds": elapsed, "cpu_seconds": _children_cpu_s(), "rows": rows},
+                                              indent=1))
     return 0
 
 

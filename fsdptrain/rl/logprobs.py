@@ -87,11 +87,60 @@ def _chunk_logits(hidden_CH, weight_VH, bias_V, temperature: float, out_CV: torc
     return out_CV
 
 
+_CPU_BLOCK_BYTES = 2 * 2**20  # a core's L2 on the EPYC this was tuned on (docs/performance.md)
+
+
 def _chunk_buffers(num_tokens, chunk_size, vocab_size, count, dtype, device) -> list[torch.Tensor]:
     """`count` [C, V] work buffers reused by every chunk: a fresh C x V allocation per chunk is a fresh mmap on the
     CPU, and its page faults cost as much as the arithmetic."""
     rows = min(chunk_size, num_tokens)
     return [torch.empty(rows, vocab_size, dtype=dtype, device=device) for _ in range(count)]
+
+
+def _forward_chunk(logits_CV, targets_C, exp_CV):
+    """(logsumexp, log-prob of the target, entropy or None) of one chunk's logits, `[C]` each; overwrites the buffers.
+
+    logsumexp by hand: torch.logsumexp allocates [C, V] temporaries and took twice as long as max/exp/sum here. The
+    entropy is logsumexp(z) - sum_j p_j z_j = log S - (sum_j e_j s_j) / S with s = z - max, e = exp(s), S = sum e:
+    one batched dot instead of materialising p and log p.
+    """
+    max_C1 = logits_CV.amax(dim=-1, keepdim=True)
+    shifted_CV = logits_CV.sub_(max_C1)
+    shifted_target_C = shifted_CV.gather(1, targets_C.unsqueeze(-1)).squeeze(-1)
+    entropy_C = None
+    if exp_CV is None:  # log-probs only: one buffer, exp in place
+        sumexp_C = shifted_CV.exp_().sum(dim=-1)
+    else:
+        torch.exp(shifted_CV, out=exp_CV)
+        sumexp_C = exp_CV.sum(dim=-1)
+        dot_C = torch.bmm(exp_CV.unsqueeze(1), shifted_CV.unsqueeze(2)).view(-1)
+        entropy_C = sumexp_C.log() - dot_C / sumexp_C
+    log_sumexp_C = sumexp_C.log()
+    return max_C1.squeeze(-1) + log_sumexp_C, shifted_target_C - log_sumexp_C, entropy_C
+
+
+def _backward_dense(logits_CV, lse_C, grad_lp_C, entropy_C, grad_ent_C, p_CV) -> torch.Tensor:
+    """The dense part D of dL/dz of some rows, in place, and their sign r: dL/dz = r D + g_lp onehot(target).
+
+    Without entropy, D = exp(z - lse + log|g_lp|) = |g_lp| p in `logits_CV`, r = -sign(g_lp): one subtraction and
+    one exp. With it, D = p (g_lp + g_H (log p + H)) in `p_CV`, r = -1.
+    """
+    if grad_ent_C is None:
+        shift_C1 = (lse_C - grad_lp_C.abs().log()).unsqueeze(-1)  # g_lp = 0: shift +inf, D = 0
+        logits_CV.sub_(shift_C1).exp_()
+        return -grad_lp_C.sign()
+    logp_CV = logits_CV.sub_(lse_C.unsqueeze(-1))
+    torch.exp(logp_CV, out=p_CV)
+    coef_CV = logp_CV.mul_(grad_ent_C.unsqueeze(-1)).add_((grad_lp_C + grad_ent_C * entropy_C).unsqueeze(-1))
+    p_CV.mul_(coef_CV)
+    return torch.full_like(grad_lp_C, -1.0)
+
+
+def _row_blocks(num_rows: int, vocab_size: int, device: torch.device) -> list[slice]:
+    """Row blocks of a chunk for its elementwise passes: on the CPU blocks of about `_CPU_BLOCK_BYTES`, so that the
+    several passes over a block run in cache (a [C, V] chunk itself is tens of MB); elsewhere the whole chunk."""
+    step = max(1, _CPU_BLOCK_BYTES // (4 * vocab_size)) if device.type == "cpu" else num_rows
+    return [slice(a, min(a + step, num_rows)) for a in range(0, num_rows, max(1, step))]
 
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
@@ -107,25 +156,17 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             logprobs_T = torch.empty(num_tokens, dtype=dtype, device=device)
             lse_T = torch.empty_like(logprobs_T)
             entropy_T = torch.empty(num_tokens if compute_entropy else 0, dtype=dtype, device=device)
-            buffers = _chunk_buffers(num_tokens, chunk_size, vocab_size, 2, dtype, device)
+            buffers = _chunk_buffers(num_tokens, chunk_size, vocab_size, 2 if compute_entropy else 1, dtype, device)
             for start in range(0, num_tokens, chunk_size):
                 end = min(start + chunk_size, num_tokens)
                 logits_CV = _chunk_logits(hidden_TH[start:end], weight_c, bias_c, temperature,
                                           buffers[0][: end - start])
-                # logsumexp by hand, in the two buffers: torch.logsumexp allocates [C, V] temporaries and took
-                # twice as long as the whole max/exp/sum sequence here.
-                max_C1 = logits_CV.amax(dim=-1, keepdim=True)
-                shifted_CV = logits_CV.sub_(max_C1)
-                exp_CV = torch.exp(shifted_CV, out=buffers[1][: end - start])
-                sumexp_C1 = exp_CV.sum(dim=-1, keepdim=True)
-                log_sumexp_C1 = sumexp_C1.log()
-                lse_T[start:end] = (max_C1 + log_sumexp_C1).squeeze(-1)
-                shifted_target_C1 = shifted_CV.gather(1, targets_T[start:end].unsqueeze(-1))
-                logprobs_T[start:end] = (shifted_target_C1 - log_sumexp_C1).squeeze(-1)
-                if compute_entropy:
-                    logp_CV = shifted_CV.sub_(log_sumexp_C1)
-                    p_CV = exp_CV.div_(sumexp_C1)
-                    entropy_T[start:end] = -p_CV.mul_(logp_CV).sum(dim=-1)
+                for rows in _row_blocks(end - start, vocab_size, device):
+                    at = slice(start + rows.start, start + rows.stop)
+                    exp_CV = buffers[1][rows] if compute_entropy else None
+                    lse_T[at], logprobs_T[at], entropy_C = _forward_chunk(logits_CV[rows], targets_T[at], exp_CV)
+                    if compute_entropy:
+                        entropy_T[at] = entropy_C
             del buffers
         ctx.save_for_backward(hidden_TH, weight_VH, bias_V, targets_T, lse_T, entropy_T)
         ctx.temperature = temperature
@@ -150,33 +191,31 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
             grad_hidden_TH = torch.empty(hidden_TH.shape, dtype=dtype, device=device) if need_hidden else None
             grad_weight_VH = torch.zeros_like(weight_c) if need_weight else None
             grad_bias_V = torch.zeros_like(bias_c) if need_bias else None
-            buffers = _chunk_buffers(num_tokens, chunk_size, vocab_size, 2, dtype, device)
+            buffers = _chunk_buffers(num_tokens, chunk_size, vocab_size, 1 if grad_ent_T is None else 2, dtype,
+                                     device)
             for start in range(0, num_tokens, chunk_size):
                 end = min(start + chunk_size, num_tokens)
                 hidden_CH = hidden_TH[start:end].to(dtype)
+                targets_C, grad_lp_C = targets_T[start:end], grad_lp_T[start:end]
                 logits_CV = _chunk_logits(hidden_CH, weight_c, bias_c, temperature, buffers[0][: end - start])
-                logp_CV = logits_CV.sub_(lse_T[start:end].unsqueeze(-1))
-                p_CV = torch.exp(logp_CV, out=buffers[1][: end - start])
-                grad_lp_C1 = grad_lp_T[start:end].unsqueeze(-1)
-                # G = g_lp (onehot - p) - g_H p (log p + H), built in place in the two [C, V] buffers; the
-                # entropy term is taken from p before p is scaled.
-                grad_z_CV = p_CV
-                if grad_ent_T is not None:
-                    ent_term_CV = logp_CV.add_(entropy_T[start:end].unsqueeze(-1)).mul_(p_CV)
-                    ent_term_CV.mul_(grad_ent_T[start:end].unsqueeze(-1))
-                    grad_z_CV.mul_(grad_lp_C1).add_(ent_term_CV)
-                else:
-                    grad_z_CV.mul_(grad_lp_C1)
-                grad_z_CV.neg_()
-                grad_z_CV.scatter_add_(1, targets_T[start:end].unsqueeze(-1), grad_lp_C1)
-                if temperature != 1.0:
-                    grad_z_CV.div_(temperature)
+                dense_CV = buffers[-1][: end - start]
+                sign_C = torch.cat([
+                    _backward_dense(logits_CV[rows], lse_T[at], grad_lp_T[at], entropy_T[at],
+                                    None if grad_ent_T is None else grad_ent_T[at], dense_CV[rows])
+                    for rows in _row_blocks(end - start, vocab_size, device)
+                    for at in [slice(start + rows.start, start + rows.stop)]])
+                # dL/dz = r D + g_lp onehot(target); the row factors r / temperature and g_lp / temperature are
+                # applied to the [C, H] sides of the products, never to the [C, V] buffer.
+                row_C1, target_C1 = (sign_C / temperature).unsqueeze(-1), (grad_lp_C / temperature).unsqueeze(-1)
                 if need_hidden:
-                    torch.mm(grad_z_CV, weight_c, out=grad_hidden_TH[start:end])
+                    out_CH = torch.mm(dense_CV, weight_c, out=grad_hidden_TH[start:end]).mul_(row_C1)
+                    out_CH.add_(weight_c.index_select(0, targets_C).mul_(target_C1))
                 if need_weight:
-                    grad_weight_VH.addmm_(grad_z_CV.T, hidden_CH)
+                    grad_weight_VH.addmm_(dense_CV.T, hidden_CH * row_C1)
+                    grad_weight_VH.index_add_(0, targets_C, hidden_CH * target_C1)
                 if need_bias:
-                    grad_bias_V.add_(grad_z_CV.sum(dim=0))
+                    grad_bias_V.addmv_(dense_CV.T, row_C1.squeeze(-1))
+                    grad_bias_V.index_add_(0, targets_C, target_C1.squeeze(-1))
             del buffers
         if need_hidden:
             grad_hidden_TH = grad_hidden_TH.to(hidden_TH.dtype)
@@ -193,7 +232,7 @@ def chunked_logprobs_entropy(
     targets_T: torch.Tensor,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     bias_V: torch.Tensor | None = None,
     compute_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fsdptrain.rl import logprobs as logprobs_module
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
 
 NUM_TOKENS, VOCAB, HIDDEN = 37, 53, 16
@@ -78,6 +79,27 @@ def test_logprobs_only():
     _assert_close_to_max(lp, lp_ref)
     for grad, grad_ref in zip(grads, grads_ref):
         _assert_close_to_max(grad, grad_ref)
+
+
+@pytest.mark.parametrize("compute_entropy", [False, True])
+def test_row_blocks_and_zero_upstream_gradients(monkeypatch, compute_entropy):
+    # Row blocks of 3 inside chunks of 10 (the last block of a chunk and of the row shorter), and log-prob upstream
+    # gradients that are exactly 0 for some tokens: the log-prob-only backward takes log|g| (-inf there).
+    # float64, so that the comparison checks the algebra at 1e-12 rather than fp32 rounding.
+    monkeypatch.setattr(logprobs_module, "_CPU_BLOCK_BYTES", 3 * 4 * VOCAB)
+    hidden_TH, weight_VH, bias_V, targets_T, coef_lp_T, coef_ent_T = _inputs(seed=3, bias=True, dtype=torch.float64)
+    coef_lp_T[::4] = 0.0
+    args = (hidden_TH, weight_VH, bias_V, targets_T, coef_lp_T, coef_ent_T)
+    lp, ent, grads = _values_and_grads(chunked_logprobs_entropy, *args, chunk_size=10, temperature=0.8,
+                                       compute_entropy=compute_entropy)
+    lp_ref, ent_ref, grads_ref = _values_and_grads(naive_logprobs_entropy, *args, temperature=0.8,
+                                                   compute_entropy=compute_entropy)
+    _assert_close_to_max(lp, lp_ref, rel=1e-12)
+    if compute_entropy:
+        _assert_close_to_max(ent, ent_ref, rel=1e-12)
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert torch.isfinite(grad).all()
+        _assert_close_to_max(grad, grad_ref, rel=1e-12)
 
 
 def test_entropy_only_gradient():
