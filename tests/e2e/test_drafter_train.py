@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdptrain.model.drafter import ARCHITECTURE, load_drafter
+from fsdptrain.model.drafter_export import ARCHITECTURE, load_drafter
 from tests.conftest import run_cli
 from tests.e2e.test_resume_export import copy_checkpoint, load_dcp, read_metrics
 
