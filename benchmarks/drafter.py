@@ -57,9 +57,9 @@ def run(overrides: list[str], *, freeze_policy: bool = False) -> tuple[Trainer, 
         for group in trainer.models.policy_optimizer.param_groups:
             group["lr"] = 0.0
     rows = []
-    for step in range(cfg.trainer.steps):
+    for step in range(trainer.num_steps):
         rows.append(trainer.run_step(step))
-        if step % 10 == 0 or step == cfg.trainer.steps - 1:
+        if step % 10 == 0 or step == trainer.num_steps - 1:
             shown = {k: round(rows[-1][k], 4) for k in ("reward/mean", "drafter/accept_prob") if k in rows[-1]}
             print(f"  step {step}: {shown}", flush=True)
     return trainer, rows
@@ -143,7 +143,7 @@ def main() -> None:
     frozen, _ = run([*base, "drafter.enabled=true"], freeze_policy=True)
     print("drafter off (step-time baseline):", flush=True)
     _, rows_off = run(base)
-    steps = cotrained.cfg.trainer.steps
+    steps = cotrained.num_steps
     rollouts = [r for k in range(args.eval_steps)
                 for r in cotrained.source.rollouts(cotrained.models, steps + k, rank=0, world_size=1,
                                                    device=cotrained.device)]

@@ -334,6 +334,10 @@ class DrafterConfig:
     """Clip the drafter's gradient to this global L2 norm (its own clip; 0 turns clipping off)."""
     init_head_from_policy: bool = True
     """Start the draft head from the policy's output rows of the draft vocabulary."""
+    num_layers: int = 1
+    """Decoder layers of the drafter: the EAGLE-3 midlayer, then Llama layers (vLLM serves any; SGLang only 1)."""
+    path: Optional[str] = None
+    """Start from a saved drafter (an export/drafter/ folder, its vocabulary included); null: a new drafter."""
     export_dtype: str = "bfloat16"
     """Dtype of the exported drafter's weights (export/drafter/): float32, bfloat16 or float16."""
 
