@@ -77,11 +77,11 @@ def plain_drafter(policy, vocab: DraftVocab, *, feature_layers, init_head_from_p
                   num_layers: int = 1) -> Eagle3Drafter:
     """The full drafter on the CPU, the same on every rank (collective when the head is copied from a sharded
     policy)."""
-    num_layers = len(decoder_layers(policy))
-    layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(num_layers)
-    if any(not 0 <= i < num_layers for i in layers):
-        raise ConfigError(f"drafter.feature_layers={list(layers)} must lie in [0, {num_layers}) for this policy "
-                          f"of {num_layers} decoder layers")
+    policy_layers = len(decoder_layers(policy))
+    layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(policy_layers)
+    if any(not 0 <= i < policy_layers for i in layers):
+        raise ConfigError(f"drafter.feature_layers={list(layers)} must lie in [0, {policy_layers}) for this policy "
+                          f"of {policy_layers} decoder layers")
     config = draft_config(policy.config, draft_vocab_size=vocab.size, num_layers=num_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

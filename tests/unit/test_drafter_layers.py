@@ -124,3 +124,16 @@ def test_two_layer_export_names_and_reloads(tmp_path):
             with model.attention("sdpa_segments"):
                 outs.append(model.compute_logits(run_drafter(model, features, packed)))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_the_run_builds_the_configured_number_of_layers_whatever_the_policy_has(num_layers):
+    """`drafter.num_layers` alone sets the drafter's depth (the policy here has 4 decoder layers)."""
+    from fsdptrain.train.drafter_setup import plain_drafter
+
+    policy = _policy("llama")
+    vocab = build_draft_vocab([p + r for p, r in zip(PROMPTS, RESPONSES)], vocab_size=VOCAB, draft_vocab_size=12)
+    drafter = plain_drafter(policy, vocab, feature_layers=None, init_head_from_policy=True, seed=0,
+                            num_layers=num_layers)
+    assert drafter.config.num_hidden_layers == num_layers
+    assert sorted(drafter.layers) == [str(i) for i in range(1, num_layers)]
