@@ -326,8 +326,8 @@ class DrafterConfig:
     """Which predicted tokens train the drafter: response (response tokens only) or all."""
     loss_weight: float = 1.0
     """Weight of the draft loss in loss = policy_loss + loss_weight * draft_loss."""
-    lr: float = 1.0e-4
-    """The drafter's AdamW learning rate (its own optimizer; the policy's schedule)."""
+    lr: Optional[float] = None
+    """The drafter's AdamW learning rate (its own optimizer, the policy's schedule); null: max(1e-4, trainer.lr)."""
     weight_decay: float = 0.0
     """The drafter's AdamW weight decay."""
     grad_clip: float = 1.0

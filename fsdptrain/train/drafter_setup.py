@@ -38,6 +38,18 @@ DRAFTER_SEED_OFFSET = 7919
 """The drafter's init seed is trainer.seed + this (any fixed offset: the policy's seeds are trainer.seed and +1)."""
 
 
+MIN_DEFAULT_LR = 1.0e-4
+"""EAGLE-3's usual drafter learning rate on a frozen target: the floor of the default `drafter.lr`."""
+
+
+def drafter_lr(cfg: DictConfig) -> float:
+    """`drafter.lr`, or when null max(1e-4, trainer.lr): a co-trained drafter's teacher moves at the policy's rate,
+    so the drafter must adapt at least as fast (docs/drafter.md, "Learning rate", has the measurements)."""
+    if cfg.drafter.lr is not None:
+        return cfg.drafter.lr
+    return max(MIN_DEFAULT_LR, cfg.trainer.lr)
+
+
 def draft_vocab_size(cfg: DictConfig, vocab_size: int) -> int:
     """`drafter.draft_vocab_size`, or min(32000, V) when null; a size above the policy's vocabulary is an error."""
     size = cfg.drafter.draft_vocab_size
@@ -141,7 +153,7 @@ def build_drafter(cfg: DictConfig, policy, vocab: Optional[DraftVocab], *, mesh,
                                 init_head_from_policy=d.init_head_from_policy, seed=t.seed + DRAFTER_SEED_OFFSET)
     shard_as_one_unit(drafter, mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
                       reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype], device=device)
-    optimizer = build_optimizer(drafter, lr=d.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+    optimizer = build_optimizer(drafter, lr=drafter_lr(cfg), betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                 weight_decay=d.weight_decay)
     scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, total_steps=num_steps,
                                 schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio)
