@@ -118,7 +118,7 @@ def interleaved_overhead(overrides: list[str], repeats: int) -> dict[str, float]
 
 
 def step_times(rows: list[dict]) -> list[float]:
-    return [r["perf/step_time_s"] for r in rows[1:]]
+    return [r["perf/step_s"] for r in rows[1:]]
 
 
 def main() -> None:
@@ -154,6 +154,8 @@ def main() -> None:
         "frozen": score(cotrained, frozen.drafter.module, rollouts),
         "accept_prob_first5": statistics.mean(r["drafter/accept_prob"] for r in rows_on[:5]),
         "accept_prob_last5": statistics.mean(r["drafter/accept_prob"] for r in rows_on[-5:]),
+        "accept_len3_first5": statistics.mean(r["drafter/expected_accept_len@3"] for r in rows_on[:5]),
+        "accept_len3_last5": statistics.mean(r["drafter/expected_accept_len@3"] for r in rows_on[-5:]),
         "step_times_on": step_times(rows_on),
         "step_times_off": step_times(rows_off),
         "interleaved": timing,
@@ -168,7 +170,8 @@ def main() -> None:
         print(f"{key:34s} {results['co-trained'].get(key, float('nan')):12.4f} "
               f"{results['frozen'].get(key, float('nan')):12.4f}")
     print(f"co-trained drafter/accept_prob during training: first 5 steps {results['accept_prob_first5']:.4f}, "
-          f"last 5 steps {results['accept_prob_last5']:.4f}")
+          f"last 5 steps {results['accept_prob_last5']:.4f}; expected_accept_len@3 "
+          f"{results['accept_len3_first5']:.4f} -> {results['accept_len3_last5']:.4f}")
     for stat in ("median", "min"):
         on, off = results[f"step_time_s_{stat}"]
         print(f"step time ({stat} over the steps after step 0): {on:.3f} s with the drafter, {off:.3f} s without: "
