@@ -138,9 +138,11 @@ DRAFTER_ROWS = ("drafter/loss", "drafter/top1_agreement", "drafter/accept_prob",
                 "drafter/grad_norm", "drafter/grad_max_diff")
 
 
-def test_drafter_rows_pass_in_every_layout(cli, tmp_path):
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_drafter_rows_pass_in_every_layout(cli, tmp_path, nproc):
     out = tmp_path / "check.json"
-    result = cli("check-metrics", "--nproc", "1", "drafter.enabled=true", "--json", str(out), env=_env(), timeout=400)
+    result = cli("check-metrics", "--nproc", nproc, "drafter.enabled=true", "--json", str(out), env=_env(),
+                 timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["ok"] is True
@@ -151,6 +153,7 @@ def test_drafter_rows_pass_in_every_layout(cli, tmp_path):
             entry = report["layouts"][layout][name]
             assert entry["pass"] is True and entry["reference"] == report["reference"][name], (layout, name)
     assert 0 < report["reference"]["drafter/accept_prob"] < 1 and report["reference"]["drafter/grad_norm"] > 0
+    assert f"ranks={nproc}" in on_policy
 
 
 def test_a_drafter_metric_over_unscored_positions_fails(cli, tmp_path):
