@@ -57,9 +57,9 @@ def run(overrides: list[str], *, freeze_policy: bool = False) -> tuple[Trainer, 
         for group in trainer.models.policy_optimizer.param_groups:
             group["lr"] = 0.0
     rows = []
-    for step in range(cfg.trainer.steps):
+    for step in range(trainer.num_steps):
         rows.append(trainer.run_step(step))
-        if step % 10 == 0 or step == cfg.trainer.steps - 1:
+        if step % 10 == 0 or step == trainer.num_steps - 1:
             shown = {k: round(rows[-1][k], 4) for k in ("reward/mean", "drafter/accept_prob") if k in rows[-1]}
             print(f"  step {step}: {shown}", flush=True)
     return trainer, rows
@@ -118,7 +118,7 @@ def interleaved_overhead(overrides: list[str], repeats: int) -> dict[str, float]
 
 
 def step_times(rows: list[dict]) -> list[float]:
-    return [r["perf/step_time_s"] for r in rows[1:]]
+    return [r["perf/step_s"] for r in rows[1:]]
 
 
 def main() -> None:
@@ -143,7 +143,7 @@ def main() -> None:
     frozen, _ = run([*base, "drafter.enabled=true"], freeze_policy=True)
     print("drafter off (step-time baseline):", flush=True)
     _, rows_off = run(base)
-    steps = cotrained.cfg.trainer.steps
+    steps = cotrained.num_steps
     rollouts = [r for k in range(args.eval_steps)
                 for r in cotrained.source.rollouts(cotrained.models, steps + k, rank=0, world_size=1,
                                                    device=cotrained.device)]
@@ -154,6 +154,8 @@ def main() -> None:
         "frozen": score(cotrained, frozen.drafter.module, rollouts),
         "accept_prob_first5": statistics.mean(r["drafter/accept_prob"] for r in rows_on[:5]),
         "accept_prob_last5": statistics.mean(r["drafter/accept_prob"] for r in rows_on[-5:]),
+        "accept_len3_first5": statistics.mean(r["drafter/expected_accept_len@3"] for r in rows_on[:5]),
+        "accept_len3_last5": statistics.mean(r["drafter/expected_accept_len@3"] for r in rows_on[-5:]),
         "step_times_on": step_times(rows_on),
         "step_times_off": step_times(rows_off),
         "interleaved": timing,
@@ -168,7 +170,8 @@ def main() -> None:
         print(f"{key:34s} {results['co-trained'].get(key, float('nan')):12.4f} "
               f"{results['frozen'].get(key, float('nan')):12.4f}")
     print(f"co-trained drafter/accept_prob during training: first 5 steps {results['accept_prob_first5']:.4f}, "
-          f"last 5 steps {results['accept_prob_last5']:.4f}")
+          f"last 5 steps {results['accept_prob_last5']:.4f}; expected_accept_len@3 "
+          f"{results['accept_len3_first5']:.4f} -> {results['accept_len3_last5']:.4f}")
     for stat in ("median", "min"):
         on, off = results[f"step_time_s_{stat}"]
         print(f"step time ({stat} over the steps after step 0): {on:.3f} s with the drafter, {off:.3f} s without: "

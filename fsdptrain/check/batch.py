@@ -25,9 +25,11 @@ import torch
 import torch.distributed
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.check.draft_check import check_vocab
 from fsdptrain.config import ConfigError
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.packed_loss import SeqTargets
@@ -181,4 +183,9 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     random.seed(checked.trainer.seed)
     torch.manual_seed(checked.trainer.seed)
     trainer = Trainer(checked, run_dir=None, info=info, mesh=mesh)
-    return CheckSession(cfg=checked, trainer=trainer, batch=make_batch(trainer))
+    batch = make_batch(trainer)
+    if checked.drafter.enabled and trainer.drafter is None:  # no vocabulary file or saved drafter: the batch's ids
+        vocab_size = trainer.models.policy.config.vocab_size
+        trainer.start_drafter(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
+                                          draft_vocab_size=draft_vocab_size(checked, vocab_size)))
+    return CheckSession(cfg=checked, trainer=trainer, batch=batch)

@@ -14,7 +14,7 @@ from fsdptrain.rl.draft_loss import draft_metrics, soft_cross_entropy_from_logit
 from fsdptrain.rl.metrics import Metrics, merge_all
 
 
-def _sequence_draft_mask(num_prompt: int, num_tokens: int, on: str) -> Tensor:
+def sequence_draft_mask(num_prompt: int, num_tokens: int, on: str) -> Tensor:
     t = torch.arange(num_tokens)
     ok = t + 2 < num_tokens
     return ok & (t + 2 >= num_prompt) if on == "response" else ok
@@ -58,7 +58,7 @@ def per_sequence_draft_loss(policy, drafter, prompts, responses, *, norms: LossN
     for prompt_ids, response_ids in zip(prompts, responses):
         draft_nD, teacher_nD = reference_draft_outputs(policy, drafter, prompt_ids, response_ids,
                                                        temperature=temperature)
-        mask_n = _sequence_draft_mask(len(prompt_ids), draft_nD.shape[0], on).to(draft_nD.device)
+        mask_n = sequence_draft_mask(len(prompt_ids), draft_nD.shape[0], on).to(draft_nD.device)
         ce_n, agree_n, accept_n = soft_cross_entropy_from_logits(draft_nD, teacher_nD)
         loss = agg_loss_with(ce_n[None], mask_n[None], agg_mode, norms)
         total = loss if total is None else total + loss

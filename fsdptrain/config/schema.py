@@ -329,14 +329,18 @@ class DrafterConfig:
     """Which predicted tokens train the drafter: response (response tokens only) or all."""
     loss_weight: float = 1.0
     """Weight of the draft loss in loss = policy_loss + loss_weight * draft_loss."""
-    lr: float = 1.0e-4
-    """The drafter's AdamW learning rate (its own optimizer; the policy's schedule)."""
+    lr: Optional[float] = None
+    """The drafter's AdamW learning rate (its own optimizer, the policy's schedule); null: max(1e-4, trainer.lr)."""
     weight_decay: float = 0.0
     """The drafter's AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the drafter's gradient to this global L2 norm (its own clip; 0 turns clipping off)."""
     init_head_from_policy: bool = True
     """Start the draft head from the policy's output rows of the draft vocabulary."""
+    num_layers: int = 1
+    """Decoder layers of the drafter: the EAGLE-3 midlayer, then Llama layers (vLLM serves any; SGLang only 1)."""
+    path: Optional[str] = None
+    """Start from a saved drafter (an export/drafter/ folder, its vocabulary included); null: a new drafter."""
     export_dtype: str = "bfloat16"
     """Dtype of the exported drafter's weights (export/drafter/): float32, bfloat16 or float16."""
 

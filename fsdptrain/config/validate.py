@@ -78,7 +78,7 @@ _POSITIVE_INTS = (
     "rollout.max_new_tokens", "trainer.steps", "trainer.mini_batches_per_step", "trainer.token_budget",
     "trainer.max_nonfinite_in_a_row", "parallel.dp_replicate", "checkpoint.keep", "check.simulated_dp",
     "check.num_prompts", "data.max_response_length", "algorithm.filter_groups_max_rounds", "data.num_rows",
-    "drafter.vocab_from_steps",
+    "drafter.vocab_from_steps", "drafter.num_layers",
 )
 """Every other int field of the schema must be >= 0 (seeds, counts, intervals): see :func:`_check_ints`."""
 
@@ -312,8 +312,11 @@ def _check_drafter(cfg: DictConfig) -> None:
     size = drafter.draft_vocab_size
     if size is not None and size < 1:
         raise ConfigError(f"drafter.draft_vocab_size={size} must be a positive integer (or null)")
+    if drafter.path is not None and drafter.vocab_path is not None:
+        raise ConfigError(f"drafter.path={drafter.path} brings its own vocabulary (d2t/t2d): unset "
+                          f"drafter.vocab_path={drafter.vocab_path}")
     steps = cfg.trainer.steps if cfg.trainer.steps is not None else DEFAULT_STEPS  # epochs: checked at the run
-    if drafter.enabled and drafter.vocab_path is None and drafter.vocab_from_steps > steps:
+    if drafter.enabled and drafter.vocab_path is None and drafter.path is None and drafter.vocab_from_steps > steps:
         raise ConfigError(f"drafter.vocab_from_steps={drafter.vocab_from_steps} must be at most "
                           f"trainer.steps={steps} (the drafter trains after its vocabulary is counted)")
 

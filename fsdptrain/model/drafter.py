@@ -1,4 +1,5 @@
-"""An EAGLE-3 drafter co-trained with the policy: the head, its draft vocabulary, the feature capture and the export.
+"""An EAGLE-3 drafter co-trained with the policy: the head, its draft vocabulary and the feature capture
+(`drafter_export` writes and reads it on disk).
 
 Legend: `_T` per-position tensors of one packed row, `_TH` `[T, H]`, `_TK` `[T, 3 H_target]`, `_D` draft vocabulary.
 
@@ -16,8 +17,11 @@ f_* are the residual streams entering three policy decoder layers (`feature_laye
 embeddings), read detached; e_{t+1} is the policy's own input embedding of token t+1, read detached (the drafter
 holds no embedding: both engines fall back to the target's when the checkpoint has none).
 
-Departures: one midlayer only (`num_hidden_layers = 1`, what every published EAGLE-3 head uses and the one layout
-both engines name the same way); the midlayer is always Llama's (RMSNorm, SwiGLU MLP, RoPE, no biases), with the
+With `num_layers` > 1 (vLLM's multi-layer EAGLE-3 head; SGLang loads one layer only), plain Llama decoder layers
+`layers.{i}` (i >= 1) follow the midlayer on the H-wide stream `r + mlp(...)`, and the final norm takes the last one's
+output (vLLM's fused add-and-norm, unfused).
+
+Departures: the midlayer is always Llama's (RMSNorm, SwiGLU MLP, RoPE, no biases), with the
 policy's sizes and RoPE parameters, also for a Qwen2 policy (sliding windows and q/k/v biases are not copied), as the
 engines' EAGLE-3 heads are Llama heads for every target; no training-time-test unrolling (one draft step).
 
@@ -37,19 +41,19 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import LlamaConfig, PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from fsdptrain.data.packing import PackedBatch
 from fsdptrain.model.attention import packed_model_inputs
 from fsdptrain.model.build import decoder_layers
-
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-"""The architecture name both engines map to their EAGLE-3 Llama head (vLLM also accepts Eagle3LlamaForCausalLM)."""
-
-WEIGHTS_NAME = "model.safetensors"
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -141,15 +145,17 @@ def load_draft_vocab(path: str | os.PathLike, *, vocab_size: int) -> DraftVocab:
 # ---- the head ---------------------------------------------------------------------------------------------------
 
 
-def draft_config(target_config: PretrainedConfig, *, draft_vocab_size: int) -> LlamaConfig:
-    """The drafter's LlamaConfig: the target's sizes and RoPE, one layer, no biases, untied head."""
+def draft_config(target_config: PretrainedConfig, *, draft_vocab_size: int, num_layers: int = 1) -> LlamaConfig:
+    """The drafter's LlamaConfig: the target's sizes and RoPE, `num_layers` layers, no biases, untied head."""
+    if num_layers < 1:
+        raise ValueError(f"drafter.num_layers must be at least 1, got {num_layers}")
     hidden = target_config.hidden_size
     heads = target_config.num_attention_heads
     return LlamaConfig(
         vocab_size=target_config.vocab_size,
         hidden_size=hidden,
         intermediate_size=target_config.intermediate_size,
-        num_hidden_layers=1,
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(target_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
@@ -196,8 +202,8 @@ class Eagle3MidLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
-    """The EAGLE-3 head. Parameter and buffer names are the exported ones: fc.weight, midlayer.*, norm.weight,
-    lm_head.weight, d2t, t2d (so `state_dict()` is the checkpoint)."""
+    """The EAGLE-3 head. Parameter and buffer names are the exported ones: fc.weight, midlayer.*, layers.{i}.* (i >= 1,
+    with num_hidden_layers > 1), norm.weight, lm_head.weight, d2t, t2d (so `state_dict()` is the checkpoint)."""
 
     def __init__(self, config: LlamaConfig, vocab: DraftVocab, feature_layers: Sequence[int]):
         super().__init__()
@@ -211,6 +217,9 @@ class Eagle3Drafter(nn.Module):
         hidden = config.hidden_size
         self.fc = nn.Linear(3 * config.target_hidden_size, hidden, bias=False)
         self.midlayer = Eagle3MidLayer(config)
+        # vLLM names the midlayer layers.0 and the later ones layers.{i}: a dict keyed from 1 keeps those names
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(config, layer_idx=i)
+                                     for i in range(1, config.num_hidden_layers)})
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
@@ -257,7 +266,11 @@ class Eagle3Drafter(nn.Module):
         position_embeddings = self.rotary_emb(fused, position_ids)
         mlp_out, residual = self.midlayer(embeds, fused, position_embeddings, position_ids=position_ids,
                                           **attention_kwargs)
-        return self.norm(mlp_out + residual)[0]
+        hidden = mlp_out + residual
+        for layer in self.layers.values():
+            hidden = layer(hidden, position_embeddings=position_embeddings, position_ids=position_ids,
+                           **attention_kwargs)
+        return self.norm(hidden)[0]
 
     def compute_logits(self, hidden_TH: Tensor) -> Tensor:
         """Draft-vocabulary logits `[T, D]` (unscaled; the loss computes these chunk by chunk instead)."""
@@ -265,14 +278,14 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: nn.Module, vocab: DraftVocab, *, feature_layers: Optional[Sequence[int]] = None,
-                    init_head_from_policy: bool = True) -> "Eagle3Drafter":
+                    init_head_from_policy: bool = True, num_layers: int = 1) -> "Eagle3Drafter":
         """A drafter sized for `policy` (a plain, unsharded HF causal LM). With `init_head_from_policy` the draft
         head starts as the policy's output rows of the draft vocabulary (a warm start; EAGLE-3 trains it)."""
-        config = draft_config(policy.config, draft_vocab_size=vocab.size)
-        num_layers = len(decoder_layers(policy))
-        layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(num_layers)
-        if any(not 0 <= i < num_layers for i in layers):
-            raise ValueError(f"drafter.feature_layers {list(layers)} must lie in [0, {num_layers}) for this policy")
+        config = draft_config(policy.config, draft_vocab_size=vocab.size, num_layers=num_layers)
+        policy_layers = len(decoder_layers(policy))
+        layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(policy_layers)
+        if any(not 0 <= i < policy_layers for i in layers):
+            raise ValueError(f"drafter.feature_layers {list(layers)} must lie in [0, {policy_layers}) for this policy")
         drafter = cls(config, vocab, layers)
         if init_head_from_policy:
             with torch.no_grad():
@@ -356,86 +369,3 @@ def teacher_head_rows(model: nn.Module, drafter: Eagle3Drafter) -> tuple[Tensor,
     rows = drafter.draft_to_target.to(head.weight.device)
     bias = None if head.bias is None else head.bias.detach()[rows]
     return head.weight.detach()[rows], bias
-
-
-# ---- export in the EAGLE-3 layout --------------------------------------------------------------------------------
-
-
-def _rope_fields(config: LlamaConfig) -> dict:
-    rope = dict(config.rope_parameters)
-    scaling = None if rope.get("rope_type", "default") == "default" else rope
-    return {"rope_theta": rope.get("rope_theta"), "rope_scaling": scaling, "rope_parameters": rope}
-
-
-def export_drafter(drafter: Eagle3Drafter, path: str | os.PathLike, target_config: PretrainedConfig, *,
-                   dtype: Optional[torch.dtype] = None, embed_tokens: Optional[Tensor] = None) -> Path:
-    """Write `drafter` as an EAGLE-3 checkpoint folder that vLLM and SGLang load: config.json (architecture
-    `LlamaForCausalLMEagle3`, draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids) and
-    model.safetensors (fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d; embed_tokens.weight only when
-    given, else the engines use the target's). `dtype` casts the float weights (default: as trained). A plain,
-    unsharded drafter on rank 0 (gather it first under FSDP)."""
-    config = drafter.config
-    if target_config.hidden_size != config.target_hidden_size or target_config.vocab_size != config.vocab_size:
-        raise ValueError("the drafter was built for another target (hidden size or vocabulary differ)")
-    state = {}
-    for name, tensor in drafter.state_dict().items():
-        tensor = tensor.detach().cpu()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        state[name] = tensor.contiguous()
-    if embed_tokens is not None:
-        state["embed_tokens.weight"] = embed_tokens.detach().cpu().to(state["fc.weight"].dtype).contiguous()
-    weight_dtype = str(state["fc.weight"].dtype).removeprefix("torch.")
-    fields = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        **_rope_fields(config),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": config.initializer_range,
-        "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.target_hidden_size,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-        "torch_dtype": weight_dtype,
-        "eagle_aux_hidden_state_layer_ids": list(drafter.feature_layers),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(drafter.feature_layers),
-                         "use_aux_hidden_state": True},
-    }
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
-    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    return out
-
-
-def load_drafter(path: str | os.PathLike) -> Eagle3Drafter:
-    """Rebuild an `Eagle3Drafter` from a folder written by `export_drafter` (strict: every weight accounted for;
-    an `embed_tokens.weight` in the file is ignored, the drafter reads the policy's embeddings)."""
-    folder = Path(path)
-    fields = json.loads((folder / "config.json").read_text())
-    if ARCHITECTURE not in fields.get("architectures", []):
-        raise ValueError(f"{folder} is not an EAGLE-3 drafter folder (architectures {fields.get('architectures')})")
-    layers = fields.pop("eagle_aux_hidden_state_layer_ids")
-    for key in ("architectures", "model_type", "eagle_config", "rope_theta", "rope_scaling", "torch_dtype"):
-        fields.pop(key, None)
-    config = LlamaConfig(**fields)
-    state = load_file(str(folder / WEIGHTS_NAME))
-    state.pop("embed_tokens.weight", None)
-    vocab = DraftVocab(d2t=state["d2t"], t2d=state["t2d"])
-    drafter = Eagle3Drafter(config, vocab, layers)
-    drafter.to(state["fc.weight"].dtype)
-    drafter.load_state_dict(state, strict=True)
-    return drafter

@@ -25,9 +25,9 @@ from fsdptrain.model.drafter import (
     Eagle3Drafter,
     default_feature_layers,
     draft_config,
-    export_drafter,
     load_draft_vocab,
 )
+from fsdptrain.model.drafter_export import export_drafter, load_drafter
 from fsdptrain.train.cotrain import DraftLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.step import DrafterUpdate
@@ -36,6 +36,18 @@ DEFAULT_DRAFT_VOCAB = 32000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFTER_SEED_OFFSET = 7919
 """The drafter's init seed is trainer.seed + this (any fixed offset: the policy's seeds are trainer.seed and +1)."""
+
+
+MIN_DEFAULT_LR = 1.0e-4
+"""EAGLE-3's usual drafter learning rate on a frozen target: the floor of the default `drafter.lr`."""
+
+
+def drafter_lr(cfg: DictConfig) -> float:
+    """`drafter.lr`, or when null max(1e-4, trainer.lr): a co-trained drafter's teacher moves at the policy's rate,
+    so the drafter must adapt at least as fast (docs/drafter.md, "Learning rate", has the measurements)."""
+    if cfg.drafter.lr is not None:
+        return cfg.drafter.lr
+    return max(MIN_DEFAULT_LR, cfg.trainer.lr)
 
 
 def draft_vocab_size(cfg: DictConfig, vocab_size: int) -> int:
@@ -73,16 +85,16 @@ def placeholder_vocab(cfg: DictConfig, vocab_size: int) -> DraftVocab:
     return DraftVocab.from_target_ids(range(draft_vocab_size(cfg, vocab_size)), vocab_size)
 
 
-def plain_drafter(policy, vocab: DraftVocab, *, feature_layers, init_head_from_policy: bool,
-                  seed: int) -> Eagle3Drafter:
+def plain_drafter(policy, vocab: DraftVocab, *, feature_layers, init_head_from_policy: bool, seed: int,
+                  num_layers: int = 1) -> Eagle3Drafter:
     """The full drafter on the CPU, the same on every rank (collective when the head is copied from a sharded
     policy)."""
-    num_layers = len(decoder_layers(policy))
-    layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(num_layers)
-    if any(not 0 <= i < num_layers for i in layers):
-        raise ConfigError(f"drafter.feature_layers={list(layers)} must lie in [0, {num_layers}) for this policy "
-                          f"of {num_layers} decoder layers")
-    config = draft_config(policy.config, draft_vocab_size=vocab.size)
+    policy_layers = len(decoder_layers(policy))
+    layers = tuple(feature_layers) if feature_layers is not None else default_feature_layers(policy_layers)
+    if any(not 0 <= i < policy_layers for i in layers):
+        raise ConfigError(f"drafter.feature_layers={list(layers)} must lie in [0, {policy_layers}) for this policy "
+                          f"of {policy_layers} decoder layers")
+    config = draft_config(policy.config, draft_vocab_size=vocab.size, num_layers=num_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = Eagle3Drafter(config, vocab, layers)
@@ -93,17 +105,57 @@ def plain_drafter(policy, vocab: DraftVocab, *, feature_layers, init_head_from_p
     return drafter
 
 
-def build_drafter(cfg: DictConfig, policy, vocab: DraftVocab, *, mesh, device: torch.device,
-                  backend: str) -> tuple[DrafterUpdate, object]:
-    """The sharded drafter, its AdamW (drafter.lr, trainer's betas and eps) and scheduler (the policy's schedule)."""
+def _mismatch(path: str, what: str, saved, wanted, fix: str) -> ConfigError:
+    return ConfigError(f"drafter.path={path} holds a drafter with {what} {saved}, but {fix} is {wanted}: "
+                       f"use a drafter saved for this policy and settings (or drop drafter.path)")
+
+
+def saved_drafter(cfg: DictConfig, policy) -> Eagle3Drafter:
+    """The drafter saved at `drafter.path` (an `export/drafter/` folder: config.json, d2t/t2d and the weights), in
+    float32, checked against the policy (hidden size, vocabulary, feature layers) and against the drafter settings
+    that name a shape (`num_layers`, and `feature_layers`, `draft_vocab_size` where set): a mismatch is a
+    ConfigError."""
+    d, path = cfg.drafter, cfg.drafter.path
+    try:
+        drafter = load_drafter(path)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"drafter.path={path} is not a drafter folder written by export/drafter/ ({first})")
+    config, target = drafter.config, policy.config
+    policy_layers = len(decoder_layers(policy))
+    if config.target_hidden_size != target.hidden_size or config.hidden_size != target.hidden_size:
+        raise _mismatch(path, "hidden size", config.target_hidden_size, target.hidden_size, "the policy's")
+    if config.vocab_size != target.vocab_size:
+        raise _mismatch(path, "a target vocabulary of", config.vocab_size, target.vocab_size, "the policy's")
+    if any(not 0 <= i < policy_layers for i in drafter.feature_layers):
+        raise _mismatch(path, "feature layers", list(drafter.feature_layers), f"[0, {policy_layers})",
+                        "the policy's layer range")
+    if config.num_hidden_layers != d.num_layers:
+        raise _mismatch(path, "num_hidden_layers", config.num_hidden_layers, d.num_layers, "drafter.num_layers")
+    if d.feature_layers is not None and list(d.feature_layers) != list(drafter.feature_layers):
+        raise _mismatch(path, "feature layers", list(drafter.feature_layers), list(d.feature_layers),
+                        "drafter.feature_layers")
+    if d.draft_vocab_size is not None and d.draft_vocab_size != config.draft_vocab_size:
+        raise _mismatch(path, "draft_vocab_size", config.draft_vocab_size, d.draft_vocab_size,
+                        "drafter.draft_vocab_size")
+    return drafter.float()
+
+
+def build_drafter(cfg: DictConfig, policy, vocab: Optional[DraftVocab], *, mesh, device: torch.device, backend: str,
+                  num_steps: int) -> tuple[DrafterUpdate, object]:
+    """The sharded drafter (a new one over `vocab`, or with `vocab` None the saved one at `drafter.path`), its AdamW
+    (drafter.lr, trainer's betas and eps) and scheduler (the policy's schedule over the run's `num_steps`)."""
     d, t = cfg.drafter, cfg.trainer
-    drafter = plain_drafter(policy, vocab, feature_layers=d.feature_layers,
-                            init_head_from_policy=d.init_head_from_policy, seed=t.seed + DRAFTER_SEED_OFFSET)
+    if vocab is None:
+        drafter = saved_drafter(cfg, policy)
+    else:
+        drafter = plain_drafter(policy, vocab, feature_layers=d.feature_layers, num_layers=d.num_layers,
+                                init_head_from_policy=d.init_head_from_policy, seed=t.seed + DRAFTER_SEED_OFFSET)
     shard_as_one_unit(drafter, mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
                       reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype], device=device)
-    optimizer = build_optimizer(drafter, lr=d.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+    optimizer = build_optimizer(drafter, lr=drafter_lr(cfg), betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                 weight_decay=d.weight_decay)
-    scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, total_steps=t.steps,
+    scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, total_steps=num_steps,
                                 schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio)
     update = DrafterUpdate(module=drafter, optimizer=optimizer, grad_clip=d.grad_clip,
                            guard=NonFiniteGuard(t.max_nonfinite_in_a_row),

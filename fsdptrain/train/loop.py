@@ -97,15 +97,19 @@ class Trainer:
         if cfg.drafter.enabled:
             vocab_size = self.models.policy.config.vocab_size
             draft_vocab_size(cfg, vocab_size)  # a size above the vocabulary fails before the first step
-            if cfg.drafter.vocab_path is not None:
+            if cfg.drafter.path is not None:  # the saved drafter, its vocabulary with it
+                self.start_drafter(None)
+            elif cfg.drafter.vocab_path is not None:
                 self.start_drafter(vocab_from_file(cfg, vocab_size))
 
     # -- the co-trained drafter -------------------------------------------------------------------------------------
 
-    def start_drafter(self, vocab: DraftVocab) -> None:
-        """Build the sharded drafter, its optimizer and scheduler over `vocab` (collective)."""
+    def start_drafter(self, vocab: Optional[DraftVocab]) -> None:
+        """Build the sharded drafter, its optimizer and scheduler over `vocab`, or from `drafter.path` when None
+        (collective)."""
         self.drafter, self.drafter_scheduler = build_drafter(self.cfg, self.models.policy, vocab, mesh=self.mesh,
-                                                             device=self.device, backend=self.models.backend)
+                                                             device=self.device, backend=self.models.backend,
+                                                             num_steps=self.num_steps)
 
     def count_draft_vocab(self, step: int, rollouts: list[Rollout]) -> None:
         """Add this step's token counts (summed over ranks); after `drafter.vocab_from_steps` steps, build the

@@ -132,3 +132,45 @@ def test_breadth_matrix(cli, nproc, loss, estimator, kl):
                  f"algorithm.adv_estimator={estimator}", "algorithm.use_kl_loss=true", f"algorithm.kl_estimator={kl}",
                  env=_env(), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+DRAFTER_ROWS = ("drafter/loss", "drafter/top1_agreement", "drafter/accept_prob", "drafter/expected_accept_len@3",
+                "drafter/grad_norm", "drafter/grad_max_diff")
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_drafter_rows_pass_in_every_layout(cli, tmp_path, nproc):
+    out = tmp_path / "check.json"
+    result = cli("check-metrics", "--nproc", nproc, "drafter.enabled=true", "--json", str(out), env=_env(),
+                 timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] is True
+    on_policy = [name for name in report["layouts_run"] if not name.startswith("off-policy: ")]
+    assert len(on_policy) >= 8
+    for layout in on_policy:
+        for name in DRAFTER_ROWS:
+            entry = report["layouts"][layout][name]
+            assert entry["pass"] is True and entry["reference"] == report["reference"][name], (layout, name)
+    assert 0 < report["reference"]["drafter/accept_prob"] < 1 and report["reference"]["drafter/grad_norm"] > 0
+    assert f"ranks={nproc}" in on_policy
+
+
+def test_a_drafter_metric_over_unscored_positions_fails(cli, tmp_path):
+    # Planted on the product: the drafter's means count every row position, not the scored ones only.
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
+        import torch
+        import fsdptrain.rl.draft_loss as draft_loss
+
+        original = draft_loss.draft_metrics
+        draft_loss.draft_metrics = lambda loss, agree, accept, mask, dp: original(
+            loss, agree, accept, torch.ones_like(mask), dp)
+        """))
+    pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
+    result = cli("check-metrics", "--nproc", "1", "drafter.enabled=true", env=_env(PYTHONPATH=pythonpath),
+                 timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL drafter/accept_prob [packed budget=" in result.stdout
+    assert "FAIL actor/" not in result.stdout

@@ -14,19 +14,17 @@ from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model.attention import set_attention
 from fsdptrain.model.drafter import (
-    ARCHITECTURE,
     DraftVocab,
     Eagle3Drafter,
     build_draft_vocab,
     capture_policy_features,
     default_feature_layers,
-    export_drafter,
     load_draft_vocab,
-    load_drafter,
     run_drafter,
     save_draft_vocab,
     teacher_head_rows,
 )
+from fsdptrain.model.drafter_export import ARCHITECTURE, export_drafter, load_drafter
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, draft_mask, expected_accept_len
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy

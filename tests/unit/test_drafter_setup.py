@@ -57,3 +57,11 @@ def test_bad_drafter_config_is_one_config_error(override, needle):
     with pytest.raises(ConfigError, match=None) as err:
         compose_config(["drafter.enabled=true", "trainer.steps=3", override])
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_default_drafter_lr_follows_a_faster_policy():
+    from fsdptrain.train.drafter_setup import drafter_lr
+
+    assert drafter_lr(compose_config(["drafter.enabled=true"])) == 3e-3  # the bundled default's trainer.lr
+    assert drafter_lr(compose_config(["drafter.enabled=true", "trainer.lr=1e-6"])) == 1e-4  # EAGLE-3's rate
+    assert drafter_lr(compose_config(["drafter.enabled=true", "drafter.lr=5e-4"])) == 5e-4
