@@ -2,7 +2,7 @@
 
 Legend: `_T` is the packed layout (one row of T tokens, `[1, T]` or `[T]`), `_BL` the padded layout `[B, L]`.
 
-A pack is one row `[1, T]` holding several sequences back to back (design.md section 5). Each sequence is
+A pack is one row `[1, T]` holding several sequences back to back (docs/packing.md). Each sequence is
 `prompt + response` token ids. Per-token tensors are aligned with the input:
 
     position t of a sequence holds, in `labels`, token t+1 of the SAME sequence;

@@ -137,7 +137,7 @@ def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str) -> 
 
 def dp_size(mesh: DeviceMesh) -> int:
     """Number of data-parallel ranks: dp_replicate x dp_shard. FSDP2 averages gradients over exactly these ranks,
-    which is why the loss carries this factor (design.md section 3)."""
+    which is why the loss carries this factor (docs/loss.md)."""
     return mesh.size()
 
 
