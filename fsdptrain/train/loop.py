@@ -262,7 +262,7 @@ class Trainer:
             step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops, device=self.device,
             world_size=self.info.world_size)])
         result.update(finalize(perf))
-        self.kinds.update((name, metric.kind.value) for name, metric in merge_all([metrics, perf]).items())
+        self.kinds.update((name, metric.kind.value) for group in (metrics, perf) for name, metric in group.items())
         result["actor/lr"] = self.models.policy_optimizer.param_groups[0]["lr"]
         result["loss/loss_scale_factor"] = self.loss_scale_factor
         result["train/nonfinite_skipped"] = self.policy_guard.num_skipped + self.critic_guard.num_skipped
