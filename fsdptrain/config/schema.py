@@ -333,6 +333,8 @@ class DrafterConfig:
     """The drafter's AdamW learning rate (its own optimizer, the policy's schedule); null: max(1e-4, trainer.lr)."""
     weight_decay: float = 0.0
     """The drafter's AdamW weight decay."""
+    refresh_passes: int = 0
+    """Drafter-only passes per mini-batch after the policy's step, taught by the updated policy (docs/drafter.md)."""
     grad_clip: float = 1.0
     """Clip the drafter's gradient to this global L2 norm (its own clip; 0 turns clipping off)."""
     init_head_from_policy: bool = True

@@ -62,17 +62,37 @@ def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[S
     features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
     loss, metrics = packed_policy_loss(model, packed, targets, norms=norms, settings=policy,
                                        hidden_TH=features.final_hidden_TH)
+    d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
+    return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
+
+
+def packed_draft_refresh_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *,
+                              norms: LossNormalizers, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
+    """loss_weight * draft_loss of one pack with the policy under no_grad: a refresh pass, run after the policy's
+    optimizer step, so the teacher is the policy that generates the next rollouts (docs/drafter.md, "Refresh
+    passes"). Same math, masks and normalisers as the joint pass; only the drafter gets gradients. `norms` and
+    `targets` are unused (the draft loss's normalisers are `settings.draft_norms`): the signature is the loss
+    functions' one."""
+    with torch.no_grad():
+        features = capture_policy_features(model, packed, feature_layers=settings.drafter.feature_layers)
+    d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
+    return settings.draft.loss_weight * d_loss, d_metrics
+
+
+def _draft_loss_of(model, features, packed: PackedBatch, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
+    """The draft loss of one pack and its metrics, from the captured (detached) policy features; the teacher is the
+    policy's draft-vocabulary rows, read while its root unit is still unsharded after the forward."""
+    drafter, policy = settings.drafter, settings.policy
     teacher_DH, teacher_bias_D = teacher_head_rows(model, drafter)
     with drafter.attention(settings.draft.backend):
         draft_hidden_TH = run_drafter(drafter, features, packed)
     mask_T = packed_draft_mask(packed, on=settings.draft.on).to(draft_hidden_TH.device)
     # the drafter's root unit keeps its weights unsharded after forward, so its head reads as a plain tensor here
-    d_loss, d_metrics = draft_loss(
+    return draft_loss(
         draft_hidden_TH, drafter.lm_head.weight, features.final_hidden_TH, teacher_DH, mask_T,
         norms=settings.draft_norms, agg_mode=policy.agg_mode, cu_seqlens=packed.cu_seqlens,
         temperature=policy.temperature, chunk_size=policy.chunk_size, teacher_bias_D=teacher_bias_D,
     )
-    return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
 
 
 def local_draft_counts(prompts, responses, plan: PackPlan, *, on: str) -> tuple[int, int]:

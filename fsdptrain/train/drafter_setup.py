@@ -159,7 +159,8 @@ def build_drafter(cfg: DictConfig, policy, vocab: Optional[DraftVocab], *, mesh,
                                 schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio)
     update = DrafterUpdate(module=drafter, optimizer=optimizer, grad_clip=d.grad_clip,
                            guard=NonFiniteGuard(t.max_nonfinite_in_a_row),
-                           loss=DraftLossSettings(on=d.on, loss_weight=d.loss_weight, backend=backend))
+                           loss=DraftLossSettings(on=d.on, loss_weight=d.loss_weight, backend=backend),
+                           refresh_passes=d.refresh_passes)
     return update, scheduler
 
 

@@ -223,14 +223,17 @@ class Trainer:
         return merge_all(collected), out
 
     def step_flops(self, rollouts: list[Rollout]) -> float:
-        """This rank's model FLOPs of the step (docs/performance.md), by the passes the step ran."""
+        """This rank's model FLOPs of the step (docs/performance.md), by the passes the step ran (the drafter's
+        refresh passes each add a policy forward over the batch; the drafter's own FLOPs are not counted)."""
         cfg, models = self.cfg, self.models
         epochs = cfg.algorithm.ppo_epochs
+        refresh_forwards = epochs * self.drafter.refresh_passes if self.drafter is not None else 0
         critic_pass = models.critic is not None and (cfg.algorithm.adv_estimator == "gae"
                                                      or not self.skip_old_passes)
         return step_flops(models.policy.config, [len(r.prompt_ids) for r in rollouts],
                           [len(r.response_ids) for r in rollouts], generated=isinstance(self.source, PromptSource),
-                          policy_forwards=int(not self.skip_old_passes) + int(models.reference is not None),
+                          policy_forwards=(int(not self.skip_old_passes) + int(models.reference is not None)
+                                           + refresh_forwards),
                           critic_forwards=int(critic_pass), policy_updates=epochs,
                           critic_updates=epochs if models.critic is not None else 0)
 

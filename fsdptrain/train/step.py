@@ -29,6 +29,7 @@ from fsdptrain.train.cotrain import (
     DraftLossSettings,
     global_normalizers_with_draft,
     local_draft_counts,
+    packed_draft_refresh_loss,
     packed_policy_and_draft_loss,
 )
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
@@ -157,13 +158,15 @@ class StepOutcome:
 
 @dataclass
 class DrafterUpdate:
-    """A drafter co-trained with the policy: its sharded module, its own optimizer, clip and guard, its loss."""
+    """A drafter co-trained with the policy: its sharded module, its own optimizer, clip and guard, its loss, and
+    how many refresh passes follow each policy step (docs/drafter.md)."""
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
     grad_clip: float
     guard: NonFiniteGuard
     loss: DraftLossSettings
+    refresh_passes: int = 0
 
 
 def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
@@ -183,25 +186,46 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
 
     With ``drafter`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
-    train the drafter too (`packed_policy_and_draft_loss`), and the drafter then takes its own clipped step.
+    train the drafter too (`packed_policy_and_draft_loss`), and the drafter then takes its own clipped step; then
+    come its refresh passes against the updated policy (:func:`refresh_drafter`). The metrics are the joint pass's:
+    the drafter is scored before it learns from this mini-batch.
     """
     if drafter is None:
         norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device)
-    else:
-        assert loss_fn is packed_policy_loss, "a drafter co-trains with the policy loss only"
-        plan = plan_agreed(batch.lengths(), token_budget)
-        draft_counts = local_draft_counts(batch.prompts, batch.responses, plan, on=drafter.loss.on)
-        norms, draft_norms = global_normalizers_with_draft(local_counts(batch), draft_counts, dp_size=dp_size,
-                                                           loss_scale_factor=loss_scale_factor)
-        joint = CoTrainSettings(policy=settings, drafter=drafter.module, draft=drafter.loss, draft_norms=draft_norms)
-        accumulated = accumulate_gradients(model, batch, loss_fn=packed_policy_and_draft_loss, settings=joint,
-                                           norms=norms, token_budget=token_budget, device=device, plan=plan)
+        outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
+        outcome.norms = norms
+        return reduce_metrics(accumulated.metrics), outcome
+    assert loss_fn is packed_policy_loss, "a drafter co-trains with the policy loss only"
+    plan = plan_agreed(batch.lengths(), token_budget)
+    draft_counts = local_draft_counts(batch.prompts, batch.responses, plan, on=drafter.loss.on)
+    norms, draft_norms = global_normalizers_with_draft(local_counts(batch), draft_counts, dp_size=dp_size,
+                                                       loss_scale_factor=loss_scale_factor)
+    joint = CoTrainSettings(policy=settings, drafter=drafter.module, draft=drafter.loss, draft_norms=draft_norms)
+    accumulated = accumulate_gradients(model, batch, loss_fn=packed_policy_and_draft_loss, settings=joint,
+                                       norms=norms, token_budget=token_budget, device=device, plan=plan)
     outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
     outcome.norms = norms
-    if drafter is not None:
-        outcome.drafter = optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
-                                         guard=drafter.guard)
-        outcome.drafter.norms = draft_norms
+    outcome.drafter = optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
+                                     guard=drafter.guard)
+    outcome.drafter.norms = draft_norms
+    refresh_drafter(model, batch, drafter, settings=joint, plan=plan, token_budget=token_budget, device=device)
     return reduce_metrics(accumulated.metrics), outcome
+
+
+def refresh_drafter(model, batch: MiniBatch, drafter: DrafterUpdate, *, settings: CoTrainSettings, plan: PackPlan,
+                    token_budget: int, device: torch.device) -> list[StepOutcome]:
+    """`drafter.refresh_passes` drafter-only passes over the mini-batch, each a clipped step of the drafter, with the
+    policy (already stepped) forward under no_grad as the teacher: the drafter catches up with the policy that
+    generates the next rollouts. The policy's weights and gradients are not touched; its root unit is resharded
+    after (it never reshards after a forward by itself). Collective, on the joint pass's agreed plan."""
+    outcomes = []
+    for _ in range(drafter.refresh_passes):
+        accumulate_gradients(model, batch, loss_fn=packed_draft_refresh_loss, settings=settings,
+                             norms=settings.draft_norms, token_budget=token_budget, device=device, plan=plan)
+        outcomes.append(optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
+                                       guard=drafter.guard))
+    if outcomes and hasattr(model, "reshard"):
+        model.reshard()
+    return outcomes

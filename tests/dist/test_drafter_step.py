@@ -1,5 +1,6 @@
 """The co-trained drafter on 2 gloo ranks (FSDP2) == one process, in every agg mode; the policy's gradients and
-updated weights with the drafter on are bit-identical to those with it off."""
+updated weights with the drafter on are bit-identical to those with it off; a refresh pass after the policy's step
+(`refresh_drafter`) has the one-process gradient of the oracle taught by the updated policy."""
 
 from __future__ import annotations
 
@@ -34,6 +35,15 @@ def test_drafter_gradients_and_update_match_one_process(results, key):
         assert r["drafter_grad_rel"] <= GRAD_TOLERANCE, r
         assert r["drafter_update_rel"] <= UPDATE_TOLERANCE, r
         assert r["drafter_grad_norm"] > 0.05, r  # the clip was active
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_refresh_pass_matches_one_process_with_the_updated_policy_as_teacher(results, key):
+    for rank in (0, 1):
+        r = results[rank]["results"][key]
+        assert r["refresh_grad_rel"] <= GRAD_TOLERANCE, r
+        assert r["refresh_left_policy"] is True, r
+        assert r["refresh_resharded_policy"] is True, r
 
 
 @pytest.mark.parametrize("key", KEYS)

@@ -141,3 +141,26 @@ def test_acceptance_rises_over_a_20_step_default_run(tmp_path):
     assert len(accept) == 20
     first, last = sum(accept[:5]) / 5, sum(accept[-5:]) / 5
     assert last > first + 0.01, (first, last)
+
+
+def test_refresh_passes_resume_exactly_and_leave_the_policy_run(reference_run, tmp_path):
+    """drafter.refresh_passes=2: the drafter moves differently (two more steps per mini-batch, taught by the updated
+    policy), the policy's run is the reference run's number for number, and a resume after step 2 reproduces step
+    3's drafter metrics exactly (the refresh steps live in the drafter's weights and AdamW state)."""
+    args = (*TINY, *DRAFTER, "drafter.refresh_passes=2", "checkpoint.every=2")
+    whole = run_cli("train", *args, f"trainer.run_dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-4000:]
+    first = run_cli("train", *args, "trainer.steps=2", f"trainer.run_dir={tmp_path / 'split'}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-4000:]
+    resumed = run_cli("train", *args, "trainer.resume=auto", f"trainer.run_dir={tmp_path / 'split'}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    want, got = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "split")
+    for key in [k for k in want[2] if k.startswith("drafter/")]:
+        assert got[2][key] == want[2][key], (key, got[2][key], want[2][key])
+    reference = read_metrics(reference_run)
+    assert want[0]["drafter/loss"] == reference[0]["drafter/loss"]  # step 0 scores the same new drafter
+    assert want[1]["drafter/loss"] != reference[1]["drafter/loss"]  # then the refresh steps have moved it
+    for row, ref in zip(want, reference, strict=True):
+        for key in without_diagnostics(ref, metric_kinds(reference_run)):
+            if not key.startswith("drafter/"):
+                assert row[key] == ref[key], (row["step"], key)

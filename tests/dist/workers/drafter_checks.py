@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.distributed import world
@@ -39,7 +40,15 @@ from fsdptrain.train.cotrain import (
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
-from fsdptrain.train.step import MiniBatch, accumulate_gradients, local_counts, optimizer_step, plan_agreed
+from fsdptrain.train.step import (
+    DrafterUpdate,
+    MiniBatch,
+    accumulate_gradients,
+    local_counts,
+    optimizer_step,
+    plan_agreed,
+    refresh_drafter,
+)
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
@@ -82,19 +91,26 @@ def draft_counts_by_hand(prompts, responses, on: str) -> tuple[int, int]:
     return tokens, seqs
 
 
-def reference(mode: str, on: str, batch):
-    """The drafter's gradients and its weights after one clipped AdamW step, in one process."""
+def oracle_backward(policy, drafter, mode: str, on: str, batch) -> tuple[int, int]:
+    """Backward of loss_weight * the per-sequence oracle's draft loss into `drafter` (`policy` the teacher), with the
+    hand-worked global draft counts, which it returns."""
     prompts, responses, _ = batch
-    policy = build_full_model("policy", path=None, config=CONFIG, seed=POLICY_SEED)
-    vocab = DraftVocab.from_target_ids(DRAFT_IDS, VOCAB)
-    drafter = plain_drafter(policy, vocab, feature_layers=FEATURE_LAYERS, init_head_from_policy=True,
-                            seed=DRAFTER_SEED)
     tokens, seqs = draft_counts_by_hand(prompts, responses, on)
     norms = LossNormalizers(global_num_tokens=tokens, global_num_seqs=seqs, dp_size=1,
                             loss_scale_factor=LOSS_SCALE_FACTOR)
     loss, _ = per_sequence_draft_loss(policy, drafter, prompts, responses, norms=norms, agg_mode=mode, on=on,
                                       temperature=SETTINGS["temperature"])
     (LOSS_WEIGHT * loss).backward()
+    return tokens, seqs
+
+
+def reference(mode: str, on: str, batch):
+    """The drafter's gradients and its weights after one clipped AdamW step, in one process."""
+    policy = build_full_model("policy", path=None, config=CONFIG, seed=POLICY_SEED)
+    vocab = DraftVocab.from_target_ids(DRAFT_IDS, VOCAB)
+    drafter = plain_drafter(policy, vocab, feature_layers=FEATURE_LAYERS, init_head_from_policy=True,
+                            seed=DRAFTER_SEED)
+    tokens, seqs = oracle_backward(policy, drafter, mode, on, batch)
     grads = {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     torch.nn.utils.clip_grad_norm_(drafter.parameters(), DRAFT_CLIP)
@@ -152,7 +168,33 @@ def policy_step(info, mesh, mini, mode: str, on: str, with_drafter: bool) -> dic
         out["drafter_grad_norm"] = step.grad_norm
         weights = gather_full_state_dict(drafter, rank0_only=False)
         out["drafter_weights"] = {n: weights[n] for n in out["drafter_grads"]}
+        out.update(refresh_step(info, policy, drafter, mini, joint, plan))
     return out
+
+
+def refresh_step(info, policy, drafter, mini, joint: CoTrainSettings, plan) -> dict:
+    """One refresh pass of the product (`refresh_drafter`) after the steps, with plain SGD at lr 1 and no clip, so
+    the drafter's weights move by minus the pass's gradient; the policy's weights after it, and whether its root
+    unit was resharded (every parameter a DTensor again)."""
+    update = DrafterUpdate(module=drafter, optimizer=torch.optim.SGD(drafter.parameters(), lr=1.0), grad_clip=0.0,
+                           guard=NonFiniteGuard(3), loss=joint.draft, refresh_passes=1)
+    refresh_drafter(policy, mini, update, settings=joint, plan=plan, token_budget=TOKEN_BUDGET, device=info.device)
+    weights = gather_full_state_dict(drafter, rank0_only=False)
+    return {"refreshed_weights": {n: weights[n] for n in dict(drafter.named_parameters())},
+            "policy_resharded": all(isinstance(p, DTensor) for p in policy.parameters()),
+            "policy_weights_after_refresh": gather_full_state_dict(policy, rank0_only=False)}
+
+
+def refresh_reference(mode: str, on: str, batch, on_run: dict) -> dict:
+    """The refresh pass's gradient in one process: the per-sequence oracle with the ranks' UPDATED policy as the
+    teacher and their drafter after its joint step."""
+    policy = build_full_model("policy", path=None, config=CONFIG, seed=POLICY_SEED)
+    policy.load_state_dict(on_run["policy_weights"])
+    drafter = plain_drafter(policy, DraftVocab.from_target_ids(DRAFT_IDS, VOCAB), feature_layers=FEATURE_LAYERS,
+                            init_head_from_policy=False, seed=DRAFTER_SEED)
+    drafter.load_state_dict(on_run["drafter_weights"], strict=False)
+    oracle_backward(policy, drafter, mode, on, batch)
+    return {n: p.grad.detach().clone() for n, p in drafter.named_parameters()}
 
 
 def run_mode(mode: str, on: str, info, mesh, batch) -> dict:
@@ -165,6 +207,8 @@ def run_mode(mode: str, on: str, info, mesh, batch) -> dict:
     same_grads = all(torch.equal(on_run["policy_grads"][n], off_run["policy_grads"][n]) for n in off_run["policy_grads"])
     same_weights = all(torch.equal(on_run["policy_weights"][n], off_run["policy_weights"][n])
                        for n in off_run["policy_weights"])
+    refresh_steps = {n: on_run["drafter_weights"][n] - w for n, w in on_run["refreshed_weights"].items()}
+    refreshed_policy = on_run["policy_weights_after_refresh"]
     return {
         "drafter_grad_rel": worst_relative(on_run["drafter_grads"], ref_grads),
         "drafter_weight_rel": worst_relative(on_run["drafter_weights"], ref_weights),
@@ -176,6 +220,9 @@ def run_mode(mode: str, on: str, info, mesh, batch) -> dict:
         "policy_weights_identical": same_weights,
         "num_policy_grads": len(off_run["policy_grads"]),
         "num_local_seqs": len(mine),
+        "refresh_grad_rel": worst_relative(refresh_steps, refresh_reference(mode, on, batch, on_run)),
+        "refresh_left_policy": all(torch.equal(refreshed_policy[n], w) for n, w in on_run["policy_weights"].items()),
+        "refresh_resharded_policy": on_run["policy_resharded"],
     }
 
 
