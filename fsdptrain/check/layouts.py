@@ -35,7 +35,7 @@ from torch import Tensor
 
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import gather_full_grads
+from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.model.attention import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
@@ -152,7 +152,7 @@ def run_packs(part: Part, batch: MiniBatch, plan: Optional[PackPlan], norms: Los
 
 
 def _fresh(part: Part) -> None:
-    part.model.zero_grad(set_to_none=True)
+    zero_grads(part.model)
 
 
 def _sub_batch(batch: MiniBatch, indices: list[int]) -> MiniBatch:

@@ -59,7 +59,7 @@ from fsdptrain.check.passes import (
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import gather_full_grads
+from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
@@ -131,7 +131,7 @@ def checked_policy_and_critic(parts: list[Part]) -> list[Part]:
 def _reference(session: CheckSession, parts: list[Part], counts: Counts):
     values, scales, grads = {}, {}, {}
     for part in parts:
-        part.model.zero_grad(set_to_none=True)
+        zero_grads(part.model)
         if part.prefix == DRAFTER:
             loss, metrics, grads[DRAFTER] = reference_drafter(part.model, session.batch.full, part.settings,
                                                               counts.loss_scale_factor)
@@ -256,8 +256,8 @@ def _prefixed(outcome: Outcome, *, keep_rollout: bool) -> Outcome:
 def _drafter_pass(session: CheckSession, parts: list[Part], ctx: Context, planned, counts: Counts,
                   tol: dict) -> tuple[Outcome, list[Comparison]]:
     """The drafter's reference and layouts (:mod:`fsdptrain.check.draft_check`), run after every policy and critic
-    row: after a backward through the FSDP drafter in this process, the policy's per-sequence sdpa gradient was
-    measured to differ from the one before (not yet explained), so the drafter never runs between policy rows."""
+    row. Gradients are zeroed with `zero_grads`: the oracle's no-grad teacher forwards leave the policy's root unit
+    unsharded, and a plain `zero_grad` then missed its sharded gradients (docs/check-metrics.md)."""
     full, scales, ref_grads = _reference(session, parts, counts)
     reference = Outcome("reference", {k: v for k, v in full.values.items() if k.startswith(DRAFTER)}, covers=())
     comparisons = []

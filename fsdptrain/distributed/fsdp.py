@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import (
     PretrainedConfig,
@@ -315,3 +315,20 @@ def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         grads[clean_name(name)] = grad.detach().cpu()
     return grads
+
+
+def zero_grads(model: nn.Module) -> None:
+    """Set every gradient of ``model`` to None, the sharded ones of an FSDP2 model included.
+
+    The trap this avoids: FSDP2's root unit never reshards after a forward, so after a no-grad forward (generation,
+    an old-log-prob pass, an oracle's teacher forward) `model.parameters()` yields the root's UNSHARDED tensors, and
+    `model.zero_grad()` clears those while the sharded gradients of the embedding, the final norm and the head stay:
+    the next backward adds to them (measured: the root's gradient exactly doubled). Resharding every unit first makes
+    `parameters()` the sharded parameters again. Optimizers hold the sharded parameters, so `optimizer.zero_grad`
+    never had the trap; this is for code that zeroes through the module (check-metrics, tests).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    model.zero_grad(set_to_none=True)
+
