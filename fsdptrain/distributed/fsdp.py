@@ -327,8 +327,17 @@ def zero_grads(model: nn.Module) -> None:
     `parameters()` the sharded parameters again. Optimizers hold the sharded parameters, so `optimizer.zero_grad`
     never had the trap; this is for code that zeroes through the module (check-metrics, tests).
     """
+    reshard_all(model)
+    model.zero_grad(set_to_none=True)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit of ``model`` (`FSDPModule.reshard` is not recursive); a plain module is left as is.
+
+    Call it after no-grad forwards: the root unit never reshards after a forward, nor do layers built with
+    `parallel.reshard_after_forward=false`, so their unsharded weights would stay allocated and be what
+    `parameters()` yields."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-    model.zero_grad(set_to_none=True)
 

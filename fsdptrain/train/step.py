@@ -21,6 +21,7 @@ import torch
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackPlan, pack_sequences, plan_packs
 from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import reshard_all
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import Schema, describe, flatten, unflatten
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
@@ -215,17 +216,14 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
 
 
 def refresh_drafter(model, batch: MiniBatch, drafter: DrafterUpdate, *, settings: CoTrainSettings, plan: PackPlan,
-                    token_budget: int, device: torch.device) -> list[StepOutcome]:
+                    token_budget: int, device: torch.device) -> None:
     """`drafter.refresh_passes` drafter-only passes over the mini-batch, each a clipped step of the drafter, with the
     policy (already stepped) forward under no_grad as the teacher: the drafter catches up with the policy that
-    generates the next rollouts. The policy's weights and gradients are not touched; its root unit is resharded
-    after (it never reshards after a forward by itself). Collective, on the joint pass's agreed plan."""
-    outcomes = []
+    generates the next rollouts. The policy's weights and gradients are not touched; its units are resharded after
+    (`reshard_all`). Collective, on the joint pass's agreed plan."""
     for _ in range(drafter.refresh_passes):
         accumulate_gradients(model, batch, loss_fn=packed_draft_refresh_loss, settings=settings,
                              norms=settings.draft_norms, token_budget=token_budget, device=device, plan=plan)
-        outcomes.append(optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
-                                       guard=drafter.guard))
-    if outcomes and hasattr(model, "reshard"):
-        model.reshard()
-    return outcomes
+        optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip, guard=drafter.guard)
+    if drafter.refresh_passes:
+        reshard_all(model)
