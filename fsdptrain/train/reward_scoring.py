@@ -4,9 +4,9 @@ Legend: `_N` one value per sample of this rank.
 
 After generation every rank re-tokenises its (prompt, completion) texts with each reward model's own tokenizer and
 chat template, packs them with the agreed plan (``plan_agreed``: every rank runs the same number of forwards, so the
-sharded model's collectives line up) and reads each score at its sequence's own last token. The root unit is
-resharded after each model's phase. The scores' (sum, sum of squares, count) of every model go into ONE all-reduce,
-so ``batch`` and ``running`` normalisation use the global batch's moments at any world size; the running moments are
+sharded model's collectives line up) and reads each score at its sequence's own last token. Every unit is
+resharded after each model's phase (`reshard_all`). The scores' (sum, sum of squares, count) of every model go into
+ONE all-reduce, so ``batch`` and ``running`` normalisation use the global batch's moments at any world size; the running moments are
 the caller's state (kept across steps and in checkpoints). The models' weighted, scaled scores are returned for the
 caller to add to the reward functions' weighted total.
 """
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import reshard_all
 from fsdptrain.model.reward_model import reward_input_ids, score_sequences
 from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments, combine, scale_scores, score_metrics, score_moments
@@ -62,7 +63,7 @@ def score_with_reward_models(
         input_ids = [reward_input_ids(spec, p, c) for p, c in zip(prompts, completions)]
         plan = plan_agreed([len(ids) for ids in input_ids], token_budget)
         raw_N.append(score_sequences(model, input_ids, plan.packs, device=device).to(torch.float64))
-        model.reshard()  # the root unit never reshards after forward by itself
+        reshard_all(model)  # the root (and layers with parallel.reshard_after_forward=false) stay unsharded otherwise
     local = torch.cat([score_moments(scores) for scores in raw_N])
     global_moments = world.all_reduce_sum(local).reshape(len(raw_N), 3)
     scaled_N, new_running, metrics = [], [], []
