@@ -6,9 +6,9 @@ After generation every rank re-tokenises its (prompt, completion) texts with eac
 chat template, packs them with the agreed plan (``plan_agreed``: every rank runs the same number of forwards, so the
 sharded model's collectives line up) and reads each score at its sequence's own last token. Every unit is
 resharded after each model's phase (`reshard_all`). The scores' (sum, sum of squares, count) of every model go into
-ONE all-reduce, so ``batch`` and ``running`` normalisation use the global batch's moments at any world size; the running moments are
-the caller's state (kept across steps and in checkpoints). The models' weighted, scaled scores are returned for the
-caller to add to the reward functions' weighted total.
+ONE all-reduce, so ``batch`` and ``running`` normalisation use the global batch's moments at any world size; the
+running moments are the caller's state (kept across steps and in checkpoints). The models' weighted, scaled scores
+are returned for the caller to add to the reward functions' weighted total.
 """
 
 from __future__ import annotations
