@@ -307,10 +307,6 @@ class CheckConfig:
     """check-metrics: data-parallel size simulated in one process."""
     num_prompts: int = 4
     """check-metrics: prompt groups in the checked mini-batch (at most rollout.prompts_per_step; >= the ranks)."""
-    masked_fixture: bool = True
-    """check-metrics: add a prompt-only sequence (no response token) so empty-extremum sentinels show."""
-    negative_values: bool = True
-    """check-metrics: shift the critic's outputs below zero for the check, so a 0.0 sentinel would win values_max."""
 
 
 @dataclass
