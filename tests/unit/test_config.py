@@ -184,3 +184,23 @@ def test_offline_rollouts_declare_their_maximum_response_length():
     with pytest.raises(ConfigError, match=r"^data=jsonl needs rollout.max_new_tokens="):
         compose_config(["data=jsonl", "data.path=r.jsonl"])
     assert compose_config(["data=jsonl", "data.path=r.jsonl", "rollout.max_new_tokens=9"]).rollout.max_new_tokens == 9
+
+
+def _preset_values(path: Path) -> dict[str, object]:
+    """``{dotted key: value}`` a preset YAML sets (its package: its group, or the root for `# @package _global_`)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not path.read_text().startswith("# @package _global_"):
+        node = {path.parent.name: node or {}}
+    return {f"{group}.{key}": value for group, fields in node.items() for key, value in fields.items()}
+
+
+@pytest.mark.parametrize(("group", "name"), list(_group_presets()))
+def test_presets_hold_only_what_differs_from_the_defaults(group, name):
+    from fsdptrain.config import Config
+
+    defaults = Config()
+    for key, value in _preset_values(PACKAGE_CONF_DIR / group / f"{name}.yaml").items():
+        section, field = key.split(".")
+        assert value != getattr(getattr(defaults, section), field), f"{group}/{name}.yaml restates {key}={value}"
