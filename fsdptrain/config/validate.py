@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.config.errors import ConfigError
-from fsdptrain.config.fields import field_choices, field_range
+from fsdptrain.config.fields import Range, field_choices, field_range
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
 __all__ = ["DEFAULT_STEPS", "RENAMED_KEYS", "ConfigError", "declared_range", "renamed_key_message", "reward_specs",
@@ -50,8 +50,8 @@ def schema_fields(kind: type) -> list[str]:
     return [key for key, _, hint in _schema_items() if _is(hint, kind)]
 
 
-def declared_range(dotted: str):
-    """The :class:`~fsdptrain.config.fields.Range` declared on the schema field ``group.field`` (or None)."""
+def declared_range(dotted: str) -> Range | None:
+    """The range declared on the schema field ``group.field`` (None for a field that is not a number)."""
     group, name = dotted.split(".")
     return field_range({f.name: f for f in dataclasses.fields(SCHEMA_GROUPS[group])}[name])
 
@@ -82,6 +82,15 @@ def _check_choices(cfg: DictConfig) -> None:
             raise ConfigError(_choices_message(key, value, choices, user_function))
 
 
+def _range_message(key: str, value: float, bounds: Range, hint: Any) -> str:
+    """The error for a number outside its field's range: floats name the range, ints say positive or >= 0."""
+    if _is(hint, float):
+        return f"{key}={value} must be {bounds.describe()}"
+    if bounds.low == 1:
+        return f"{key}={value} must be a positive integer{' (or null)' if _is(hint, type(None)) else ''}"
+    return f"{key}={value} must be >= 0"
+
+
 def _check_ranges(cfg: DictConfig) -> None:
     """Every number against the range its field declares (every int and float field declares one), ints first."""
     items = list(_schema_items())
@@ -90,18 +99,10 @@ def _check_ranges(cfg: DictConfig) -> None:
             if not _is(hint, kind):
                 continue
             value = OmegaConf.select(cfg, key, throw_on_missing=True)
-            if value is None:
-                continue
             bounds = field_range(f)
             assert bounds is not None, f"{key} declares no range in fsdptrain/config/schema.py"
-            if bounds.contains(value):
-                continue
-            if kind is float:
-                raise ConfigError(f"{key}={value} must be {bounds.describe()}")
-            if bounds.low == 1:
-                null = " (or null)" if _is(hint, type(None)) else ""
-                raise ConfigError(f"{key}={value} must be a positive integer{null}")
-            raise ConfigError(f"{key}={value} must be >= 0")
+            if value is not None and not bounds.contains(value):
+                raise ConfigError(_range_message(key, value, bounds, hint))
     dp_shard = cfg.parallel.dp_shard
     if dp_shard != "auto" and not (str(dp_shard).isdigit() and int(dp_shard) >= 1):
         raise ConfigError(f"parallel.dp_shard={dp_shard!r} must be 'auto' or a positive integer")
