@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, register_schemas, validate
+from fsdptrain.config.validate import renamed_key_message
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -29,6 +30,9 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
     full_key = getattr(err, "full_key", None)
     msg = getattr(err, "msg", None) or _first_line(str(err))
     if "not in" in msg and full_key:
+        renamed = renamed_key_message(full_key)
+        if renamed:
+            return renamed
         group = full_key.split(".")[0]
         schema = SCHEMA_GROUPS.get(group)
         if schema is not None and "." in full_key:
@@ -61,6 +65,9 @@ def _check_no_extra_keys(cfg: DictConfig) -> None:
         known = [f.name for f in dataclasses.fields(SCHEMA_GROUPS[group])]
         for key in value.keys():
             if key not in known:
+                renamed = renamed_key_message(f"{group}.{key}")
+                if renamed:
+                    raise ConfigError(renamed)
                 raise ConfigError(f"unknown config key '{group}.{key}'; valid keys in '{group}': {', '.join(known)}")
 
 

@@ -6,10 +6,11 @@ experience source and collective experience passes), from the resolved config wi
 own share (the product path's input) and also gathers the whole mini-batch, which every rank runs in the single-process
 layouts (all forwards of an FSDP model are collective, so every rank runs the same ones in lockstep).
 
-Two fixtures make sentinel bugs visible, both documented in docs/check-metrics.md:
-- ``check.masked_fixture``: a prompt-only sequence (no response token) joins the batch, on the last rank. A pack,
+Two fixtures make sentinel bugs visible, both documented in docs/check-metrics.md (always on; a test turns one off
+with :func:`make_batch`'s arguments):
+- ``masked_fixture``: a prompt-only sequence (no response token) joins the batch, on the last rank. A pack,
   micro-batch or rank that holds only it has empty extrema; a merge that reports an empty MIN/MAX as 0.0 then wins.
-- ``check.negative_values``: a forward hook on the critic's value head subtracts a constant (the batch's largest value
+- ``negative_values``: a forward hook on the critic's value head subtracts a constant (the batch's largest value
   plus 1, measured before the experience is made), so every value is <= -1 and a 0.0 sentinel would win
   ``values_max``. (The policy's ratios are about 1 > 0, so ``probs_ratio_min`` already exposes a MIN sentinel.)
 """
@@ -141,13 +142,13 @@ def _all_gather(obj) -> list:
     return out
 
 
-def make_batch(trainer: Trainer) -> CheckBatch:
+def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values: bool = True) -> CheckBatch:
     """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch."""
-    cfg, info = trainer.cfg, trainer.info
+    info = trainer.info
     rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
                                        device=trainer.device)
     shift = None
-    if trainer.models.critic is not None and cfg.check.negative_values:
+    if trainer.models.critic is not None and negative_values:
         shift = shift_values_below_zero(trainer, rollouts)
     trainer.skip_old_passes = False  # the oracle compares against recomputed old log-probs and values
     targets, facts = trainer.make_experience(rollouts)
@@ -159,7 +160,7 @@ def make_batch(trainer: Trainer) -> CheckBatch:
     scores = [float(e[5]) for e in gathered]
     groups = [int(e[0][0]) for e in gathered]
     local_index = sorted((i for i, e in enumerate(gathered) if e[4] == info.rank), key=lambda i: gathered[i][0][1])
-    add_fixture = bool(cfg.check.masked_fixture)
+    add_fixture = masked_fixture
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
         full.prompts.append(prompt)

@@ -4,10 +4,9 @@ reference (:mod:`.docs`). Torch-free: the CLI validates in the parent process be
 The names most modules need are importable from here: ``from fsdptrain.config import ConfigError``.
 """
 
-from fsdptrain.config.schema import SCHEMA_GROUPS, Config, register_schemas
+from fsdptrain.config.errors import ConfigError
+from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS, Config, register_schemas
 from fsdptrain.config.validate import (
-    DEFAULT_STEPS,
-    ConfigError,
     reward_specs,
     validate,
     validate_mesh_shape,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 
 from fsdptrain.config import SCHEMA_GROUPS
 from fsdptrain.config import schema as config_module
+from fsdptrain.config.fields import field_choices, field_range
 
 GROUP_INTROS = {
     "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config.",
@@ -56,6 +58,24 @@ def _default_text(f: dataclasses.Field) -> str:
     return str(value)
 
 
+def _valid_text(f: dataclasses.Field) -> str:
+    """The choices or the range the field declares, as the page shows them ("" when it declares neither)."""
+    choices = field_choices(f)
+    if choices is not None:
+        text = ", ".join(f"`{c}`" for c in choices)
+        if "each_of" in f.metadata:
+            return f"each of {text}"
+        return f"{text}, or `module:function`" if f.metadata["user_function"] else text
+    bounds = field_range(f)
+    if bounds is None:
+        return ""
+    if bounds.low == -math.inf:
+        return "finite"
+    if bounds.high == math.inf:
+        return f"{'>=' if bounds.low_in else '>'} {bounds.low:g}"
+    return f"{'[' if bounds.low_in else '('}{bounds.low:g}, {bounds.high:g}{']' if bounds.high_in else ')'}"
+
+
 def render_configuration_md() -> str:
     """The whole text of docs/configuration.md."""
     docs = field_docs()
@@ -67,12 +87,16 @@ def render_configuration_md() -> str:
         "Set any field on the command line as `group.field=value` (`fsdptrain train trainer.steps=5`), pick a preset",
         "with `group=name` (`algorithm=grpo`, `data=jsonl`, `model=local`), print the result with `--cfg`, or bring",
         "your own config folder with `--config-dir DIR --config-name NAME` (list `config_schema` first in its",
-        "defaults). Choices are validated right after composition: a bad value exits 2 with one line naming it.",
+        "defaults). The valid column shows each field's choices or range (declared on the field in the schema); they",
+        "are validated right after composition: a bad value exits 2 with one line naming it. Numbers must be finite;",
+        "null is allowed where the default is null.",
         "",
     ]
     for group, schema in SCHEMA_GROUPS.items():
-        lines += [f"## {group}", "", GROUP_INTROS[group], "", "| field | default | meaning |", "| --- | --- | --- |"]
+        lines += [f"## {group}", "", GROUP_INTROS[group], "", "| field | default | valid | meaning |",
+                  "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(schema):
-            lines.append(f"| `{group}.{f.name}` | `{_default_text(f)}` | {docs[schema.__name__][f.name]} |")
+            lines.append(f"| `{group}.{f.name}` | `{_default_text(f)}` | {_valid_text(f)} | "
+                         f"{docs[schema.__name__][f.name]} |")
         lines.append("")
     return "\n".join(lines)

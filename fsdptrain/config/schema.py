@@ -1,9 +1,10 @@
 """The typed configuration schema, registered with hydra's ConfigStore.
 
 Every group of ``conf/`` has a dataclass here; each field carries a one-line attribute docstring (the string literal
-right below it), which ``docs/configuration.md`` mirrors and a test keeps in step. Choices are plain strings (an Enum
-would reject the hyphenated names users type, such as ``token-sum``); :mod:`fsdptrain.config.validate` checks them
-right after composition. Nothing here imports torch.
+right below it), which ``docs/configuration.md`` mirrors and a test keeps in step. Each field declares its choices
+or range where it is defined (``choice(...)``, ``bounded(...)``: :mod:`fsdptrain.config.fields`), and
+:mod:`fsdptrain.config.validate` checks them right after composition. Choices are plain strings (an Enum would reject
+the hyphenated names users type, such as ``token-sum``). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+
+from fsdptrain.config.fields import bounded, choice, each_of, unbounded
+from fsdptrain.rl import names
 
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")
@@ -30,128 +34,126 @@ GATHER_MODES = ("auto", "always", "never")
 RECOMPUTE_MODES = ("auto", "always")
 DRAFT_ON = ("response", "all")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+DEFAULT_STEPS = 100
+"""Training steps when neither trainer.steps nor trainer.epochs is set."""
 
 
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
     """Local Hugging Face model folder (weights + config + tokenizer); null builds the tiny model below from its config."""
-    arch: str = "llama"
+    arch: str = choice("llama", MODEL_ARCHS)
     """Architecture of the config-built model when `path` is null."""
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, ge=1)
     """Hidden width of the config-built model."""
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     """Decoder layers of the config-built model."""
-    num_heads: int = 4
+    num_heads: int = bounded(4, ge=1)
     """Attention heads of the config-built model."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = bounded(2, ge=1)
     """Key/value heads of the config-built model (grouped-query attention when below num_heads)."""
-    intermediate_size: int = 128
+    intermediate_size: int = bounded(128, ge=1)
     """MLP width of the config-built model."""
     tie_word_embeddings: bool = True
     """Share the input embedding with the output projection (config-built model)."""
-    attn_backend: str = "auto"
+    attn_backend: str = choice("auto", ATTN_BACKENDS)
     """Packed attention for training forwards: auto, flash_attn, torch_varlen or sdpa_segments (generation uses sdpa)."""
-    value_init: str = "policy"
+    value_init: str = choice("policy", VALUE_INITS)
     """Where the value model's backbone starts: policy (copy of the policy's weights), seed (fresh init) or reward_model (the first of reward.models)."""
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "ppo"
+    name: str = choice("ppo", ALGORITHM_NAMES)
     """Preset name, for the record: ppo or grpo."""
-    adv_estimator: str = "gae"
+    adv_estimator: str = choice("gae", names.ADV_ESTIMATORS, user_function=True)
     """Advantage estimator: gae (needs the value model), grpo, rloo, reinforce_plus_plus(_baseline), or a user's
     module:function / path.py:function (docs/algorithms.md)."""
     use_critic: bool = True
     """Train a value model (PPO). GAE requires it."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0, le=1)
     """Discount for GAE."""
-    lam: float = 1.0
+    lam: float = bounded(1.0, ge=0, le=1)
     """GAE lambda."""
     whiten_advantages: bool = True
     """Whiten GAE advantages with mean and variance taken over the whole global batch."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's standard deviation (false gives Dr. GRPO's mean-only baseline)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = bounded(1, ge=1)
     """Passes over each step's experience."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = bounded(0.2, gt=0, le=1)
     """PPO clip: ratio lower bound is 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: float = bounded(0.2, gt=0)
     """PPO clip: ratio upper bound is 1 + clip_ratio_high."""
-    clip_ratio_c: Optional[float] = 3.0
+    clip_ratio_c: Optional[float] = bounded(3.0, gt=1)
     """Dual-clip bound for negative advantages (> 1); null turns dual-clip off."""
     seq_level_ratio: bool = False
     """Use the sequence-level importance ratio (GSPO) instead of the per-token one."""
-    cliprange_value: float = 0.2
+    cliprange_value: float = bounded(0.2, gt=0)
     """Value clipping range around the old values."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """Weight of the entropy bonus in the policy loss."""
     use_kl_loss: bool = False
     """Add a KL penalty to a frozen reference policy to the loss (builds the reference model)."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = bounded(0.001, ge=0)
     """Weight of the KL loss term."""
-    kl_estimator: str = "k3"
+    kl_estimator: str = choice("k3", names.KL_ESTIMATORS)
     """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+ or k3+ (straight-through; docs/algorithms.md)."""
-    kl_clamp: Optional[float] = 10.0
+    kl_clamp: Optional[float] = bounded(10.0, gt=0)
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
-    policy_loss: str = "vanilla"
+    policy_loss: str = choice("vanilla", names.POLICY_LOSSES, user_function=True)
     """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""
-    dro_beta: float = 1.0
+    dro_beta: float = bounded(1.0, gt=0)
     """DRO's quadratic penalty weight (policy_loss=dro; > 0)."""
-    rollout_correction: str = "none"
+    rollout_correction: str = choice("none", ("none", *names.ROLLOUT_CORRECTION_MODES))
     """Off-policy correction from behaviour log-probs: none, tis (truncated) or mis (masked importance weights)."""
-    rollout_correction_level: str = "token"
+    rollout_correction_level: str = choice("token", names.ROLLOUT_CORRECTION_LEVELS)
     """Importance weights per token or per sequence (product of the token ratios)."""
-    rollout_correction_cap: float = 2.0
+    rollout_correction_cap: float = bounded(2.0, gt=0)
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
-    filter_groups_max_rounds: int = 3
+    filter_groups_max_rounds: int = bounded(3, ge=1)
     """Dynamic sampling: generation rounds per step at most, until rollout.prompts_per_step groups are useful."""
-    kl_in_reward_coef: float = 0.0
+    kl_in_reward_coef: float = bounded(0.0, ge=0)
     """Per-token KL penalty subtracted from the reward (0 turns it off; needs the reference model)."""
-    recompute_old_logprobs: str = "auto"
+    recompute_old_logprobs: str = choice("auto", RECOMPUTE_MODES)
     """Old log-probs: auto skips their pass when the update is strictly on-policy (exact), always recomputes."""
 
 
 @dataclass
 class LossConfig:
-    agg_mode: str = "token-mean"
+    agg_mode: str = choice("token-mean", names.AGG_MODES)
     """Loss aggregation: token-mean, token-sum, seq-mean-token-sum, seq-mean-token-sum-norm, seq-mean-token-mean."""
-    loss_scale_factor: Optional[float] = None
+    loss_scale_factor: Optional[float] = bounded(None, gt=0)
     """Constant divisor of seq-mean-token-sum-norm; null uses the configured maximum response length."""
-    logprob_chunk_size: int = 256
+    logprob_chunk_size: int = bounded(256, ge=1)
     """Tokens per chunk of the fused output projection (bounds the logits held at once)."""
 
 
 @dataclass
 class DataConfig:
-    source: str = "task"
+    source: str = choice("task", DATA_SOURCES)
     """Where experience comes from: task (a bundled digit task), prompts (your prompt files) or jsonl (offline rollouts)."""
-    task: str = "repeat_digit"
+    task: str = choice("repeat_digit", TASKS)
     """Bundled task when source=task: repeat_digit, copy_digits, reverse_digits or sort_digits."""
-    num_rows: int = 4096
+    num_rows: int = bounded(4096, ge=1)
     """source=task: training rows generated from data.seed (visited epoch by epoch like a prompt file's rows)."""
     path: Any = None
     """source=prompts: a local .jsonl/.json/.parquet/.csv file, a list of them, or a save_to_disk folder; source=jsonl: the rollouts file."""
     prompt_key: str = "prompt"
     """source=prompts: the column holding the prompt (a string, or a chat: a list of {role, content} messages)."""
     eval_path: Any = None
-    """source=prompts: held-out prompts for the greedy evaluation (same formats as path); null holds out data.eval_size rows of path."""
-    eval_size: int = 32
-    """source=prompts without eval_path: rows held out of path for the greedy evaluation (never trained on); 0 for none."""
-    max_prompt_length: Optional[int] = None
+    """source=prompts: held-out prompts for the greedy evaluation (same formats as path); null holds out data.num_eval_prompts rows of path."""
+    max_prompt_length: Optional[int] = bounded(None, ge=1)
     """source=prompts: prompts with more tokens are skipped and counted (or an error, see long_prompts); null keeps all."""
-    long_prompts: str = "skip"
+    long_prompts: str = choice("skip", LONG_PROMPTS)
     """source=prompts: what a prompt over max_prompt_length does: skip (counted) or error."""
-    max_response_length: Optional[int] = None
-    """Declared maximum response length of offline rollouts (required for source=jsonl)."""
     skip_bad_rows: bool = False
     """Offline data: skip and count malformed rows instead of stopping with an error."""
-    num_eval_prompts: int = 32
-    """source=task: held-out prompts for the greedy evaluation reward."""
-    seed: int = 1234
+    num_eval_prompts: int = bounded(32, ge=0)
+    """Prompts of the greedy evaluation: source=task generates them; source=prompts without eval_path holds out this many rows of path (never trained on; 0 for none)."""
+    seed: int = bounded(1234, ge=0)
     """Seed of the prompt order (and of the bundled task's rows and the held-out split)."""
 
 
@@ -161,19 +163,19 @@ class RewardConfig:
     """Reward functions: built-in names (exact_match, math, think_format, word_match), module:function or path.py:function; null means word_match (the bundled tasks' reward)."""
     weights: Optional[list[float]] = None
     """One weight per function; null weighs each 1.0. A sample's reward is the weighted sum over the functions that applied."""
-    num_workers: int = 0
+    num_workers: int = bounded(0, ge=0)
     """Worker processes per rank that run the functions (0: in the training process, once per step)."""
-    timeout_s: Optional[float] = None
+    timeout_s: Optional[float] = bounded(None, gt=0)
     """Longest one call may run (needs num_workers >= 1); a timed-out call scores timeout_score. null: no limit."""
-    timeout_score: float = 0.0
+    timeout_score: float = unbounded(0.0)
     """Score of each sample whose call timed out (counted in reward/<function>/num_timed_out)."""
     models: list[str] = field(default_factory=list)
     """Local folders of learned reward models (sequence classifiers, one label); their weighted scores add to the functions' total (docs/reward-models.md)."""
     model_weights: Optional[list[float]] = None
     """One weight per reward model; null weighs each 1.0."""
-    model_normalize: str = "none"
+    model_normalize: str = choice("none", REWARD_MODEL_NORMALIZE)
     """Scaling of each reward model's scores: none, batch (whitened over the step's global batch) or running (running moments, kept in checkpoints)."""
-    model_clip: Optional[float] = None
+    model_clip: Optional[float] = bounded(None, gt=0)
     """Clamp each normalised reward-model score to [-model_clip, model_clip]; null: no clipping."""
     model_offload: bool = False
     """Keep the reward models' shards on the CPU between scoring phases (a GPU run's memory saver)."""
@@ -181,85 +183,85 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 16
+    prompts_per_step: int = bounded(16, ge=1)
     """Prompts per training step, across all ranks."""
-    n: int = 4
+    n: int = bounded(4, ge=1)
     """Samples per prompt (a group; never split across ranks)."""
-    max_new_tokens: int = 6
-    """Largest response length generated."""
-    temperature: float = 1.0
+    max_new_tokens: int = bounded(6, ge=1)
+    """Largest response length: generated, or declared for offline rollouts (data=jsonl: a longer response is a bad row)."""
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature (log-probs in training use the same temperature)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
-    gather_weights: str = "auto"
+    gather_weights: str = choice("auto", GATHER_MODES)
     """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never."""
-    gather_weights_max_share: float = 0.5
+    gather_weights_max_share: float = bounded(0.5, gt=0, le=1)
     """gather_weights=auto gathers when the unsharded policy needs at most this share of free memory."""
 
 
 @dataclass
 class TrainerConfig:
-    steps: Optional[int] = None
+    steps: Optional[int] = bounded(None, ge=1)
     """Number of training steps; null means 100, or the steps trainer.epochs gives when that is set."""
-    epochs: Optional[float] = None
+    epochs: Optional[float] = bounded(None, gt=0)
     """Instead of steps (data=task or prompts): passes over the training rows, steps = ceil(epochs x rows / rollout.prompts_per_step)."""
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     """Seed for model init and sampling."""
-    mini_batches_per_step: int = 1
+    mini_batches_per_step: int = bounded(1, ge=1)
     """Optimizer steps per epoch: the step's prompt groups are split into this many mini-batches."""
-    token_budget: int = 2048
+    token_budget: int = bounded(2048, ge=1)
     """Most tokens in one packed micro-batch on one rank."""
-    lr: float = 3.0e-3
+    lr: float = bounded(3.0e-3, gt=0)
     """Policy learning rate (3e-3: the embedded default climbs steadily on 1 and 2 ranks; 5e-3 collapsed late on 2)."""
-    critic_lr: float = 5.0e-3
+    critic_lr: float = bounded(5.0e-3, gt=0)
     """Value model learning rate."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = choice("constant", LR_SCHEDULES)
     """Learning-rate schedule after warmup: constant or cosine."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, ge=0)
     """Linear warmup steps."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = bounded(0.0, ge=0, le=1)
     """Cosine floor as a fraction of the peak learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
     """AdamW's first-moment decay (policy, critic and drafter optimizers)."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
     """AdamW's second-moment decay."""
-    adam_eps: float = 1e-8
+    adam_eps: float = bounded(1e-8, gt=0)
     """AdamW's epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Policy gradient-norm clip (0 turns clipping off; the norm is still logged)."""
-    critic_grad_clip: float = 1.0
+    critic_grad_clip: float = bounded(1.0, ge=0)
     """Value model gradient-norm clip (0 turns clipping off)."""
-    max_nonfinite_in_a_row: int = 3
+    max_nonfinite_in_a_row: int = bounded(3, ge=1)
     """Stop the run after this many consecutive steps skipped for a non-finite gradient norm."""
-    grad_norm_warn_factor: float = 10.0
+    grad_norm_warn_factor: float = bounded(10.0, gt=0)
     """Warn when the pre-clip grad norm stays above this factor times the clip threshold for 5 steps."""
-    eval_every: int = 25
+    eval_every: int = bounded(25, ge=0)
     """Greedy evaluation every this many steps (0 turns it off)."""
     run_name: Optional[str] = None
     """Run name; null uses a timestamp. Naming it keeps the run directory stable across invocations."""
     run_dir: Optional[str] = None
     """Run directory; null means runs/<run_name> under the current directory."""
-    resume: str = "never"
+    resume: str = choice("never", RESUME_MODES)
     """Resume: never, or auto (newest intact checkpoint of the run); a used run directory needs auto or overwrite."""
     overwrite: bool = False
     """Start over in a run directory that holds a run: delete its checkpoints, metrics and export first."""
     allow_config_change: bool = False
     """Resume even though the model, algorithm or loss mode changed (the change is recorded in the run directory)."""
-    device: str = "auto"
+    device: str = choice("auto", DEVICES)
     """Device: auto (cuda when available), cpu or cuda."""
 
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
+    dp_replicate: int = bounded(1, ge=1)
     """HSDP replica groups (1 = plain FSDP)."""
     dp_shard: str = "auto"
     """Ranks each replica shards over; auto = world size / dp_replicate."""
-    param_dtype: str = "float32"
+    param_dtype: str = choice("float32", DTYPES)
     """Dtype of unsharded parameters in forward/backward (MixedPrecisionPolicy)."""
-    reduce_dtype: str = "float32"
+    reduce_dtype: str = choice("float32", DTYPES)
     """Dtype of the gradient reduce-scatter (MixedPrecisionPolicy)."""
     reshard_after_forward: bool = True
     """Free unsharded parameters after each layer's forward (trades memory for an all-gather in backward)."""
@@ -269,7 +271,7 @@ class ParallelConfig:
     """Keep sharded parameters, gradients and optimizer state on the CPU (GPU runs only)."""
     compile: bool = False
     """torch.compile each decoder layer before sharding, for the training forwards (docs/performance.md: when it pays)."""
-    compile_backend: str = "inductor"
+    compile_backend: str = choice("inductor", COMPILE_BACKENDS)
     """torch.compile backend with parallel.compile: inductor (generated kernels), aot_eager or eager (no codegen)."""
 
 
@@ -277,40 +279,36 @@ class ParallelConfig:
 class LoggingConfig:
     progress: bool = True
     """Show a progress bar on rank 0."""
-    backends: list[str] = field(default_factory=lambda: ["jsonl"])
+    backends: list[str] = each_of(LOGGING_BACKENDS, lambda: ["jsonl"])
     """Where metrics go: jsonl (metrics.jsonl, always written), tensorboard, wandb, mlflow (each needs its library)."""
-    samples_every: int = 10
+    samples_every: int = bounded(10, ge=0)
     """Write a few prompts, completions and their rewards to samples.jsonl every this many steps (0 turns it off)."""
 
 
 @dataclass
 class PerfConfig:
-    peak_tflops: Optional[float] = None
+    peak_tflops: Optional[float] = bounded(None, gt=0)
     """Peak dense TFLOP/s of one device in the param dtype for MFU; null: known GPUs auto, none on the CPU."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0
+    every: int = bounded(0, ge=0)
     """Save a checkpoint every this many steps (0 turns periodic checkpoints off)."""
-    keep: int = 2
+    keep: int = bounded(2, ge=1)
     """Keep this many newest checkpoints."""
 
 
 @dataclass
 class CheckConfig:
-    rtol: float = 1.0e-5
+    rtol: float = bounded(1.0e-5, ge=0)
     """check-metrics: relative tolerance of every comparison."""
-    atol: float = 1.0e-6
+    atol: float = bounded(1.0e-6, ge=0)
     """check-metrics: absolute tolerance of every comparison."""
-    simulated_dp: int = 2
+    simulated_dp: int = bounded(2, ge=1)
     """check-metrics: data-parallel size simulated in one process."""
-    num_prompts: int = 4
+    num_prompts: int = bounded(4, ge=1)
     """check-metrics: prompt groups in the checked mini-batch (at most rollout.prompts_per_step; >= the ranks)."""
-    masked_fixture: bool = True
-    """check-metrics: add a prompt-only sequence (no response token) so empty-extremum sentinels show."""
-    negative_values: bool = True
-    """check-metrics: shift the critic's outputs below zero for the check, so a 0.0 sentinel would win values_max."""
 
 
 @dataclass
@@ -319,31 +317,31 @@ class DrafterConfig:
     """Co-train an EAGLE-3 drafter with the policy, in the same train step (docs/drafter.md)."""
     feature_layers: Optional[list[int]] = None
     """The three policy layers whose inputs feed the drafter (HF hidden_states indices); null: vLLM's default."""
-    draft_vocab_size: Optional[int] = None
+    draft_vocab_size: Optional[int] = bounded(None, ge=1)
     """Tokens of the draft vocabulary (at most the policy's vocabulary); null: min(32000, the policy's vocabulary)."""
     vocab_path: Optional[str] = None
     """JSON file of the draft vocabulary's token ids (save_draft_vocab's format); null: built from the rollouts."""
-    vocab_from_steps: int = 1
+    vocab_from_steps: int = bounded(1, ge=1)
     """Without vocab_path: count the tokens of the first this many steps' rollouts; the drafter trains from then on."""
-    on: str = "response"
+    on: str = choice("response", DRAFT_ON)
     """Which predicted tokens train the drafter: response (response tokens only) or all."""
-    loss_weight: float = 1.0
+    loss_weight: float = bounded(1.0, ge=0)
     """Weight of the draft loss in loss = policy_loss + loss_weight * draft_loss."""
-    lr: Optional[float] = None
+    lr: Optional[float] = bounded(None, gt=0)
     """The drafter's AdamW learning rate (its own optimizer, the policy's schedule); null: max(1e-4, trainer.lr)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """The drafter's AdamW weight decay."""
-    refresh_passes: int = 0
+    refresh_passes: int = bounded(0, ge=0)
     """Drafter-only passes per mini-batch after the policy's step, taught by the updated policy (docs/drafter.md)."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, ge=0)
     """Clip the drafter's gradient to this global L2 norm (its own clip; 0 turns clipping off)."""
     init_head_from_policy: bool = True
     """Start the draft head from the policy's output rows of the draft vocabulary."""
-    num_layers: int = 1
+    num_layers: int = bounded(1, ge=1)
     """Decoder layers of the drafter: the EAGLE-3 midlayer, then Llama layers (vLLM serves any; SGLang only 1)."""
     path: Optional[str] = None
     """Start from a saved drafter (an export/drafter/ folder, its vocabulary included); null: a new drafter."""
-    export_dtype: str = "bfloat16"
+    export_dtype: str = choice("bfloat16", DTYPES)
     """Dtype of the exported drafter's weights (export/drafter/): float32, bfloat16 or float16."""
 
 

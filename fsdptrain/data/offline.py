@@ -99,7 +99,7 @@ def _tokenize_row(row: dict, tokenizer, file: Path, line_no: int, max_response_l
         raise _row_error(file, line_no, "empty prompt or response")
     if len(response_ids) > max_response_length:
         raise _row_error(file, line_no, f"response has {len(response_ids)} tokens, more than "
-                                        f"data.max_response_length={max_response_length}")
+                                        f"rollout.max_new_tokens={max_response_length}")
     logprobs: Optional[list[float]] = row.get("behaviour_logprobs")
     if logprobs is not None and len(logprobs) != len(response_ids):
         raise _row_error(file, line_no, f"'behaviour_logprobs' has {len(logprobs)} entries for "

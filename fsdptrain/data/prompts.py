@@ -120,8 +120,8 @@ def hold_out_eval(rows: Sequence[PromptRow], *, eval_size: int, seed: int) -> tu
     so the split does not move when ``max_prompt_length`` changes.
     """
     if eval_size < 0 or eval_size >= len(rows):
-        raise ConfigError(f"data.eval_size={eval_size} must be in [0, {len(rows)}) for a dataset of {len(rows)} rows "
-                          f"(at least one row must remain to train on)")
+        raise ConfigError(f"data.num_eval_prompts={eval_size} must be in [0, {len(rows)}) for a dataset of {len(rows)} "
+                          f"rows (at least one row must remain to train on)")
     held = set(random.Random(f"eval:{seed}").sample(range(len(rows)), eval_size))
     train = [r for i, r in enumerate(rows) if i not in held]
     evals = [r for i, r in enumerate(rows) if i in held]

@@ -68,7 +68,7 @@ def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[PromptRow], list[PromptR
         train, evals = rows, load_prompts(plain(data.eval_path), tokenizer=tokenizer, prompt_key=key,
                                           what="data.eval_path")
     else:
-        train, evals = hold_out_eval(rows, eval_size=data.eval_size, seed=data.seed)
+        train, evals = hold_out_eval(rows, eval_size=data.num_eval_prompts, seed=data.seed)
     length = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, long_prompts=data.long_prompts)
     train, dropped_train = drop_long_prompts(train, label="data.path", **length)
     dropped_eval = 0

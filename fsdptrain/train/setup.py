@@ -58,7 +58,7 @@ def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
 
 
 def max_response_length(cfg: DictConfig) -> int:
-    return cfg.data.max_response_length if cfg.data.source == "jsonl" else cfg.rollout.max_new_tokens
+    return cfg.rollout.max_new_tokens
 
 
 def loss_scale_factor(cfg: DictConfig) -> float:

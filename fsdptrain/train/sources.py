@@ -20,7 +20,7 @@ class OfflineSource:
     def __init__(self, cfg: DictConfig, tokenizer):
         self.cfg = cfg
         rollouts, self.num_skipped = load_jsonl_rollouts(cfg.data.path, tokenizer,
-                                                         max_response_length=cfg.data.max_response_length,
+                                                         max_response_length=cfg.rollout.max_new_tokens,
                                                          skip_bad_rows=cfg.data.skip_bad_rows)
         if self.num_skipped:
             log(f"warning: data.skip_bad_rows=true skipped {self.num_skipped} bad row(s) of {cfg.data.path} "
@@ -28,7 +28,7 @@ class OfflineSource:
         self.groups: dict[int, list[Rollout]] = {}
         for r in rollouts:
             self.groups.setdefault(r.group, []).append(r)
-        self.max_response_length = cfg.data.max_response_length
+        self.max_response_length = cfg.rollout.max_new_tokens
         self.step_metrics = None  # the rewards come with the file: no reward-function metrics
         self.samples: list[dict] = []
 

@@ -47,6 +47,7 @@ def _config_cases() -> list[Case]:
     cases += [Case(f"int-negative-{key}", (f"{key}=-1",), f"{key}=-1") for key in schema_fields(int)]
     return cases + [
         Case("unknown-key", ("trainer.lrr=0.1",), "trainer.lrr"),
+        Case("renamed-key", ("data.max_response_length=8",), "set rollout.max_new_tokens instead"),
         Case("bad-choice", ("loss.agg_mode=token_sum",), "loss.agg_mode='token_sum'"),
         Case("int-not-int", ("trainer.steps=1.5",), "trainer.steps"),
         Case("lr-inf", ("trainer.lr=inf",), "trainer.lr=inf"),
@@ -73,13 +74,12 @@ def _model_cases() -> list[Case]:
 
 
 def _data_cases() -> list[Case]:
-    jsonl = ("data=jsonl", "data.max_response_length=8")
+    jsonl = ("data=jsonl", "rollout.max_new_tokens=8")
     return [
         Case("data-binary", (*jsonl, "data.path={inputs}/binary.jsonl"), "is a binary file"),
         Case("data-not-utf8", (*jsonl, "data.path={inputs}/latin1.jsonl"), "is not UTF-8 text"),
         Case("data-missing", (*jsonl, "data.path={inputs}/nope.jsonl"), "data.path="),
         Case("data-a-folder", (*jsonl, "data.path={inputs}"), "is not a file"),
-        Case("data-no-max-length", ("data=jsonl", "data.path={inputs}/good.jsonl"), "data.max_response_length"),
         Case("data-truncated-string-nproc-2", ("--nproc", "2", *jsonl, "data.path={inputs}/truncated_string.jsonl"),
              "'truncated' must be a JSON boolean"),
         Case("data-nan-logprob", (*jsonl, "data.path={inputs}/nan_logprob.jsonl"), "behaviour_logprobs"),
@@ -171,7 +171,6 @@ def inputs(tmp_path_factory) -> Path:
     (root / "config-not-json" / "config.json").write_text("{not json")
     (root / "a-file").write_text("not a folder\n")
     row = {"prompt": "1+1=", "response": "2", "reward": 1.0}
-    (root / "good.jsonl").write_text(json.dumps(row) + "\n")
     (root / "binary.jsonl").write_bytes(b"\x00\x01\x02" + os.urandom(64))
     (root / "latin1.jsonl").write_bytes(json.dumps({**row, "prompt": "caf\u00e9"}, ensure_ascii=False)
                                         .encode("latin-1") + b"\n")

@@ -58,7 +58,7 @@ def slow(prompts, completions, completion_ids, **kwargs):
     return [1.0] * len(completions)
 '''
 USER = ("model=local", "data=prompts", "algorithm=grpo", "rollout.prompts_per_step=4", "rollout.n=2",
-        "rollout.max_new_tokens=4", "trainer.eval_every=0", "logging.progress=false", "data.eval_size=0")
+        "rollout.max_new_tokens=4", "trainer.eval_every=0", "logging.progress=false", "data.num_eval_prompts=0")
 
 
 @pytest.fixture(scope="module")

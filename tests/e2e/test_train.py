@@ -89,7 +89,7 @@ def _write_rollouts(path: Path, bad_line: str | None = None) -> None:
 def test_offline_jsonl_rollouts_train(cli, tmp_path):
     data = tmp_path / "rollouts.jsonl"
     _write_rollouts(data)
-    result = cli("train", "data=jsonl", f"data.path={data}", "data.max_response_length=8", "algorithm=grpo",
+    result = cli("train", "data=jsonl", f"data.path={data}", "rollout.max_new_tokens=8", "algorithm=grpo",
                  *TINY, "trainer.run_name=offline")
     assert result.returncode == 0, result.stderr
     rows = _metrics(tmp_path / "runs" / "offline")
@@ -103,7 +103,7 @@ def test_offline_jsonl_rollouts_train(cli, tmp_path):
 def test_bad_jsonl_row_exits_2_naming_file_and_line(cli, tmp_path):
     data = tmp_path / "rollouts.jsonl"
     _write_rollouts(data, bad_line='{"prompt": "repeat 1 =", "response": "1"}')
-    result = cli("train", "data=jsonl", f"data.path={data}", "data.max_response_length=8", "algorithm=grpo", *TINY)
+    result = cli("train", "data=jsonl", f"data.path={data}", "rollout.max_new_tokens=8", "algorithm=grpo", *TINY)
     assert result.returncode == 2, result.stderr
     assert f"{data}:3:" in result.stderr
     assert "Traceback" not in result.stderr

@@ -14,7 +14,7 @@ from fsdptrain.config.docs import field_docs, render_configuration_md
 
 REQUIRED_OVERRIDES = {
     ("model", "local"): ["model.path=/some/hf/folder"],
-    ("data", "jsonl"): ["data.path=rollouts.jsonl", "data.max_response_length=32"],
+    ("data", "jsonl"): ["data.path=rollouts.jsonl", "rollout.max_new_tokens=32"],
     ("data", "prompts"): ["data.path=train.jsonl", "reward.functions=[exact_match]"],
     ("algorithm", "grpo"): [],
 }
@@ -98,7 +98,7 @@ def test_mesh_shape_from_world_size():
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["trainer.steps=5", "trainer.epochs=1"], "trainer.steps=5 and trainer.epochs=1.0 are both set: set one of them"),
     (["trainer.epochs=0"], "trainer.epochs=0.0 must be a finite number > 0"),
-    (["data=jsonl", "data.path=r.jsonl", "data.max_response_length=8", "trainer.epochs=1"], "trainer.epochs needs"),
+    (["data=jsonl", "data.path=r.jsonl", "rollout.max_new_tokens=8", "trainer.epochs=1"], "trainer.epochs needs"),
     (["data=prompts", "data.path=train.jsonl"], "data.source=prompts needs reward.functions"),
     (["logging.backends=[jsonl,neptune]"], "logging.backends: 'neptune' is not a valid choice"),
     (["data.long_prompts=truncate"], "data.long_prompts='truncate' is not a valid choice"),
@@ -120,11 +120,11 @@ def test_steps_follow_epochs_over_the_training_rows():
 
 # ---- every numeric field of the schema, generated from it (a new field is covered without touching this file) ----
 
-from fsdptrain.config.validate import FLOAT_RANGES, schema_fields  # noqa: E402
+from fsdptrain.config.validate import declared_range, schema_fields  # noqa: E402
 
 
-def test_every_float_field_has_a_real_range():
-    assert set(schema_fields(float)) == set(FLOAT_RANGES)
+def test_every_number_field_declares_its_range():
+    assert all(declared_range(key) is not None for key in schema_fields(float) + schema_fields(int))
 
 
 @pytest.mark.parametrize("key", schema_fields(float))
@@ -137,7 +137,8 @@ def test_every_float_field_refuses_non_finite(key, bad):
 
 @pytest.mark.parametrize("key", schema_fields(float))
 def test_every_float_field_refuses_values_outside_its_range(key):
-    low, low_in, high, high_in = FLOAT_RANGES[key]
+    r = declared_range(key)
+    low, low_in, high, high_in = r.low, r.low_in, r.high, r.high_in
     outside = [low - 1.0 if low_in else low] + ([high + 1.0 if high_in else high] if high != float("inf") else [])
     for value in outside:
         with pytest.raises(ConfigError, match=f"^{key}="):
@@ -166,3 +167,40 @@ def test_issue_14_values_are_refused(overrides, message):
     with pytest.raises(ConfigError) as excinfo:
         compose_config(overrides)
     assert message in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.eval_size=4", "data.eval_size was renamed: set data.num_eval_prompts instead"),
+    ("+data.eval_size=4", "data.eval_size was renamed: set data.num_eval_prompts instead"),
+    ("data.max_response_length=8", "data.max_response_length was renamed: set rollout.max_new_tokens instead"),
+])
+def test_a_renamed_key_names_its_new_key(override, message):
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config([override])
+    assert str(excinfo.value) == message
+
+
+def test_offline_rollouts_declare_their_maximum_response_length():
+    with pytest.raises(ConfigError, match=r"^data=jsonl needs rollout.max_new_tokens="):
+        compose_config(["data=jsonl", "data.path=r.jsonl"])
+    assert compose_config(["data=jsonl", "data.path=r.jsonl", "rollout.max_new_tokens=9"]).rollout.max_new_tokens == 9
+
+
+def _preset_values(path: Path) -> dict[str, object]:
+    """``{dotted key: value}`` a preset YAML sets (its package: its group, or the root for `# @package _global_`)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    if not path.read_text().startswith("# @package _global_"):
+        node = {path.parent.name: node or {}}
+    return {f"{group}.{key}": value for group, fields in node.items() for key, value in fields.items()}
+
+
+@pytest.mark.parametrize(("group", "name"), list(_group_presets()))
+def test_presets_hold_only_what_differs_from_the_defaults(group, name):
+    from fsdptrain.config import Config
+
+    defaults = Config()
+    for key, value in _preset_values(PACKAGE_CONF_DIR / group / f"{name}.yaml").items():
+        section, field = key.split(".")
+        assert value != getattr(getattr(defaults, section), field), f"{group}/{name}.yaml restates {key}={value}"

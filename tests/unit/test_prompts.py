@@ -153,7 +153,7 @@ def test_eval_hold_out_is_seeded_disjoint_and_complete():
     assert [r.index for r in again[1]] == [r.index for r in evals]
     assert [r.index for r in hold_out_eval(rows, eval_size=10, seed=4)[1]] != [r.index for r in evals]
     assert hold_out_eval(rows, eval_size=0, seed=3) == (rows, [])
-    with pytest.raises(ConfigError, match=r"data.eval_size=50 must be in \[0, 50\)"):
+    with pytest.raises(ConfigError, match=r"data.num_eval_prompts=50 must be in \[0, 50\)"):
         hold_out_eval(rows, eval_size=50, seed=3)
 
 

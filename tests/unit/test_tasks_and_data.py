@@ -83,7 +83,7 @@ def test_jsonl_rollouts_group_and_eos(tmp_path):
         ("{not json", "invalid JSON"),
         ({"prompt": "copy 1 =", "response": "1"}, "'reward' must be a finite number"),
         ({"prompt": "copy 1 =", "response": "1", "reward": 1, "behaviour_logprobs": [0.0]}, "behaviour_logprobs"),
-        ({"prompt": "copy 1 =", "response": "1 1 1 1 1 1 1 1 1", "reward": 1}, "data.max_response_length=8"),
+        ({"prompt": "copy 1 =", "response": "1 1 1 1 1 1 1 1 1", "reward": 1}, "rollout.max_new_tokens=8"),
     ],
 )
 def test_bad_row_names_file_and_line(tmp_path, bad, message):
