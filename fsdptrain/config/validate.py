@@ -33,7 +33,8 @@ from fsdptrain.config.schema import (
     TASKS,
     VALUE_INITS,
 )
-from fsdptrain.rl.names import (
+from fsdptrain.registry.errors import ConfigError
+from fsdptrain.registry.names import (
     ADV_ESTIMATORS,
     AGG_MODES,
     KL_ESTIMATORS,
@@ -41,10 +42,6 @@ from fsdptrain.rl.names import (
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
 )
-
-
-class ConfigError(ValueError):
-    """A user's configuration mistake: the CLI prints its one-line message and exits 2."""
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -135,7 +132,7 @@ _PLUGGABLE: dict[str, tuple[str, ...]] = {
     "algorithm.policy_loss": POLICY_LOSSES,
 }
 """Fields that take a built-in name or a user's function (`module:function` / `path.py:function`, loaded and its
-signature checked by the CLI, `fsdptrain/plugins.py`)."""
+signature checked by the CLI, `fsdptrain/registry/user_functions.py`)."""
 
 
 def _check_choices(cfg: DictConfig) -> None:

@@ -31,10 +31,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from fsdptrain.plugins import resolve_function
+from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
-from fsdptrain.rl.names import POLICY_LOSS_ARGS
+from fsdptrain.registry.names import POLICY_LOSS_ARGS
 
 _LOG_RATIO_CLAMP = 20.0
 

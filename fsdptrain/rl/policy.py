@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.rl.metrics import Loss, Mean, Metrics
-from fsdptrain.rl.names import KL_ESTIMATORS
+from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.pg_losses import PolicyLossFn, PolicyLossSettings, vanilla_policy_loss
 
 _LOG_RATIO_CLAMP = 20.0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fsdptrain.config import ConfigError
+from fsdptrain.registry.errors import ConfigError
 from fsdptrain.rl.advantages import mean_var, moment_stats, whiten
 from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
 

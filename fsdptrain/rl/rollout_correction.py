@@ -19,7 +19,7 @@ from torch import Tensor
 
 from fsdptrain.rl.aggregate import SeqLayout, masked
 from fsdptrain.rl.metrics import Max, Mean, Metrics
-from fsdptrain.rl.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES
+from fsdptrain.registry.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES
 
 _LOG_RATIO_CLAMP = 20.0
 

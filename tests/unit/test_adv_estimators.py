@@ -15,7 +15,7 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.advantages import gae, grpo_advantages, rloo_advantages
-from fsdptrain.rl.names import ADV_ESTIMATORS
+from fsdptrain.registry.names import ADV_ESTIMATORS
 
 F64 = torch.float64
 

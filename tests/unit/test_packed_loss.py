@@ -11,7 +11,7 @@ from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.model.attention import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.train.packed_loss import (
     PolicyLossSettings,
     SeqTargets,

@@ -29,7 +29,7 @@ from fsdptrain.model.attention import set_attention
 from fsdptrain.model.build import build_full_model
 from fsdptrain.model.drafter import DraftVocab
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.train.cotrain import (
     CoTrainSettings,
     DraftLossSettings,

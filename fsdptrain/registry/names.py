@@ -1,8 +1,8 @@
 """The names users choose from in the config, defined once, with no torch import.
 
 `fsdptrain.config` validates choices against these tuples in the CLI's parent process, before any rank (or torch)
-starts, and the numerics' registries are keyed by the same tuples (a test holds them equal). `fsdptrain/rl/__init__.py`
-imports nothing, so importing this module does not import torch.
+starts, and the numerics' registries (`fsdptrain.rl`) are keyed by the same tuples (tests/unit/test_names.py holds them
+equal).
 """
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
