@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from fsdptrain.registry.constants import KL_CLAMP
+
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -28,7 +30,6 @@ REWARD_MODEL_NORMALIZE = ("none", "batch", "running")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
 RECOMPUTE_MODES = ("auto", "always")
-DRAFT_ON = ("response", "all")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -93,7 +94,7 @@ class AlgorithmConfig:
     """Weight of the KL loss term."""
     kl_estimator: str = "k3"
     """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+ or k3+ (straight-through; docs/algorithms.md)."""
-    kl_clamp: Optional[float] = 10.0
+    kl_clamp: Optional[float] = KL_CLAMP
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
     policy_loss: str = "vanilla"
     """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""

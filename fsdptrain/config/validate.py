@@ -19,7 +19,6 @@ from fsdptrain.config.schema import (
     COMPILE_BACKENDS,
     DATA_SOURCES,
     DEVICES,
-    DRAFT_ON,
     DTYPES,
     GATHER_MODES,
     LOGGING_BACKENDS,
@@ -37,12 +36,12 @@ from fsdptrain.registry.errors import ConfigError
 from fsdptrain.registry.names import (
     ADV_ESTIMATORS,
     AGG_MODES,
+    DRAFT_ON,
     KL_ESTIMATORS,
     POLICY_LOSSES,
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_CORRECTION_MODES,
 )
-
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": MODEL_ARCHS,

@@ -35,6 +35,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackedBatch, pack_sequences
 from fsdptrain.model.attention import BACKENDS, packed_model_inputs
 from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
+from fsdptrain.registry.errors import first_line
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""
@@ -95,7 +96,7 @@ def _load_config(folder: Path, where: str) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # corrupt JSON, unknown model_type, custom code: all the user's folder
-        raise ConfigError(f"{where}: cannot read config.json ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: cannot read config.json ({type(err).__name__}: {first_line(err)})") from err
     zero_dropout_in_config(config)
     return config
 
@@ -120,7 +121,7 @@ def _check_head(config: PretrainedConfig, where: str) -> None:
     try:
         model = _meta_reward_model(config)
     except Exception as err:
-        raise ConfigError(f"{where}: transformers cannot build it ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: transformers cannot build it ({type(err).__name__}: {first_line(err)})") from err
     head = getattr(model, HEAD, None)
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise ConfigError(f"{where}: {type(model).__name__} has no one-output nn.Linear head named {HEAD!r}")
@@ -135,7 +136,7 @@ def _load_tokenizer(folder: Path, where: str):
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as err:
-        raise ConfigError(f"{where}: cannot load its tokenizer ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: cannot load its tokenizer ({type(err).__name__}: {first_line(err)})") from err
 
 
 def _check_weights(folder: Path, where: str) -> None:
@@ -153,7 +154,7 @@ def _check_weights(folder: Path, where: str) -> None:
         else:
             keys = _weight_keys(folder / name)
     except Exception as err:
-        raise ConfigError(f"{where}: unreadable weights in {name} ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: unreadable weights in {name} ({type(err).__name__}: {first_line(err)})") from err
     if not any(key == f"{HEAD}.weight" or key.endswith(f".{HEAD}.weight") for key in keys):
         raise ConfigError(f"{where}: the weights in {name} hold no {HEAD}.weight (the weights of a causal LM?)")
 
@@ -166,10 +167,6 @@ def _weight_keys(file: Path) -> set[str]:
             return set(handle.keys())
     return set(torch.load(file, map_location="cpu", weights_only=True, mmap=True).keys())
 
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 def _meta_reward_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -191,7 +188,7 @@ def load_full_reward_model(spec: RewardModelSpec) -> PreTrainedModel:
             spec.path, config=spec.config, dtype=torch.float32, local_files_only=True, output_loading_info=True
         )
     except Exception as err:
-        raise ConfigError(f"{where}: cannot load its weights ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: cannot load its weights ({type(err).__name__}: {first_line(err)})") from err
     if info.get("missing_keys"):
         raise ConfigError(f"{where}: its weights lack {sorted(info['missing_keys'])[:3]} (and maybe more)")
     zero_dropout_modules(model)

@@ -22,6 +22,9 @@ user's own (docs/algorithms.md)."""
 ROLLOUT_CORRECTION_MODES = ("tis", "mis")
 """Off-policy correction: truncated (tis) or masked (mis) importance sampling (docs/algorithms.md)."""
 
+DRAFT_ON = ("response", "all")
+"""`drafter.on`: the positions the drafter trains on, the response tokens only or every token (docs/drafter.md)."""
+
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 """Off-policy correction: one weight per token, or one per sequence from the product of its token ratios."""
 

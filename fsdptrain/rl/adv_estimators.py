@@ -26,9 +26,9 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
+from fsdptrain.registry.names import ADV_ESTIMATOR_ARGS
 from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.registry.names import ADV_ESTIMATOR_ARGS
 
 
 @dataclass(frozen=True)
