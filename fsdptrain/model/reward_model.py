@@ -33,7 +33,7 @@ from transformers import (
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackedBatch, pack_sequences
-from fsdptrain.model.attention import BACKENDS, packed_model_inputs
+from fsdptrain.model.attention_switch import BACKENDS, packed_model_inputs
 from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
 from fsdptrain.registry.errors import first_line
 
@@ -230,7 +230,7 @@ def score_packed(model: nn.Module, packed: PackedBatch) -> Tensor:
     """Each sequence's score, read at its own last token: float32 `[num_seqs]` (`[0]` for an empty pack).
 
     `model` is a `*ForSequenceClassification` (plain or FSDP2-sharded) already switched to a packed attention
-    backend (fsdptrain.attention.set_attention / packed_attention); the root model's forward runs once over the row
+    backend (fsdptrain.model.attention_switch.set_attention / packed_attention); the root model's forward runs once over the row
     (so FSDP's root hooks run, an empty pack included) and the `score` head's per-token output is read at
     `cu_seqlens[1:] - 1`, never at the row's end or the padding tail.
     """
@@ -238,7 +238,7 @@ def score_packed(model: nn.Module, packed: PackedBatch) -> Tensor:
     if backend not in BACKENDS:
         raise ValueError(
             f"the reward model runs on {backend!r}, which may attend across the sequences of a packed row; switch it "
-            f"to one of {', '.join(BACKENDS)} with fsdptrain.attention.set_attention"
+            f"to one of {', '.join(BACKENDS)} with fsdptrain.model.attention_switch.set_attention"
         )
     captured: dict[str, Tensor] = {}
 

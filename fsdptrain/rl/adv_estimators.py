@@ -80,7 +80,7 @@ def _per_token(adv_N: Tensor, mask_BT: Tensor) -> Tensor:
 
 
 def gae_estimator(*, token_rewards_BT, values_BT, mask_BT, scores_N, group_ids_N, settings):
-    """GAE (Schulman et al., arXiv 1506.02438) over the valid tokens: `fsdptrain.advantages.gae`; returns are
+    """GAE (Schulman et al., arXiv 1506.02438) over the valid tokens: `fsdptrain.rl.advantages.gae`; returns are
     A + V; whitened iff `settings.whiten_advantages`. Needs the critic's values."""
     if values_BT is None:
         raise ValueError("adv_estimator gae needs the critic's values: set algorithm.use_critic=true")

@@ -22,7 +22,7 @@ import torch
 
 from fsdptrain.distributed import world
 from tests.dist.workers.report import report_and_exit
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, packed_policy_loss, packed_value_loss
