@@ -17,6 +17,7 @@ from fsdptrain.registry.errors import first_line
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weight files a model folder may hold, in the order transformers prefers them (policy and reward models)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _MAX_HEADER = 100 * 2**20

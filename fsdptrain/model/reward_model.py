@@ -33,17 +33,16 @@ from transformers import (
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackedBatch, pack_sequences
-from fsdptrain.model.attention_switch import BACKENDS, packed_model_inputs
+from fsdptrain.model.attention_backends import BACKENDS
+from fsdptrain.model.attention_switch import packed_model_inputs
 from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
+from fsdptrain.model.checks import WEIGHT_FILES
 from fsdptrain.registry.errors import first_line
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-_WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-)
 
 
 @dataclass(frozen=True)
@@ -141,9 +140,9 @@ def _load_tokenizer(folder: Path, where: str):
 
 def _check_weights(folder: Path, where: str) -> None:
     """The weight files exist, their headers parse and they hold the score head (a causal LM's weights do not)."""
-    found = [name for name in _WEIGHT_FILES if (folder / name).is_file()]
+    found = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not found:
-        raise ConfigError(f"{where} has no weights ({' or '.join(_WEIGHT_FILES)})")
+        raise ConfigError(f"{where} has no weights ({' or '.join(WEIGHT_FILES)})")
     name = found[0]
     try:
         if name.endswith(".index.json"):
