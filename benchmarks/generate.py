@@ -33,7 +33,7 @@ def worker(args) -> None:
     from fsdptrain.distributed import world
     from fsdptrain.distributed.fsdp import build_policy
     from fsdptrain.distributed.gather import gathered_weights
-    from fsdptrain.model.attention import generation_attention
+    from fsdptrain.model.attention_switch import generation_attention
     from fsdptrain.model.build import TINY_CONFIG
     from fsdptrain.model.generate import generate_responses
 

@@ -183,7 +183,7 @@ def _packed_variants(model, prompts, responses, targets, *, token_budget, chunk_
 def _benchmark_model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdptrain.model.attention import set_attention
+    from fsdptrain.model.attention_switch import set_attention
 
     torch.manual_seed(args.seed)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,

@@ -23,7 +23,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from fsdptrain.data.packing import pack_sequences, pad_sequences, plan_packs
-from fsdptrain.model.attention import packed_attention, packed_model_inputs
+from fsdptrain.model.attention_switch import packed_attention, packed_model_inputs
 
 
 def _parse() -> argparse.Namespace:

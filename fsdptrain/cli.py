@@ -61,8 +61,8 @@ def _run_dir(cfg: DictConfig) -> Path:
 def _check_user_functions(cfg: DictConfig) -> None:
     """Load every user function the config names (an advantage estimator, a policy loss) and check its signature,
     here in the parent, so a typo or a function that does not fit is one line and exit 2."""
-    from fsdptrain.plugins import check_signature, load_callable
-    from fsdptrain.rl.names import USER_FUNCTION_FIELDS
+    from fsdptrain.registry.names import USER_FUNCTION_FIELDS
+    from fsdptrain.registry.user_functions import check_signature, load_callable
 
     for key, required in USER_FUNCTION_FIELDS.items():
         spec = str(OmegaConf.select(cfg, key))

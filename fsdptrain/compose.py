@@ -18,17 +18,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, register_schemas, validate
 from fsdptrain.config.validate import renamed_key_message
+from fsdptrain.registry.errors import first_line
 
 PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text
-
 
 def _omegaconf_message(err: OmegaConfBaseException) -> str:
     full_key = getattr(err, "full_key", None)
-    msg = getattr(err, "msg", None) or _first_line(str(err))
+    msg = getattr(err, "msg", None) or first_line(str(err))
     if "not in" in msg and full_key:
         renamed = renamed_key_message(full_key)
         if renamed:
@@ -39,7 +37,7 @@ def _omegaconf_message(err: OmegaConfBaseException) -> str:
             valid = ", ".join(f.name for f in dataclasses.fields(schema))
             return f"unknown config key '{full_key}'; valid keys in '{group}': {valid}"
         return f"unknown config key '{full_key}'; valid top-level keys: {', '.join(SCHEMA_GROUPS)}"
-    return f"{full_key}: {_first_line(msg)}" if full_key else _first_line(msg)
+    return f"{full_key}: {first_line(msg)}" if full_key else first_line(msg)
 
 
 def _hydra_message(err: HydraException) -> str:
@@ -49,12 +47,12 @@ def _hydra_message(err: HydraException) -> str:
     text = str(err)
     if isinstance(err, MissingConfigException):
         options = getattr(err, "options", None)
-        head = _first_line(text)
+        head = first_line(text)
         return f"{head}; available: {', '.join(options)}" if options else head
     if isinstance(err, OverrideParseException):
         lines = [line for line in text.strip().splitlines() if line and not line.startswith("See ")]
         return "; ".join(lines[:2])
-    return _first_line(text)
+    return first_line(text)
 
 
 def _check_no_extra_keys(cfg: DictConfig) -> None:

@@ -109,7 +109,7 @@ def check_device(cfg: DictConfig) -> None:
         raise ConfigError("trainer.device=cuda but no CUDA GPU is available here: use trainer.device=cpu or auto")
     if cfg.model.attn_backend == "auto":
         return
-    from fsdptrain.model.attention import available_backends
+    from fsdptrain.model.attention_switch import available_backends
 
     device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cfg.parallel.param_dtype)

@@ -13,8 +13,8 @@ import functools
 
 from transformers import AttentionInterface
 
-from fsdptrain.model.attention import register_backends
-from fsdptrain.model.varlen import BACKEND_FUNCTIONS
+from fsdptrain.model.attention_backends import BACKEND_FUNCTIONS
+from fsdptrain.model.attention_switch import register_backends
 
 _COUNTS: collections.Counter[str] = collections.Counter()
 

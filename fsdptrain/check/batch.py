@@ -1,6 +1,7 @@
 """check-metrics, part 1: the models and the one mini-batch of experience every layout is checked on.
 
-The mini-batch is made exactly as ``fsdptrain train`` makes its first one (the same :class:`~fsdptrain.trainer.Trainer`,
+The mini-batch is made exactly as ``fsdptrain train`` makes its first one (the same
+:class:`~fsdptrain.train.loop.Trainer`,
 experience source and collective experience passes), from the resolved config with two changes that only shrink it:
 ``rollout.prompts_per_step`` is capped at ``check.num_prompts`` and the step has one mini-batch. Each rank keeps its
 own share (the product path's input) and also gathers the whole mini-batch, which every rank runs in the single-process

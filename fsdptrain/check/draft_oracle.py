@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with
 from fsdptrain.rl.draft_loss import draft_metrics, soft_cross_entropy_from_logits
 from fsdptrain.rl.metrics import Metrics, merge_all

@@ -36,7 +36,7 @@ from torch import Tensor
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
-from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss

@@ -29,13 +29,13 @@ from torch import Tensor
 
 from fsdptrain.check.batch import RolloutFacts
 from fsdptrain.check.oracles import reference_policy_outputs, reference_values
+from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rl.pg_losses import PolicyLossSettings as PgSettings
+from fsdptrain.rl.pg_losses import PgTermSettings
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
-_LOG_RATIO_CLAMP = 20.0
 EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained variance is ill-conditioned, not compared
 
 
@@ -159,7 +159,7 @@ def _vanilla(logp: Tensor, old: Tensor, adv: Tensor, settings: PolicyLossSetting
         log_ratio = (logp - old).detach().mean() + logp - logp.detach()
     else:
         log_ratio = logp - old
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
     pg = torch.maximum(unclipped, clipped)
@@ -177,7 +177,7 @@ def kl_direct(logp: Tensor, ref: Tensor, estimator: str, clamp: Optional[float])
     gradient."""
     d = logp - ref
     k2 = 0.5 * d * d
-    k3 = torch.exp(-d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) + d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP) - 1
+    k3 = torch.exp(-d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) + d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) - 1
     if clamp is not None:
         k3 = k3.clamp(-clamp, clamp)
     values = {"k1": d, "k2": k2, "mse": k2, "abs": d.abs(), "k3": k3,
@@ -185,8 +185,8 @@ def kl_direct(logp: Tensor, ref: Tensor, estimator: str, clamp: Optional[float])
     return values[estimator]
 
 
-def _pg_settings(settings: PolicyLossSettings) -> PgSettings:
-    return PgSettings(settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c,
+def _pg_settings(settings: PolicyLossSettings) -> PgTermSettings:
+    return PgTermSettings(settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c,
                       settings.seq_level_ratio, settings.dro_beta)
 
 

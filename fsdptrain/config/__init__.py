@@ -4,7 +4,7 @@ reference (:mod:`.docs`). Torch-free: the CLI validates in the parent process be
 The names most modules need are importable from here: ``from fsdptrain.config import ConfigError``.
 """
 
-from fsdptrain.config.errors import ConfigError
+from fsdptrain.registry.errors import ConfigError
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS, Config, register_schemas
 from fsdptrain.config.validate import (
     reward_specs,

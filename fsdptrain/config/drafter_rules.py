@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from fsdptrain.config.errors import ConfigError
+from fsdptrain.registry.errors import ConfigError
 from fsdptrain.config.schema import DEFAULT_STEPS
 
 

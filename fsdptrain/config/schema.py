@@ -15,7 +15,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from fsdptrain.config.fields import bounded, choice, each_of, unbounded
-from fsdptrain.rl import names
+from fsdptrain.registry import names
+from fsdptrain.registry.constants import KL_CLAMP
+from fsdptrain.registry.names import DRAFT_ON
 
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")
@@ -32,7 +34,6 @@ REWARD_MODEL_NORMALIZE = ("none", "batch", "running")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
 RECOMPUTE_MODES = ("auto", "always")
-DRAFT_ON = ("response", "all")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DEFAULT_STEPS = 100
 """Training steps when neither trainer.steps nor trainer.epochs is set."""
@@ -99,7 +100,7 @@ class AlgorithmConfig:
     """Weight of the KL loss term."""
     kl_estimator: str = choice("k3", names.KL_ESTIMATORS)
     """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+ or k3+ (straight-through; docs/algorithms.md)."""
-    kl_clamp: Optional[float] = bounded(10.0, gt=0)
+    kl_clamp: Optional[float] = bounded(KL_CLAMP, gt=0)
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
     policy_loss: str = choice("vanilla", names.POLICY_LOSSES, user_function=True)
     """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.drafter_rules import check_drafter
-from fsdptrain.config.errors import ConfigError
+from fsdptrain.registry.errors import ConfigError
 from fsdptrain.config.fields import Range, field_choices, field_range
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
@@ -66,7 +66,7 @@ def _choices_message(key: str, value: Any, choices: tuple[str, ...], user_functi
 
 def _check_choices(cfg: DictConfig) -> None:
     """Every field declared with ``choice``/``each_of``; a user_function field also takes ``module:function`` (loaded
-    and its signature checked by the CLI, `fsdptrain/plugins.py`)."""
+    and its signature checked by the CLI, `fsdptrain/registry/user_functions.py`)."""
     for key, f, _ in _schema_items():
         choices = field_choices(f)
         if choices is None:

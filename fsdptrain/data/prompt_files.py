@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from fsdptrain.config import ConfigError
+from fsdptrain.registry.errors import first_line
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -99,7 +100,7 @@ def _read_folder(path: Path, datasets, what: str):
         table = datasets.load_from_disk(str(path), keep_in_memory=True)
     except (FileNotFoundError, ValueError, OSError) as err:
         raise ConfigError(f"{what}={str(path)!r}: not a folder written by Dataset.save_to_disk "
-                          f"({_first_line(err)})") from None
+                          f"({first_line(err)})") from None
     if isinstance(table, datasets.DatasetDict):
         raise ConfigError(f"{path}: a DatasetDict with splits {sorted(table)}; pass one split's folder, "
                           f"e.g. {path / sorted(table)[0]}")
@@ -171,9 +172,5 @@ def _check_json(path: Path, text: str) -> None:
 def _root_cause(err: BaseException) -> str:
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
-    return f"{type(err).__name__}: {_first_line(err)}"
+    return f"{type(err).__name__}: {first_line(err)}"
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -1,8 +1,9 @@
 """FSDP2-sharded reward models, and a critic initialised from a reward model (`model.value_init=reward_model`).
 
-A reward model is one more frozen model, built like the reference model in fsdptrain/models.py and with its helpers:
+A reward model is one more frozen model, built like the reference model in fsdptrain/distributed/fsdp.py and with its
+helpers:
 rank 0 loads the full fp32 model on the CPU; every rank builds the architecture on the meta device, applies FSDP2
-(`models.parallelize`: each decoder layer, then the root), `to_empty`, and receives the weights broadcast from rank 0.
+(`fsdp.parallelize`: each decoder layer, then the root), `to_empty`, and receives the weights broadcast from rank 0.
 No activation checkpointing (it never runs backward), no gradients, eval mode, and no optimizer.
 
 Memory: `offload=True` applies FSDP2's CPUOffloadPolicy, so the sharded parameters live on the CPU and FSDP copies
@@ -86,7 +87,7 @@ def build_reward_model(
 
     `param_dtype`: the dtype of the gathered parameters in forward (shards stay fp32). `offload`: shards on the CPU
     between (and during) forwards, see the module docstring. Switch it to the policy's packed attention backend
-    before scoring (`attention.set_attention`). Collective: every rank of the default group calls it alike.
+    before scoring (`attention_switch.set_attention`). Collective: every rank of the default group calls it alike.
     """
 
     def load():

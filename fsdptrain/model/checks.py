@@ -13,9 +13,11 @@ import struct
 from pathlib import Path
 
 from fsdptrain.config import ConfigError
+from fsdptrain.registry.errors import first_line
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weight files a model folder may hold, in the order transformers prefers them (policy and reward models)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _MAX_HEADER = 100 * 2**20
@@ -38,7 +40,7 @@ def check_model_folder(path: str, *, key: str = "model.path") -> None:
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{key}={path!r}: config.json is not valid JSON ({_first_line(err)})") from None
+        raise ConfigError(f"{key}={path!r}: config.json is not valid JSON ({first_line(err)})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{key}={path!r}: config.json is not a JSON object")
     _check_causal(config, path, key)
@@ -47,9 +49,6 @@ def check_model_folder(path: str, *, key: str = "model.path") -> None:
         raise ConfigError(f"{key}={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it into "
                           f"the folder with tokenizer.save_pretrained(DIR)")
 
-
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _check_causal(config: dict, path: str, key: str) -> None:

@@ -26,7 +26,7 @@ policy's sizes and RoPE parameters, also for a Qwen2 policy (sliding windows and
 engines' EAGLE-3 heads are Llama heads for every target; no training-time-test unrolling (one draft step).
 
 The attention runs through transformers' AttentionInterface with the drafter's `config._attn_implementation`, so the
-packed backends of `fsdptrain.model.attention` serve it over the same segments as the policy: no position sees another
+packed backends of `fsdptrain.model.attention_switch` serve it over the same segments as the policy: no position sees another
 sequence of the pack. This module never imports a loss.
 """
 
@@ -52,7 +52,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model.attention import packed_model_inputs
+from fsdptrain.model.attention_switch import packed_model_inputs
 from fsdptrain.model.build import decoder_layers
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model.attention import packed_model_inputs
+from fsdptrain.model.attention_switch import packed_model_inputs
 
 
 def final_hidden_states(model, packed: PackedBatch) -> Tensor:

@@ -33,16 +33,16 @@ from transformers import (
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackedBatch, pack_sequences
-from fsdptrain.model.attention import BACKENDS, packed_model_inputs
+from fsdptrain.model.attention_backends import BACKENDS
+from fsdptrain.model.attention_switch import packed_model_inputs
 from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
+from fsdptrain.model.checks import WEIGHT_FILES
+from fsdptrain.registry.errors import first_line
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-_WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
-)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _load_config(folder: Path, where: str) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as err:  # corrupt JSON, unknown model_type, custom code: all the user's folder
-        raise ConfigError(f"{where}: cannot read config.json ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: cannot read config.json ({type(err).__name__}: {first_line(err)})") from err
     zero_dropout_in_config(config)
     return config
 
@@ -120,7 +120,7 @@ def _check_head(config: PretrainedConfig, where: str) -> None:
     try:
         model = _meta_reward_model(config)
     except Exception as err:
-        raise ConfigError(f"{where}: transformers cannot build it ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: transformers cannot build it ({type(err).__name__}: {first_line(err)})") from err
     head = getattr(model, HEAD, None)
     if not isinstance(head, nn.Linear) or head.out_features != 1:
         raise ConfigError(f"{where}: {type(model).__name__} has no one-output nn.Linear head named {HEAD!r}")
@@ -135,14 +135,14 @@ def _load_tokenizer(folder: Path, where: str):
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as err:
-        raise ConfigError(f"{where}: cannot load its tokenizer ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: cannot load its tokenizer ({type(err).__name__}: {first_line(err)})") from err
 
 
 def _check_weights(folder: Path, where: str) -> None:
     """The weight files exist, their headers parse and they hold the score head (a causal LM's weights do not)."""
-    found = [name for name in _WEIGHT_FILES if (folder / name).is_file()]
+    found = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not found:
-        raise ConfigError(f"{where} has no weights ({' or '.join(_WEIGHT_FILES)})")
+        raise ConfigError(f"{where} has no weights ({' or '.join(WEIGHT_FILES)})")
     name = found[0]
     try:
         if name.endswith(".index.json"):
@@ -153,7 +153,7 @@ def _check_weights(folder: Path, where: str) -> None:
         else:
             keys = _weight_keys(folder / name)
     except Exception as err:
-        raise ConfigError(f"{where}: unreadable weights in {name} ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: unreadable weights in {name} ({type(err).__name__}: {first_line(err)})") from err
     if not any(key == f"{HEAD}.weight" or key.endswith(f".{HEAD}.weight") for key in keys):
         raise ConfigError(f"{where}: the weights in {name} hold no {HEAD}.weight (the weights of a causal LM?)")
 
@@ -166,10 +166,6 @@ def _weight_keys(file: Path) -> set[str]:
             return set(handle.keys())
     return set(torch.load(file, map_location="cpu", weights_only=True, mmap=True).keys())
 
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 def _meta_reward_model(config: PretrainedConfig) -> PreTrainedModel:
@@ -191,7 +187,7 @@ def load_full_reward_model(spec: RewardModelSpec) -> PreTrainedModel:
             spec.path, config=spec.config, dtype=torch.float32, local_files_only=True, output_loading_info=True
         )
     except Exception as err:
-        raise ConfigError(f"{where}: cannot load its weights ({type(err).__name__}: {_first_line(err)})") from err
+        raise ConfigError(f"{where}: cannot load its weights ({type(err).__name__}: {first_line(err)})") from err
     if info.get("missing_keys"):
         raise ConfigError(f"{where}: its weights lack {sorted(info['missing_keys'])[:3]} (and maybe more)")
     zero_dropout_modules(model)
@@ -233,7 +229,7 @@ def score_packed(model: nn.Module, packed: PackedBatch) -> Tensor:
     """Each sequence's score, read at its own last token: float32 `[num_seqs]` (`[0]` for an empty pack).
 
     `model` is a `*ForSequenceClassification` (plain or FSDP2-sharded) already switched to a packed attention
-    backend (fsdptrain.attention.set_attention / packed_attention); the root model's forward runs once over the row
+    backend (fsdptrain.model.attention_switch.set_attention / packed_attention); the root model's forward runs once over the row
     (so FSDP's root hooks run, an empty pack included) and the `score` head's per-token output is read at
     `cu_seqlens[1:] - 1`, never at the row's end or the padding tail.
     """
@@ -241,7 +237,7 @@ def score_packed(model: nn.Module, packed: PackedBatch) -> Tensor:
     if backend not in BACKENDS:
         raise ValueError(
             f"the reward model runs on {backend!r}, which may attend across the sequences of a packed row; switch it "
-            f"to one of {', '.join(BACKENDS)} with fsdptrain.attention.set_attention"
+            f"to one of {', '.join(BACKENDS)} with fsdptrain.model.attention_switch.set_attention"
         )
     captured: dict[str, Tensor] = {}
 

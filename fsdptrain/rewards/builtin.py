@@ -85,7 +85,8 @@ def word_match(prompts, completions, completion_ids, answer, **kwargs) -> list[f
     """Share of the answer's words the completion gets right position by position: ``sum_i [c_i == a_i] / len(a)``.
 
     Words are whitespace-split; completion words past the answer's length are ignored, missing ones score 0. This is
-    the bundled digit tasks' reward (``fsdptrain.tasks.reward``) over an ``answer`` column of space-separated words.
+    the bundled digit tasks' reward (the default of ``reward.functions``) over an ``answer`` column of space-separated
+    words.
     """
     out = []
     for completion, gold in zip(completions, answer):

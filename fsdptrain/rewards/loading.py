@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from fsdptrain.config import ConfigError
-from fsdptrain.plugins import check_signature, load_callable
+from fsdptrain.registry.user_functions import check_signature, load_callable
 from fsdptrain.rewards.builtin import BUILTINS, REQUIREMENTS
 
 REQUIRED_ARGS = ("prompts", "completions", "completion_ids")
@@ -32,7 +32,7 @@ class RewardFunction:
 
 
 def resolve(spec: str) -> Callable:
-    """The callable a spec names: a built-in, else :func:`fsdptrain.plugins.load_callable`."""
+    """The callable a spec names: a built-in, else :func:`fsdptrain.registry.user_functions.load_callable`."""
     if spec in BUILTINS:
         return BUILTINS[spec]
     return load_callable(spec, what="reward.functions")

@@ -26,9 +26,9 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from fsdptrain.plugins import resolve_function
+from fsdptrain.registry.names import ADV_ESTIMATOR_ARGS
+from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
-from fsdptrain.rl.names import ADV_ESTIMATOR_ARGS
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _per_token(adv_N: Tensor, mask_BT: Tensor) -> Tensor:
 
 
 def gae_estimator(*, token_rewards_BT, values_BT, mask_BT, scores_N, group_ids_N, settings):
-    """GAE (Schulman et al., arXiv 1506.02438) over the valid tokens: `fsdptrain.advantages.gae`; returns are
+    """GAE (Schulman et al., arXiv 1506.02438) over the valid tokens: `fsdptrain.rl.advantages.gae`; returns are
     A + V; whitened iff `settings.whiten_advantages`. Needs the critic's values."""
     if values_BT is None:
         raise ValueError("adv_estimator gae needs the critic's values: set algorithm.use_critic=true")

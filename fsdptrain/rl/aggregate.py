@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.registry.names import AGG_MODES
 
 _NEEDS_TOKENS = ("token-mean",)
 

@@ -35,10 +35,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fsdptrain.registry.names import DRAFT_ON
 from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode
 from fsdptrain.rl.metrics import Loss, Mean, Metrics
 
-DRAFT_ON = ("response", "all")
 ACCEPT_WINDOW = 3
 _LEN_KEY = f"drafter/expected_accept_len@{ACCEPT_WINDOW}"
 

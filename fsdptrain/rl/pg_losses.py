@@ -7,7 +7,7 @@ Every term has one signature, `PolicyLossFn`:
 - `logprobs` (carries the gradient), `old_logprobs`, `advantages` (detached): per token, in the padded `[B, T]` or
   the packed `[T]`/`[1, T]` layout, already 0 wherever `valid` is false (NaN never reaches a term);
 - `valid`: bool, the tokens that count; `layout`: the `SeqLayout` (`seq_sum`, `broadcast`) for sequence terms;
-- `settings`: `PolicyLossSettings`, the algorithm's knobs.
+- `settings`: `PgTermSettings`, the algorithm's knobs.
 
 It returns the per-token loss (same shape; its values at invalid positions are ignored) and its metrics. It never
 aggregates: `policy_loss` aggregates the term with `agg_loss` under the configured mode and the global normalizers,
@@ -31,16 +31,15 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from fsdptrain.plugins import resolve_function
+from fsdptrain.registry.constants import LOG_RATIO_CLAMP
+from fsdptrain.registry.names import POLICY_LOSS_ARGS
+from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
-from fsdptrain.rl.names import POLICY_LOSS_ARGS
-
-_LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
-class PolicyLossSettings:
+class PgTermSettings:
     """The knobs of the built-in terms (config `algorithm.*`); a user's function receives them too.
 
     `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the
@@ -65,7 +64,7 @@ class PolicyLossSettings:
 
 class PolicyLossFn(Protocol):
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, valid: Tensor, *,
-                 layout: SeqLayout, settings: PolicyLossSettings) -> tuple[Tensor, Metrics]: ...
+                 layout: SeqLayout, settings: PgTermSettings) -> tuple[Tensor, Metrics]: ...
 
 
 
@@ -81,7 +80,7 @@ def _metrics(ratio: Tensor, clipped: Tensor, lower: Tensor, log_ratio: Tensor, v
     })
 
 
-def _no_seq_ratio(settings: PolicyLossSettings, name: str) -> None:
+def _no_seq_ratio(settings: PgTermSettings, name: str) -> None:
     # clip_ratio_c is ignored outside vanilla (the config default sets it); GSPO's ratio is a deliberate choice.
     if settings.seq_level_ratio:
         raise ValueError(f"policy loss {name!r} has no sequence-ratio (GSPO) form: set seq_level_ratio=false "
@@ -104,7 +103,7 @@ def vanilla_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, se
         seq_len_N = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
         seq_log_ratio_N = layout.seq_sum(log_ratio.detach()) / seq_len_N
         log_ratio = layout.broadcast(seq_log_ratio_N) + logprobs - logprobs.detach()
-    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
@@ -129,7 +128,7 @@ def cispo_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, sett
     """
     _no_seq_ratio(settings, "cispo")
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     weight = ratio.clamp(1.0 - settings.clip_ratio_low, 1.0 + settings.clip_ratio_high)
     pg = -weight * advantages * logprobs
     return pg, _metrics(ratio, weight != ratio, torch.zeros_like(valid), log_ratio, valid)
@@ -154,7 +153,7 @@ def gmpo_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, setti
     clipped_log_ratio = torch.where(advantages > 0, torch.minimum(log_ratio, bounded),
                                     torch.where(advantages < 0, torch.maximum(log_ratio, bounded), log_ratio))
     seq_len_N = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
-    seq_ratio_N = torch.exp((layout.seq_sum(clipped_log_ratio) / seq_len_N).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    seq_ratio_N = torch.exp((layout.seq_sum(clipped_log_ratio) / seq_len_N).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     seq_adv_N = layout.seq_sum(advantages) / seq_len_N
     pg = layout.broadcast(-seq_adv_N * seq_ratio_N)
     ratio = layout.broadcast(seq_ratio_N.detach())
@@ -173,7 +172,7 @@ def dro_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settin
     _no_seq_ratio(settings, "dro")
     log_ratio = logprobs - old_logprobs
     pg = -(advantages * logprobs - 0.5 * settings.dro_beta * log_ratio.square())
-    ratio = torch.exp(log_ratio.detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     none = torch.zeros_like(valid)
     return pg, _metrics(ratio, none, none, log_ratio, valid)
 

@@ -13,13 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
+from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.rl.metrics import Loss, Mean, Metrics
-from fsdptrain.rl.names import KL_ESTIMATORS
-from fsdptrain.rl.pg_losses import PolicyLossFn, PolicyLossSettings, vanilla_policy_loss
-
-_LOG_RATIO_CLAMP = 20.0
-KL_CLAMP = 10.0
+from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss
 
 
 def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
@@ -35,7 +33,7 @@ def _abs(d: Tensor, kl_clamp: float | None) -> Tensor:
 
 
 def _k3(d: Tensor, kl_clamp: float | None) -> Tensor:
-    d = d.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     k3 = torch.exp(-d) + d - 1.0
     return k3 if kl_clamp is None else k3.clamp(-kl_clamp, kl_clamp)
 
@@ -128,7 +126,7 @@ def policy_loss(
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """
     check_mode(agg_mode)
-    settings = PolicyLossSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_level_ratio, dro_beta)
+    settings = PgTermSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_level_ratio, dro_beta)
     if ref_logprobs is None and kl_coef != 0.0:
         raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef to 0")
     if entropy is None and entropy_coef != 0.0:

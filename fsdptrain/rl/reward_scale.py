@@ -11,7 +11,7 @@ all-reduces them (SUM) and hands the GLOBAL moments in, so every rank normalises
               exact for any split of the data), then s' = (s - mean_run) / sqrt(var_run + eps)
     then, if `clip` is set: s'' = clamp(s', -clip, clip)
 
-Both variances are unbiased (Bessel), as advantage whitening in fsdptrain/advantages.py. With fewer than 2 scores seen
+Both variances are unbiased (Bessel), as advantage whitening in fsdptrain/rl/advantages.py. With fewer than 2 scores seen
 the running variance is undefined and taken as 1 (the scores are only centred); batch mode needs 2 scores per step.
 The running state is three floats (`RunningMoments.state_dict`) for the checkpoint's plain-data `extra`.
 User-facing description: docs/reward-models.md.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fsdptrain.config import ConfigError
+from fsdptrain.registry.errors import ConfigError
 from fsdptrain.rl.advantages import mean_var, moment_stats, whiten
 from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
 

@@ -17,11 +17,10 @@ import math
 import torch
 from torch import Tensor
 
+from fsdptrain.registry.constants import LOG_RATIO_CLAMP
+from fsdptrain.registry.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES
 from fsdptrain.rl.aggregate import SeqLayout, masked
 from fsdptrain.rl.metrics import Max, Mean, Metrics
-from fsdptrain.rl.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES
-
-_LOG_RATIO_CLAMP = 20.0
 
 
 def rollout_correction_weights(
@@ -69,7 +68,7 @@ def rollout_correction_weights(
         else:
             unit_valid = valid
         over = log_w > math.log(cap)
-        w = torch.exp(log_w.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         capped = torch.full_like(w, cap) if mode == "tis" else torch.zeros_like(w)
         applied = torch.where(over, capped, w)
         metrics = Metrics({

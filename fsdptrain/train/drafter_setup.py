@@ -30,10 +30,10 @@ from fsdptrain.model.drafter import (
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
 from fsdptrain.train.cotrain import DraftLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
+from fsdptrain.train.setup import DTYPES
 from fsdptrain.train.step import DrafterUpdate
 
 DEFAULT_DRAFT_VOCAB = 32000
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFTER_SEED_OFFSET = 7919
 """The drafter's init seed is trainer.seed + this (any fixed offset: the policy's seeds are trainer.seed and +1)."""
 
@@ -151,8 +151,8 @@ def build_drafter(cfg: DictConfig, policy, vocab: Optional[DraftVocab], *, mesh,
     else:
         drafter = plain_drafter(policy, vocab, feature_layers=d.feature_layers, num_layers=d.num_layers,
                                 init_head_from_policy=d.init_head_from_policy, seed=t.seed + DRAFTER_SEED_OFFSET)
-    shard_as_one_unit(drafter, mesh=mesh, param_dtype=_DTYPES[cfg.parallel.param_dtype],
-                      reduce_dtype=_DTYPES[cfg.parallel.reduce_dtype], device=device)
+    shard_as_one_unit(drafter, mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
+                      reduce_dtype=DTYPES[cfg.parallel.reduce_dtype], device=device)
     optimizer = build_optimizer(drafter, lr=drafter_lr(cfg), betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                 weight_decay=d.weight_decay)
     scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, total_steps=num_steps,
@@ -171,5 +171,5 @@ def export_sharded_drafter(drafter: Eagle3Drafter, out_dir: Path, target_config,
     if world.rank() == 0:
         plain = Eagle3Drafter(drafter.config, DraftVocab(d2t=state["d2t"], t2d=state["t2d"]), drafter.feature_layers)
         plain.load_state_dict(state, strict=True)
-        export_drafter(plain, out_dir, target_config, dtype=_DTYPES[dtype], embed_tokens=embed_tokens)
+        export_drafter(plain, out_dir, target_config, dtype=DTYPES[dtype], embed_tokens=embed_tokens)
     world.barrier()

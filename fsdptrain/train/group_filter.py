@@ -25,7 +25,11 @@ MoreRollouts = Callable[[int], list[Rollout]]
 """``more(round)`` -> this rank's rollouts of extra round ``round`` (1, 2, ...), group indices global in the round."""
 
 
-def _kept(rollouts: list[Rollout], round_index: int) -> tuple[list[tuple[int, int, int, Rollout]], Metrics]:
+Kept = tuple[int, int, int, Rollout]
+"""A kept rollout: (round, its group's global index within the round, its position in this rank's round, rollout)."""
+
+
+def _kept(rollouts: list[Rollout], round_index: int) -> tuple[list[Kept], Metrics]:
     if not rollouts:
         keep = []
         metrics = groups_with_signal(torch.zeros(0), torch.zeros(0, dtype=torch.long))[2]
@@ -35,6 +39,26 @@ def _kept(rollouts: list[Rollout], round_index: int) -> tuple[list[tuple[int, in
         keep_N, _, metrics = groups_with_signal(scores, groups)
         keep = keep_N.tolist()
     return [(round_index, r.group, k, r) for k, (r, ok) in enumerate(zip(rollouts, keep)) if ok], metrics
+
+
+def renumber(kept_per_rank: list[list[Kept]], *, target_groups: int, rank: int, world_size: int) -> list[Rollout]:
+    """This rank's share of the first ``target_groups`` kept groups of every rank, renumbered.
+
+    The groups are ordered by (round, global index within the round), numbered 0, 1, ... in that order, cut to
+    ``target_groups``, and this rank takes group ``i`` iff ``i % world_size == rank``, each rollout with ``group=i``
+    and in that order (within a group: the order its rank generated them). ``kept_per_rank`` is every rank's list of
+    kept rollouts (the all-gather); the answer depends on their union only, not on which rank held what.
+    """
+    everyone = sorted((e for part in kept_per_rank for e in part), key=lambda e: e[:3])
+    order: dict[tuple[int, int], int] = {}
+    for round_, group, _, _ in everyone:
+        order.setdefault((round_, group), len(order))
+    mine = []
+    for round_, group, _, rollout in everyone:
+        index = order[(round_, group)]
+        if index < target_groups and index % world_size == rank:
+            mine.append(dataclasses.replace(rollout, group=index))
+    return mine
 
 
 def filter_groups(first: list[Rollout], more: MoreRollouts, *, target_groups: int, max_rounds: int, rank: int,
@@ -57,15 +81,7 @@ def filter_groups(first: list[Rollout], more: MoreRollouts, *, target_groups: in
         if total >= target_groups or round_index >= max_rounds:
             break
         rollouts = more(round_index)
-    everyone = sorted((e for part in world.all_gather_object(kept) for e in part), key=lambda e: e[:3])
-    order: dict[tuple[int, int], int] = {}
-    for round_, group, _, _ in everyone:
-        order.setdefault((round_, group), len(order))
-    mine = []
-    for round_, group, _, rollout in everyone:
-        index = order[(round_, group)]
-        if index < target_groups and index % world_size == rank:
-            mine.append(dataclasses.replace(rollout, group=index))
+    mine = renumber(world.all_gather_object(kept), target_groups=target_groups, rank=rank, world_size=world_size)
     merged = Metrics((name.replace("dynamic_sampling_", "dynamic_sampling/"), metric)
                      for name, metric in merge_all(seen).items())
     rounds = Metrics({"dynamic_sampling/rounds": Sum(round_index / world_size)})

@@ -15,9 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from fsdptrain.config.schema import LR_SCHEDULES
 from fsdptrain.distributed.world import any_flag
-
-SCHEDULES = ("cosine", "constant")
 
 
 def build_optimizer(
@@ -66,8 +65,8 @@ def build_scheduler(
 ) -> LambdaLR:
     """Linear warmup then cosine decay to min_lr_ratio x lr, or constant (`lr_factor`). Call `.step()` once after
     each optimizer step, skipped steps included (the schedule counts training steps, not successful updates)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"lr schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
     if total_steps < 1:

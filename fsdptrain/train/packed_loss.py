@@ -83,7 +83,7 @@ class SeqTargets:
 def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedBatch, *, device=None) -> Tensor:
     """Place each sequence's response-aligned values at the row positions that score them; 0 elsewhere. `[T]`.
 
-    The inverse of :func:`fsdptrain.packing.unpack_responses`: the response positions of a pack, in row order, are
+    The inverse of :func:`fsdptrain.data.packing.unpack_responses`: the response positions of a pack, in row order, are
     the sequences' response tokens back to back, so one masked assignment does it.
     """
     mask_T = packed.response_mask[0]

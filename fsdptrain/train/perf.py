@@ -24,7 +24,7 @@ import torch
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.gather import gathered_weights, should_gather
-from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.metrics import Diagnostic, Max, Metrics
 
 PHASES = ("generate", "reward", "experience", "update")

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
-from fsdptrain.distributed.checkpoint_check import newest_intact_checkpoint
+from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, newest_intact_checkpoint, save_checkpoint
 from fsdptrain.distributed.export import export_hf
 from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.rl.reward_scale import RunningMoments

@@ -11,16 +11,18 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
 from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model
 from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
-from fsdptrain.model.attention import resolve_backend, set_attention
+from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
 from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+"""The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept."""
 
 
 def build_tokenizer(cfg: DictConfig):

@@ -37,7 +37,7 @@ def check_compiled_run(backend: str, out_dir) -> None:
     # Generation (inside the product's generation block) runs the layers eagerly: no graph was compiled there.
     assert r["after_generation"] == r["after_training"], (r["after_training"], r["after_generation"])
     assert r["same_tokens"] and r["num_tokens"] > 0
-    # The one graph break is the per-segment attention, disabled on purpose (fsdptrain/model/varlen.py).
+    # The one graph break is the per-segment attention, disabled on purpose (fsdptrain/model/attention_backends.py).
     assert r["break_reasons"] and all("sdpa_segments_attention" in reason for reason in r["break_reasons"]), (
         r["break_reasons"])
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.registry.names import AGG_MODES
 from tests.dist.launch import launch
 
 # fp32; the drafter's gradients go through the chunked soft CE on one side and a plain softmax on the other

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fsdptrain.config import ConfigError
+from fsdptrain.registry.names import ADV_ESTIMATORS
 from fsdptrain.rl.adv_estimators import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageResult,
@@ -15,7 +16,6 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.advantages import gae, grpo_advantages, rloo_advantages
-from fsdptrain.rl.names import ADV_ESTIMATORS
 
 F64 = torch.float64
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss, agg_loss_with, count_tokens_and_seqs
-from fsdptrain.rl.names import AGG_MODES
 
 NORM_FACTOR = 7.0  # the -norm constant used wherever the packed layout is involved
 

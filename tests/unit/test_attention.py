@@ -1,4 +1,4 @@
-"""The packed attention backends called directly (fsdptrain/model/attention.py), against a dense masked reference.
+"""The packed attention backends called directly (fsdptrain/model/attention_switch.py), against a dense masked reference.
 
 The reference builds the full [T, T] score matrix and masks it by segment, causality and window: an independent,
 slow formulation of what the per-segment backend must compute.
@@ -11,10 +11,14 @@ import torch
 from torch import nn
 
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.model import attention
-from fsdptrain.model.attention import available_backends, resolve_backend
-from fsdptrain.model.attention_call import BACKENDS
-from fsdptrain.model.varlen import flash_attn_attention, sdpa_segments_attention, torch_varlen_attention
+from fsdptrain.model import attention_switch
+from fsdptrain.model.attention_backends import (
+    BACKENDS,
+    flash_attn_attention,
+    sdpa_segments_attention,
+    torch_varlen_attention,
+)
+from fsdptrain.model.attention_switch import available_backends, resolve_backend
 
 SEGMENTS = [5, 9, 3, 2]  # three sequences and a 2-token padding tail
 TOTAL = sum(SEGMENTS)
@@ -194,10 +198,10 @@ def test_backends_are_registered_by_an_explicit_call_not_by_import():
 
     code = (
         "from transformers import AttentionInterface\n"
-        "import fsdptrain.model.attention as attention\n"
+        "import fsdptrain.model.attention_switch as attention_switch\n"
         "names = ('flash_attn', 'torch_varlen', 'sdpa_segments')\n"
         "print([n in AttentionInterface() for n in names])\n"
-        "attention.register_backends()\n"
+        "attention_switch.register_backends()\n"
         "print([n in AttentionInterface() for n in names])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
@@ -219,7 +223,7 @@ def test_resolve_backend_on_cpu():
 
 def test_packed_model_inputs_carry_segments_and_no_cache():
     packed = pack_sequences([[1, 2], [3]], [[4], [5, 6]], pad_to=8)
-    inputs = attention.packed_model_inputs(packed)
+    inputs = attention_switch.packed_model_inputs(packed)
     assert inputs["use_cache"] is False and inputs["attention_mask"] is None
     assert inputs["input_ids"] is packed.input_ids and inputs["position_ids"] is packed.position_ids
     assert inputs["cu_seq_lens_q"].tolist() == [0, 3, 6, 8] and inputs["cu_seq_lens_k"] is inputs["cu_seq_lens_q"]

@@ -1,5 +1,5 @@
 """Packed forwards of tiny HF decoders built from configs: equal to each sequence's own forward, no leakage,
-equal gradients, and generation untouched by the packed backend (fsdptrain/model/attention.py + packing.py).
+equal gradients, and generation untouched by the packed backend (fsdptrain/model/attention_switch.py + packing.py).
 
 Every packed forward asserts through `tests/backend_calls.py` that `sdpa_segments` served each layer, so transformers' own
 packed-mask path (plain sdpa) cannot be what makes these tests pass.
@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from fsdptrain.data.packing import pack_sequences, unpack
-from fsdptrain.model.attention import (
+from fsdptrain.model.attention_switch import (
     generation_attention,
     packed_attention,
     packed_model_inputs,

@@ -1,4 +1,4 @@
-"""The GPU backends' own code (fsdptrain/model/attention.py: `flash_attn`, `torch_varlen`) run on the CPU against
+"""The GPU backends' own code (fsdptrain/model/attention_switch.py: `flash_attn`, `torch_varlen`) run on the CPU against
 stand-in kernels written from the kernels' documentation (tests/unit/varlen_standins.py).
 
 What this checks: the packing of q/k/v into the varlen layout, cu_seqlens / max_seqlen, the window conversion,
@@ -22,9 +22,9 @@ from transformers import (
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.model import attention, varlen
-from fsdptrain.model.attention import packed_attention, packed_model_inputs, resolve_backend
-from fsdptrain.model.varlen import flash_attn_attention, sdpa_segments_attention, torch_varlen_attention
+from fsdptrain.model import attention_backends, attention_switch
+from fsdptrain.model.attention_backends import flash_attn_attention, sdpa_segments_attention, torch_varlen_attention
+from fsdptrain.model.attention_switch import packed_attention, packed_model_inputs, resolve_backend
 from tests.backend_calls import call_counts, reset_call_counts
 from tests.unit import varlen_standins
 from tests.unit.varlen_standins import (
@@ -43,7 +43,7 @@ TOL = 1e-5
 def _install(monkeypatch, backend, fn):
     """Make `backend` find `fn` as its kernel, declared as a CPU fp32/fp64 kernel."""
     kernel = cpu_kernel(fn)
-    monkeypatch.setattr(varlen, _KERNEL_ATTR[backend], lambda: kernel)
+    monkeypatch.setattr(attention_backends, _KERNEL_ATTR[backend], lambda: kernel)
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -273,15 +273,15 @@ def test_the_real_kernels_stay_cuda_half_only(monkeypatch):
     """The stand-in is declared a CPU fp32 kernel; the real ones are not: the device/dtype guard reads the
     kernel's own declaration, so a real kernel still refuses CPU tensors and fp32 before it is called."""
     calls = []
-    monkeypatch.setattr(varlen, "flash_kernel", lambda: varlen.VarlenKernel(lambda *a, **k: calls.append(1)))
+    monkeypatch.setattr(attention_backends, "flash_kernel", lambda: attention_backends.VarlenKernel(lambda *a, **k: calls.append(1)))
     q, k, v = _qkv(19)
     with pytest.raises(ValueError, match="flash_attn runs on CUDA only"):
         flash_attn_attention(_Layer(), q, k, v, None, **_kwargs([5, 9, 3, 2], "cu_seq_lens"))
     assert calls == []
-    assert attention.available_backends("cpu") == ["sdpa_segments"]
+    assert attention_switch.available_backends("cpu") == ["sdpa_segments"]
     _install(monkeypatch, "flash_attn", make_flash_attn_varlen_func())
-    assert attention.available_backends("cpu", torch.float32) == ["flash_attn", "sdpa_segments"]
-    assert attention.available_backends("cpu", torch.bfloat16) == ["sdpa_segments"]
+    assert attention_switch.available_backends("cpu", torch.float32) == ["flash_attn", "sdpa_segments"]
+    assert attention_switch.available_backends("cpu", torch.bfloat16) == ["sdpa_segments"]
     with pytest.raises(ValueError, match="flash_attn takes float32/float64 activations, got torch.bfloat16"):
         flash_attn_attention(_Layer(), *(x.bfloat16() for x in (q, k, v)), None, **_kwargs([5, 9, 3, 2], "cu_seq_lens"))
 

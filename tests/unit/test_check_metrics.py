@@ -19,7 +19,7 @@ from fsdptrain.check.reference import Counts, explained_variance_direct, seq_sha
 from fsdptrain.check.run import run_checks
 from fsdptrain.compose import compose_config
 from fsdptrain.distributed import world
-from fsdptrain.model import attention_call
+from fsdptrain.model import attention_backends
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
@@ -197,7 +197,7 @@ def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
 
 
 def test_catches_attention_leaking_across_packed_sequences(ppo, monkeypatch):
-    monkeypatch.setattr(attention_call.AttentionCall, "bounds", lambda self: [0, int(self.cu_seqlens[-1])])
+    monkeypatch.setattr(attention_backends.AttentionCall, "bounds", lambda self: [0, int(self.cu_seqlens[-1])])
     failures = _failing(run_checks(ppo))
     assert "actor/grad_max_diff [micro-batches=1]" in failures
     assert "critic/values_mean [micro-batches=1]" in failures

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import (
     DraftVocab,
     Eagle3Drafter,
@@ -25,11 +25,11 @@ from fsdptrain.model.drafter import (
     teacher_head_rows,
 )
 from fsdptrain.model.drafter_export import ARCHITECTURE, export_drafter, load_drafter
+from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, draft_mask, expected_accept_len
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rl.names import AGG_MODES
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.train.packed_loss import (
     PolicyLossSettings,

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.check.draft_oracle import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences, plan_packs
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize

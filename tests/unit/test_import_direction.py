@@ -1,8 +1,10 @@
 """The layout's import rules (docs/architecture.md), read from every module's source with `ast`.
 
 A numerics module never imports torch.distributed, a model, data or the loop; a model module never imports a loss or a
-collective; imports never form a cycle; the modules the CLI's parent process loads never import torch at module level.
-Imports under `if TYPE_CHECKING:` are annotations only and are skipped.
+collective; `registry/` imports nothing of fsdptrain above it, and `config/` and `rl/` import nothing of fsdptrain but
+themselves and `registry/`; imports never form a cycle; the modules the CLI's parent process loads never import torch at
+module level. Imports under `if TYPE_CHECKING:` never run, so they are skipped for the torch-at-import rule, but they
+are edges of the picture of the code: they count for the other rules and for cycles.
 """
 
 from __future__ import annotations
@@ -29,8 +31,20 @@ FORBIDDEN = {
     "fsdptrain.config": ("torch", "fsdptrain.model", "fsdptrain.data", "fsdptrain.distributed", "fsdptrain.train",
                          "fsdptrain.check", "fsdptrain.rewards"),
 }
-TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.compose", "fsdptrain.launch", "fsdptrain.plugins",
-                        "fsdptrain.distributed.torchrun", "fsdptrain.config", "fsdptrain.rl.names")
+# part -> the only parts of fsdptrain its modules may import (the layers at the bottom)
+ONLY_FSDPTRAIN = {
+    "fsdptrain.registry": ("fsdptrain.registry",),
+    "fsdptrain.config": ("fsdptrain.config", "fsdptrain.registry"),
+    "fsdptrain.rl": ("fsdptrain.rl", "fsdptrain.registry"),
+}
+TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.compose", "fsdptrain.launch", "fsdptrain.distributed.torchrun",
+                        "fsdptrain.config", "fsdptrain.registry")
+# TYPE_CHECKING-only edges that close a cycle today, allowed until the train/ redesign removes them (issue 24 item 2:
+# the run directory and progress annotate with `Trainer`). Exactly these; the lead deletes this set at merge.
+KNOWN_TYPE_CHECKING_CYCLE_EDGES = {
+    ("fsdptrain.train.run_dir", "fsdptrain.train.loop"),
+    ("fsdptrain.train.progress", "fsdptrain.train.loop"),
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -44,28 +58,36 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(source: str, module: str) -> list[tuple[str, bool]]:
-    """``(imported module, at module level)`` for every import outside `if TYPE_CHECKING:` blocks."""
-    found: list[tuple[str, bool]] = []
+def imports_of(source: str, module: str) -> list[tuple[str, bool, bool]]:
+    """``(imported module, runs at module level, only under `if TYPE_CHECKING:`)`` for every import."""
+    found: list[tuple[str, bool, bool]] = []
 
-    def visit(node: ast.AST, top: bool) -> None:
+    def visit(node: ast.AST, top: bool, typing_only: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and _is_type_checking(child):
+                for branch in child.body:
+                    visit(ast.Module(body=[branch], type_ignores=[]), False, True)
+                for branch in child.orelse:
+                    visit(ast.Module(body=[branch], type_ignores=[]), top, typing_only)
                 continue
             if isinstance(child, ast.Import):
-                found.extend((alias.name, top) for alias in child.names)
+                found.extend((alias.name, top, typing_only) for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
                 if child.level:  # relative import
                     package = module.rsplit(".", child.level)[0]
                     base = f"{package}.{base}" if base else package
-                found.append((base, top))
-                found.extend((f"{base}.{alias.name}", top) for alias in child.names)
+                found.append((base, top, typing_only))
+                found.extend((f"{base}.{alias.name}", top, typing_only) for alias in child.names)
             nested = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
-            visit(child, top and not nested)
+            visit(child, top and not nested, typing_only)
 
-    visit(ast.parse(source), True)
+    visit(ast.parse(source), True, False)
     return found
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
 def violations(sources: dict[str, str]) -> list[str]:
@@ -74,14 +96,19 @@ def violations(sources: dict[str, str]) -> list[str]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     problems = []
     for module, source in sorted(sources.items()):
-        for target, top in imports_of(source, module):
+        for target, top, typing_only in imports_of(source, module):
             for part, banned in FORBIDDEN.items():
-                inside = module == part or module.startswith(part + ".")
-                if inside and any(target == b or target.startswith(b + ".") for b in banned):
+                if _within(module, part) and any(_within(target, b) for b in banned):
                     problems.append(f"{module} imports {target}")
-            torch_free = any(module == m or module.startswith(m + ".") for m in TORCH_FREE_AT_IMPORT)
-            if top and torch_free and (target == "torch" or target.startswith("torch.")):
+            for part, allowed in ONLY_FSDPTRAIN.items():
+                if (_within(module, part) and _within(target, "fsdptrain") and target != "fsdptrain"
+                        and not any(_within(target, a) for a in allowed)):
+                    problems.append(f"{module} imports {target}")
+            torch_free = any(_within(module, m) for m in TORCH_FREE_AT_IMPORT)
+            if top and torch_free and _within(target, "torch"):
                 problems.append(f"{module} imports {target} at module level")
+            if typing_only and (module, target) in KNOWN_TYPE_CHECKING_CYCLE_EDGES:
+                continue
             if target in modules and target != module:
                 graph[module].add(target)
     problems.extend(f"import cycle: {' -> '.join(c)}" for c in _cycles(graph))
@@ -141,6 +168,18 @@ def test_the_package_follows_the_import_rules():
     ("fsdptrain.model.forward", "from fsdptrain.rl.policy import policy_loss\n",
      "fsdptrain.model.forward imports fsdptrain.rl.policy"),
     ("fsdptrain.cli", "import torch\n", "fsdptrain.cli imports torch at module level"),
+    # the two holes issue 24 found: config/ reaching into rl/, rl/ into a top-level module
+    ("fsdptrain.config.validate", "from fsdptrain.rl.aggregate import AGG_MODES\n",
+     "fsdptrain.config.validate imports fsdptrain.rl.aggregate"),
+    ("fsdptrain.rl.pg_losses", "from fsdptrain.cli import main\n", "fsdptrain.rl.pg_losses imports fsdptrain.cli"),
+    ("fsdptrain.rl.pg_losses", "from fsdptrain.config import ConfigError\n",
+     "fsdptrain.rl.pg_losses imports fsdptrain.config"),
+    ("fsdptrain.registry.names", "from fsdptrain.config.schema import DTYPES\n",
+     "fsdptrain.registry.names imports fsdptrain.config.schema"),
+    ("fsdptrain.registry.user_functions", "import torch\n",
+     "fsdptrain.registry.user_functions imports torch at module level"),
+    ("fsdptrain.rl.policy", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.model import build\n",
+     "fsdptrain.rl.policy imports fsdptrain.model"),
 ])
 def test_a_planted_violation_is_reported(module, source, expected):
     sources = {**package_sources(), module: source}
@@ -152,17 +191,22 @@ def test_a_planted_cycle_is_reported():
     assert violations(sources) == ["import cycle: fsdptrain.a -> fsdptrain.b -> fsdptrain.a"]
 
 
-def test_type_checking_imports_are_annotations_only():
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.train.loop import Trainer\n"
-    assert all(not t.startswith("fsdptrain.train") for t, _ in imports_of(source, "fsdptrain.train.progress"))
+def test_a_type_checking_only_cycle_is_reported():
+    sources = {"fsdptrain.a": "import fsdptrain.b\n",
+               "fsdptrain.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.a import A\n"}
+    assert violations(sources) == ["import cycle: fsdptrain.a -> fsdptrain.b -> fsdptrain.a"]
 
 
-def test_no_module_over_450_lines_and_no_function_over_80():
-    long_files = {module_name(p, PACKAGE): n for p in PACKAGE.rglob("*.py")
-                  if (n := len(p.read_text().splitlines())) > 450}
+def test_type_checking_imports_do_not_run_at_import():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+    assert violations({"fsdptrain.cli": source}) == []
+    assert imports_of(source, "fsdptrain.cli")[-1] == ("torch", False, True)
+
+
+def test_no_function_over_80_lines():
     long_functions = {}
     for p in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
                 long_functions[f"{module_name(p, PACKAGE)}.{node.name}"] = node.end_lineno - node.lineno + 1
-    assert long_files == {} and long_functions == {}
+    assert long_functions == {}

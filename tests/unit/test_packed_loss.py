@@ -8,10 +8,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassificat
 
 from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss, reference_policy_outputs
 from fsdptrain.data.packing import pack_sequences, unpack_responses
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
+from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rl.names import AGG_MODES
 from fsdptrain.train.packed_loss import (
     PolicyLossSettings,
     SeqTargets,

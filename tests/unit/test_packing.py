@@ -243,7 +243,7 @@ def test_pad_rejects_no_sequences():
 def test_position_ids_restart_at_every_segment_the_model_sees(seed):
     """What the model receives (`packed_model_inputs`): position ids 0..n-1 within every segment of `cu_seq_lens`,
     the padding tail included, and never a position that runs on across a boundary."""
-    from fsdptrain.model.attention import packed_model_inputs
+    from fsdptrain.model.attention_switch import packed_model_inputs
 
     rng = random.Random(seed)
     num = rng.randint(1, 6)

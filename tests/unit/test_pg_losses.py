@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fsdptrain.config import ConfigError
+from fsdptrain.registry.names import POLICY_LOSSES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Kind, finalize
-from fsdptrain.rl.names import POLICY_LOSSES
 from fsdptrain.rl.pg_losses import (
     POLICY_LOSS_REGISTRY,
     cispo_policy_loss,

@@ -19,7 +19,7 @@ from fsdptrain.distributed.reward_model import (
     build_value_model_from_reward_model,
     value_state_dict_from_reward_model,
 )
-from fsdptrain.model.attention import packed_attention, set_attention
+from fsdptrain.model.attention_switch import packed_attention, set_attention
 from fsdptrain.model.build import TINY_CONFIG, config_for, resolve_config
 from fsdptrain.model.reward_model import (
     load_full_reward_model,

@@ -5,7 +5,7 @@
   turns `window_size == (-1, 0)` into `is_causal` and hands `window_size` to flash-attention's kernel).
 
 Each has the real function's signature (the backends read it with `inspect.signature`) and computes attention one
-segment and one head at a time from the documented mask, in float64: no call into fsdptrain.model.attention, no SDPA.
+segment and one head at a time from the documented mask, in float64: no call into fsdptrain.model.attention_switch, no SDPA.
 The documented mask, for a segment of `n_q` queries and `n_k` keys, is aligned to the bottom-right corner:
 query i sees key j when `j <= i + n_k - n_q` (causal) and `i + n_k - n_q - left <= j <= i + n_k - n_q + right`
 (window, both ends inclusive, -1 = unbounded). A query that sees no key outputs zeros. With GQA, query head h
@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from fsdptrain.model.varlen import VarlenKernel
+from fsdptrain.model.attention_backends import VarlenKernel
 
 MISREADS = ("window_off_by_one", "heads_first", "kv_swapped", "gqa_tiled")
 

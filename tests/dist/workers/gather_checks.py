@@ -23,7 +23,7 @@ from fsdptrain.distributed import world
 from tests.dist.workers.report import report_and_exit
 from fsdptrain.distributed.fsdp import build_policy
 from fsdptrain.distributed.gather import gathered_weights
-from fsdptrain.model.attention import generation_attention
+from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.build import TINY_CONFIG
 
 PROMPTS = ["3 + 4 =", "repeat 7:", "hello", "9 9 9"]

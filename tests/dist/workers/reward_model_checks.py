@@ -18,7 +18,7 @@ import torch
 import torch.distributed
 
 from fsdptrain.distributed import world as fdist
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.config import ConfigError
 from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, score_sequences

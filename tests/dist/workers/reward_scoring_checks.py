@@ -19,7 +19,7 @@ import torch.distributed
 
 from fsdptrain.distributed import world as fdist
 from fsdptrain.distributed.reward_model import build_reward_model
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.reward_model import load_reward_model_spec
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.reward_scale import RunningMoments

@@ -22,9 +22,9 @@ import torch
 
 from fsdptrain.distributed import world
 from tests.dist.workers.report import report_and_exit
-from fsdptrain.model.attention import set_attention
+from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.names import AGG_MODES
+from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, packed_policy_loss, packed_value_loss
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss

@@ -3,7 +3,7 @@
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.plugins import check_signature, load_callable
+from fsdptrain.registry.user_functions import check_signature, load_callable
 
 
 def test_loads_from_a_file_and_from_a_module(tmp_path):

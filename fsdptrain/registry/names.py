@@ -1,8 +1,8 @@
 """The names users choose from in the config, defined once, with no torch import.
 
 `fsdptrain.config` validates choices against these tuples in the CLI's parent process, before any rank (or torch)
-starts, and the numerics' registries are keyed by the same tuples (a test holds them equal). `fsdptrain/rl/__init__.py`
-imports nothing, so importing this module does not import torch.
+starts, and the numerics' registries (`fsdptrain.rl`) are keyed by the same tuples (tests/unit/test_names.py holds them
+equal).
 """
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
@@ -21,6 +21,9 @@ user's own (docs/algorithms.md)."""
 
 ROLLOUT_CORRECTION_MODES = ("tis", "mis")
 """Off-policy correction: truncated (tis) or masked (mis) importance sampling (docs/algorithms.md)."""
+
+DRAFT_ON = ("response", "all")
+"""`drafter.on`: the positions the drafter trains on, the response tokens only or every token (docs/drafter.md)."""
 
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 """Off-policy correction: one weight per token, or one per sequence from the product of its token ratios."""

@@ -1,7 +1,7 @@
 """Load a user's function named as ``module:function`` or ``path/to/file.py:function``, and check its signature.
 
 Reward functions, advantage estimators and policy losses are all named this way in the config. Loading happens at
-start-up, before any model is built, so a typo is one line and exit 2 (a :class:`~fsdptrain.config.ConfigError`),
+start-up, before any model is built, so a typo is one line and exit 2 (a :class:`~fsdptrain.registry.errors.ConfigError`),
 never a traceback from inside a rank. Nothing here imports torch.
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from fsdptrain.config import ConfigError
+from fsdptrain.registry.errors import ConfigError
 
 
 def load_callable(spec: str, *, what: str) -> Callable:

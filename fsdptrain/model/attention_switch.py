@@ -1,8 +1,9 @@
 """Choosing and switching the packed attention backend of a model, registered with transformers' AttentionInterface.
 
 A packed row `[1, T]` holds several sequences (see fsdptrain/data/packing.py). Attention must never cross a sequence
-boundary; the backends in fsdptrain/model/varlen.py do that. :func:`register_backends` registers them with
-transformers (an explicit call: :func:`set_attention` makes it, so importing this module changes nothing).
+boundary; the backends in fsdptrain/model/attention_backends.py do that, and this module chooses one and switches a
+model to it. :func:`register_backends` registers them with transformers (an explicit call: :func:`set_attention` makes
+it, so importing this module changes nothing).
 
 Segments come from the `cu_seq_lens_q/k` kwargs when the caller passes them (`packed_model_inputs` does), else
 from `position_ids` restarting at 0. Model features a backend cannot honour are refused with a ValueError, never
@@ -24,9 +25,17 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
 from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model import varlen
-from fsdptrain.model.attention_call import AUTO, BACKENDS, FLASH_ATTN, SDPA_SEGMENTS, TORCH_VARLEN
-from fsdptrain.model.varlen import BACKEND_FUNCTIONS, VarlenKernel, no_mask
+from fsdptrain.model import attention_backends
+from fsdptrain.model.attention_backends import (
+    AUTO,
+    BACKEND_FUNCTIONS,
+    BACKENDS,
+    FLASH_ATTN,
+    SDPA_SEGMENTS,
+    TORCH_VARLEN,
+    VarlenKernel,
+    no_mask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +75,9 @@ def available_backends(device: torch.device | str, dtype: torch.dtype | None = N
     """The backends that can run on `device` (and `dtype`, when given), in the order `auto` prefers them."""
     device = torch.device(device)
     names = []
-    if _kernel_runs(varlen.flash_kernel(), device, dtype):
+    if _kernel_runs(attention_backends.flash_kernel(), device, dtype):
         names.append(FLASH_ATTN)
-    if _kernel_runs(varlen.torch_varlen_kernel(), device, dtype):
+    if _kernel_runs(attention_backends.torch_varlen_kernel(), device, dtype):
         names.append(TORCH_VARLEN)
     names.append(SDPA_SEGMENTS)
     return names
