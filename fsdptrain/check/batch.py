@@ -33,9 +33,11 @@ from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.packed_loss import SeqTargets
-from fsdptrain.train.step import MiniBatch
+from fsdptrain.rl.metrics import finalize
+from fsdptrain.train.step import MiniBatch, reduce_metrics
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN
+BEHAVIOUR_SEED, BEHAVIOUR_SPREAD = 20_260_127, 1.0  # planted behaviour log-probs: old +- 1 (weights in [0.37, 2.7])
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,15 @@ class RolloutFacts:
     num_prompt_tokens: int
     num_response_tokens: int
     truncated: bool
+
+
+@dataclass(frozen=True)
+class IsCorrection:
+    """The rollout correction the checked batch's importance weights follow: mode (tis, mis), level, cap C."""
+
+    mode: str
+    level: str
+    cap: float
 
 
 @dataclass
@@ -69,6 +80,15 @@ class CheckBatch:
     groups: list[int]
     local_index: list[int]
     """``local``'s sequences as positions in ``full``, in ``local``'s order."""
+
+    behaviour: Optional[list[torch.Tensor]] = None
+    """With a rollout correction: the behaviour log-probs each of ``full``'s sequences' weights came from (its old
+    log-probs when the rollout carried none); None without one. ``correction`` says how they were made."""
+    correction: Optional[IsCorrection] = None
+    experience: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The step's experience metrics as ``fsdptrain train`` logs them (``experience/rollout_is_*``, rank-reduced)."""
+    planted_behaviour: bool = False
+    """True when the check gave the rollouts behaviour log-probs (old + seeded noise) so the weights are not 1."""
 
     def with_targets(self, targets: list) -> "CheckBatch":
         """The same batch with ``full``'s targets replaced (``local``'s follow through ``local_index``)."""
@@ -129,7 +149,8 @@ def shift_values_below_zero(trainer: Trainer, rollouts: list[Rollout]) -> Option
 def _fixture(prompt_ids: list[int]) -> tuple[list[int], list[int], SeqTargets]:
     """A prompt-only sequence: a real prompt, no response token, empty targets."""
     empty = torch.zeros(0, dtype=torch.float32)
-    targets = SeqTargets(old_logprobs=empty, advantages=empty, ref_logprobs=empty, old_values=empty, returns=empty)
+    targets = SeqTargets(old_logprobs=empty, advantages=empty, ref_logprobs=empty, old_values=empty, returns=empty,
+                         is_weights=empty)
     return list(prompt_ids), [], targets
 
 
@@ -151,17 +172,29 @@ def make_batch(trainer: Trainer) -> CheckBatch:
         shift = shift_values_below_zero(trainer, rollouts)
     trainer.skip_old_passes = False  # the oracle compares against recomputed old log-probs and values
     targets, facts = trainer.make_experience(rollouts)
+    alg = cfg.algorithm
+    correction = (IsCorrection(alg.rollout_correction, alg.rollout_correction_level, alg.rollout_correction_cap)
+                  if alg.rollout_correction != "none" else None)
+    planted = correction is not None and all(r.behaviour_logprobs is None for r in rollouts)
+    if planted:  # weights of exactly 1 would prove nothing: a behaviour policy off by seeded noise, and again
+        rollouts = with_behaviour(rollouts, [t.old_logprobs for t in targets], seed=BEHAVIOUR_SEED + info.rank)
+        targets, facts = trainer.make_experience(rollouts)
+    experience = finalize(reduce_metrics(facts["metrics"])) if facts["metrics"] else {}
     (local,) = trainer.minibatches(rollouts, targets)
-    entries = [((r.group, k), p, resp, t, info.rank, r.reward) for k, (r, p, resp, t) in
-               enumerate(zip(rollouts, local.prompts, local.responses, local.targets))]
+    behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
+                 else t.old_logprobs for r, t in zip(rollouts, targets)]
+    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b) for k, (r, p, resp, t, b) in
+               enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour))]
     gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
     full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
     scores = [float(e[5]) for e in gathered]
     groups = [int(e[0][0]) for e in gathered]
     local_index = sorted((i for i, e in enumerate(gathered) if e[4] == info.rank), key=lambda i: gathered[i][0][1])
+    full_behaviour = [e[6] for e in gathered]
     add_fixture = bool(cfg.check.masked_fixture)
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
+        full_behaviour.append(torch.zeros(0, dtype=torch.float32))
         full.prompts.append(prompt)
         full.responses.append(response)
         full.targets.append(target)
@@ -172,9 +205,23 @@ def make_batch(trainer: Trainer) -> CheckBatch:
             local.targets.append(target)
     mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated) for r in rollouts]
     all_facts = [f for part in _all_gather(mine) for f in part]
-    return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts, on_policy=facts["on_policy"],
-                      value_shift=shift, has_fixture=add_fixture, scores=scores, groups=groups,
-                      local_index=local_index)
+    # Planted behaviour log-probs leave the old ones the trainer's own, so the ratio is still 1 (on-policy).
+    return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts,
+                      on_policy=facts["on_policy"] or planted, value_shift=shift, has_fixture=add_fixture,
+                      scores=scores, groups=groups, local_index=local_index,
+                      behaviour=full_behaviour if correction is not None else None, correction=correction,
+                      experience=experience, planted_behaviour=planted)
+
+
+def with_behaviour(rollouts: list[Rollout], old_R: list[torch.Tensor], *, seed: int) -> list[Rollout]:
+    """The rollouts with behaviour log-probs ``old + U(-BEHAVIOUR_SPREAD, +BEHAVIOUR_SPREAD)`` (seeded): a sampler
+    that drifted from the trained policy, so the rollout-correction weights differ from 1 and some pass the cap."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for rollout, old in zip(rollouts, old_R):
+        noise = (torch.rand(old.shape, generator=gen, dtype=torch.float64) * 2 - 1) * BEHAVIOUR_SPREAD
+        out.append(dataclasses.replace(rollout, behaviour_logprobs=(old.double() + noise).float().tolist()))
+    return out
 
 
 def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
