@@ -97,6 +97,31 @@ class CheckBatch:
         return dataclasses.replace(self, full=full, local=local)
 
 
+@dataclass(frozen=True)
+class UpdateShape:
+    """Mini-batches per step and epochs of the checked update, and whether they are the configured ones."""
+
+    mini_batches: int
+    epochs: int
+    configured: bool
+
+    @property
+    def layout(self) -> str:
+        return f"mini-batches={self.mini_batches} x epochs={self.epochs}"
+
+
+def update_shape(cfg: DictConfig, num_prompts: int) -> UpdateShape:
+    """The configured mini-batches and epochs when either is above 1, else 2 and 2 (the battery), with the
+    mini-batch count lowered to a divisor of the checked ``num_prompts`` prompt groups when needed."""
+    mini_batches, epochs = cfg.trainer.mini_batches_per_step, cfg.algorithm.ppo_epochs
+    configured = mini_batches > 1 or epochs > 1
+    mini_batches = mini_batches if configured else 2
+    epochs = epochs if configured else 2
+    while mini_batches > 1 and num_prompts % mini_batches:
+        mini_batches -= 1
+    return UpdateShape(mini_batches, epochs, configured)
+
+
 @dataclass
 class CheckSession:
     """Everything the layouts need: the config actually checked, the trainer (models, settings) and the batch."""
@@ -104,6 +129,8 @@ class CheckSession:
     cfg: DictConfig
     trainer: Trainer
     batch: CheckBatch
+    update: Optional[UpdateShape] = None
+    """The mini-batches and epochs of the update pass (:mod:`fsdptrain.check.update_pass`)."""
 
     @property
     def world_size(self) -> int:
@@ -112,7 +139,8 @@ class CheckSession:
 
 def check_config(cfg: DictConfig, world_size: int) -> DictConfig:
     """A copy of ``cfg`` whose step is the checked mini-batch: ``min(check.num_prompts, prompts_per_step)`` prompt
-    groups and one mini-batch. The caller's config is not modified."""
+    groups and one mini-batch (the update pass takes its mini-batches and epochs from :func:`update_shape`). The
+    caller's config is not modified."""
     num_prompts = min(cfg.check.num_prompts, cfg.rollout.prompts_per_step)
     if num_prompts < world_size:
         raise ConfigError(f"check.num_prompts={cfg.check.num_prompts} must be at least the number of ranks "
@@ -235,4 +263,5 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
         vocab_size = trainer.models.policy.config.vocab_size
         trainer.start_drafter(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
                                           draft_vocab_size=draft_vocab_size(checked, vocab_size)))
-    return CheckSession(cfg=checked, trainer=trainer, batch=batch)
+    return CheckSession(cfg=checked, trainer=trainer, batch=batch,
+                        update=update_shape(cfg, checked.rollout.prompts_per_step))

@@ -61,6 +61,7 @@ from fsdptrain.check.passes import (
     off_policy_settings,
     off_policy_value_settings,
 )
+from fsdptrain.check.update_pass import update_pass
 from fsdptrain.check.reference import (
     Counts,
     reference_critic,
@@ -241,6 +242,7 @@ def _notes(parts: list[Part], reference: Outcome, on_policy: bool) -> list[str]:
 
 OFF = "off-policy/"
 IS_DIFF = "experience/is_weights_max_diff"
+UPDATE = "update/"
 
 
 def _correction_outcome(batch) -> tuple[dict[str, float], Outcome, dict[str, float]]:
@@ -339,9 +341,10 @@ class Found:
 
 
 def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_policy: bool = True,
-               experience: bool = True) -> CheckReport:
+               experience: bool = True, update: bool = True) -> CheckReport:
     """Reference, every layout and the comparisons for ``agg_mode`` (default: the configured one), then the
-    off-policy pass, the rollout-correction weights, the experience checks and the drafter (docs/check-metrics.md).
+    off-policy pass, the rollout-correction weights, the experience checks, the update over several mini-batches and
+    epochs (the configured mode only) and the drafter (docs/check-metrics.md).
     Each stage, and each layout within one, that raises is a FAIL row; the others still run. Collective."""
     cfg, batch, tr = session.cfg, session.batch, session.trainer
     mode = agg_mode or cfg.loss.agg_mode
@@ -400,6 +403,20 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
             found.notes += [note] if note else []
 
         found.stage("experience", experience_stage)
+    if update and session.update is not None and mode == cfg.loss.agg_mode:
+        def update_stage() -> None:
+            want, got, scales = update_pass(session, session.update)
+            prefixed = Outcome(got.layout, {UPDATE + k: v for k, v in got.values.items()},
+                               {UPDATE + k: v for k, v in got.kinds.items()}, covers=(UPDATE,))
+            want = {UPDATE + k: v for k, v in want.items()}
+            found.reference.values.update(want)
+            found.comparisons += compare(Outcome("reference", want, covers=()), prefixed,
+                                         scales={UPDATE + k: v for k, v in scales.items()}, **tol)
+            if not session.update.configured:
+                found.notes.append(f"the update pass ran {session.update.layout} (you configured 1 and 1)")
+
+        found.stage("update", update_stage)
+        names.append(session.update.layout)
     if len(every_part) > len(parts):
         def drafter() -> None:
             drafter_reference, drafter_comparisons = _drafter_pass(session, every_part[len(parts):], ctx, planned,
