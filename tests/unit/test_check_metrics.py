@@ -353,3 +353,111 @@ def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
     report = run_checks(ppo, off_policy=False)
     failed = {k.rule for k in report.checks if not k.passed}
     assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
+
+
+# ---- issue 27: the update over several mini-batches, the trainer's clip, the IS weights, a raising layout ----------
+
+
+def _full_weights(session) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in session.trainer.models.policy.named_parameters()}
+
+
+def test_update_pass_runs_several_mini_batches_and_epochs_and_leaves_the_weights(ppo):
+    before = _full_weights(ppo)
+    report = run_checks(ppo, off_policy=False, experience=False)
+    assert report.ok, "\n".join(report.failures)
+    got = {c.metric: c for c in report.comparisons if c.layout == "mini-batches=2 x epochs=2"}
+    ref = report.reference.values
+    # 4 prompt groups in 2 mini-batches: each update sees half the batch's response tokens, 8 sequences
+    assert ref["update/loss/global_num_tokens"] == sum(len(r) for r in ppo.batch.full.responses) / 2
+    assert ref["update/loss/global_num_seqs"] == 8
+    for name in ("update/actor/pg_loss", "update/actor/grad_norm", "update/critic/vf_loss", "update/critic/grad_norm",
+                 "update/actor/probs_ratio_max", "update/loss/global_num_tokens"):
+        assert got[name].passed, name
+    assert ref["update/actor/probs_ratio_max"] > 1.01  # the second epoch ran on stepped weights
+    assert all(torch.equal(before[k], v) for k, v in _full_weights(ppo).items())  # restored for the next check
+
+
+def test_catches_a_normaliser_over_the_whole_step_instead_of_the_mini_batch(ppo, monkeypatch):
+    from fsdptrain.train import loop, step
+
+    whole = []
+    update, normalizers = loop.Trainer.update, step.global_normalizers
+
+    def update_whole(self, batches, on_policy):
+        whole.append(step.MiniBatch([p for b in batches for p in b.prompts], [r for b in batches for r in b.responses],
+                                    [t for b in batches for t in b.targets]))
+        try:
+            return update(self, batches, on_policy)
+        finally:
+            whole.clear()
+
+    monkeypatch.setattr(loop.Trainer, "update", update_whole)
+    monkeypatch.setattr(step, "global_normalizers", lambda batch, **kw: normalizers(whole[0] if whole else batch, **kw))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    for name in ("loss/global_num_tokens", "actor/pg_loss", "critic/vf_loss"):
+        assert f"update/{name} [mini-batches=2 x epochs=2]" in failures
+    assert "[ranks=1]" not in failures  # one mini-batch: the normaliser is the mini-batch's
+
+
+def test_a_raising_layout_is_a_fail_row_and_the_others_still_run(ppo, monkeypatch):
+    from fsdptrain.check import run
+
+    def broken(*args, **kwargs):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    monkeypatch.setattr(run, "padded_policy_loss", broken)
+    report = run_checks(ppo, off_policy=False, experience=False, update=False)
+    assert not report.ok
+    assert len(report.failures) == 1, report.failures
+    assert report.failures[0].startswith("FAIL (raised) [padded]: raised TypeError: 'NoneType' object is not "
+                                         "subscriptable (at fsdptrain/check/layouts.py:")
+    assert any(c.layout == "micro-batches=2" and c.passed for c in report.comparisons)
+
+
+@pytest.mark.parametrize("overrides", [("algorithm.rollout_correction=tis",),
+                                       ("algorithm.rollout_correction=mis",
+                                        "algorithm.rollout_correction_level=sequence")], ids=["tis-token", "mis-seq"])
+def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides):
+    # Before: TypeError in check/oracles.py, the prompt-only fixture had no weights.
+    session = _session(*overrides)
+    report = run_checks(session, off_policy=False, experience=False)
+    assert report.ok, "\n".join(report.failures)
+    ref = report.reference.values
+    assert session.batch.planted_behaviour and session.batch.on_policy
+    assert ref["experience/rollout_is_capped_frac"] > 0 and ref["experience/rollout_is_mean"] != 1.0
+    names = {c.metric for c in report.comparisons if c.layout == "experience"}
+    assert {"experience/rollout_is_mean", "experience/rollout_is_max", "experience/rollout_is_ratio_max",
+            "experience/rollout_is_capped_frac", "experience/is_weights_max_diff"} <= names
+
+
+def test_catches_a_sequence_weight_from_the_mean_of_token_log_ratios(monkeypatch):
+    from fsdptrain.train import experience
+
+    original = experience.rollout_correction_weights
+
+    def mean_not_sum(old, behaviour, mask, *, mode, level, cap, cu_seqlens=None):
+        # the bug: log w_i = mean over i's tokens of (old - behaviour), the geometric mean, not the product
+        num_tokens = mask.sum(-1, keepdim=True).clamp(min=1)
+        return original(old, old - (old - behaviour) / num_tokens, mask, mode=mode, level=level, cap=cap,
+                        cu_seqlens=cu_seqlens)
+
+    monkeypatch.setattr(experience, "rollout_correction_weights", mean_not_sum)
+    session = _session("algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence")
+    failures = _failing(run_checks(session, off_policy=False, experience=False, update=False))
+    assert "experience/is_weights_max_diff [experience]" in failures
+    assert "actor/loss [ranks=1]" in failures and "experience/rollout_is_ratio_max [experience]" in failures
+
+
+def test_catches_inverted_importance_weights_in_the_off_policy_pass(ppo, monkeypatch):
+    from fsdptrain.check import passes
+
+    original = passes.rollout_correction_weights
+    monkeypatch.setattr(passes, "rollout_correction_weights",
+                        lambda old, behaviour, mask, **kw: original(behaviour, old, mask, **kw))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
+    assert "off-policy/actor/loss [off-policy: ranks=1]" in failures
+    assert "off-policy/critic/" not in failures
