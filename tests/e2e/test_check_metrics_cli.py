@@ -174,3 +174,82 @@ def test_a_drafter_metric_over_unscored_positions_fails(cli, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL drafter/accept_prob [packed budget=" in result.stdout
     assert "FAIL actor/" not in result.stdout
+
+
+# Three bugs from the anchors' trainers, planted together on the ranks (each shows in rows of its own):
+# - the grad norm over this rank's shards only (SkyRL #211): each rank logs and clips by its own norm;
+# - the loss normaliser counted over the whole step instead of the mini-batch (TRL #6024);
+# - a sequence's importance weight from the mean of its token log-ratios instead of their sum (TRL #5814).
+THREE_BUGS = """\
+import torch
+from torch.distributed.tensor import DTensor
+import fsdptrain.train.experience as experience
+import fsdptrain.train.loop as loop
+import fsdptrain.train.optim as optim
+import fsdptrain.train.step as step
+
+
+@torch.no_grad()
+def clip_by_local_shards(parameters, max_norm):
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads]).float()
+    if max_norm is not None and max_norm > 0 and max_norm / (float(norm) + 1e-6) < 1:
+        for g in grads:
+            g.mul_(max_norm / (float(norm) + 1e-6))
+    return norm
+
+
+optim.clip_grad_norm_ = step.clip_grad_norm_ = clip_by_local_shards
+
+whole, update, normalizers = [], loop.Trainer.update, step.global_normalizers
+
+
+def update_whole(self, batches, on_policy):
+    whole.append(step.MiniBatch([p for b in batches for p in b.prompts], [r for b in batches for r in b.responses],
+                                [t for b in batches for t in b.targets]))
+    try:
+        return update(self, batches, on_policy)
+    finally:
+        whole.clear()
+
+
+loop.Trainer.update = update_whole
+step.global_normalizers = lambda batch, **kw: normalizers(whole[0] if whole else batch, **kw)
+weights = experience.rollout_correction_weights
+
+
+def mean_not_sum(old, behaviour, mask, *, mode, level, cap, cu_seqlens=None):
+    num_tokens = mask.sum(-1, keepdim=True).clamp(min=1)
+    return weights(old, old - (old - behaviour) / num_tokens, mask, mode=mode, level=level, cap=cap,
+                   cu_seqlens=cu_seqlens)
+
+
+experience.rollout_correction_weights = mean_not_sum
+"""
+SEQUENCE_TIS = ("algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence")
+
+
+@pytest.mark.parametrize("nproc", ["2", pytest.param("1", marks=pytest.mark.slow)])
+def test_three_planted_bugs_fail_with_clean_rows(cli, tmp_path, nproc):
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(THREE_BUGS)
+    pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
+    result = cli("check-metrics", "--nproc", nproc, *SEQUENCE_TIS, env=_env(PYTHONPATH=pythonpath), timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "check-metrics: FAIL" in result.stdout
+    assert "FAIL update/loss/global_num_tokens [mini-batches=2 x epochs=2]" in result.stdout
+    assert "FAIL experience/is_weights_max_diff [experience]" in result.stdout
+    if nproc == "2":  # one rank holds every shard: its norm is the global one
+        assert "FAIL actor/grad_norm [ranks=2]" in result.stdout and "FAIL actor/clip_coef [ranks=2]" in result.stdout
+    else:
+        assert "clip_coef" not in "\n".join(line for line in result.stdout.splitlines() if "FAIL" in line)
+
+
+@pytest.mark.parametrize("nproc", ["2", pytest.param("1", marks=pytest.mark.slow)])
+def test_several_mini_batches_epochs_and_rollout_correction_pass(cli, nproc):
+    result = cli("check-metrics", "--nproc", nproc, "trainer.mini_batches_per_step=2", "algorithm.ppo_epochs=2",
+                 "algorithm.rollout_correction=mis", env=_env(), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "update/actor/pg_loss" in result.stdout and "experience/rollout_is_mean" in result.stdout

@@ -111,7 +111,7 @@ def test_batch_has_the_fixtures(ppo):
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
-    report = run_checks(ppo, mode)
+    report = run_checks(ppo, mode, update=False)
     assert report.ok, "\n".join(report.failures)
     ref = report.reference.values
     assert ref["critic/values_max"] < -0.99  # the value shift makes every value negative (<= -1 up to rounding)
@@ -119,7 +119,7 @@ def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
     layouts = {c.layout for c in report.comparisons}
     assert {"per-sequence", "padded", "micro-batches=2", "simulated dp=2", "ranks=1"} <= layouts
     # every layout is compared on every policy and critic metric of the reference
-    for layout in layouts - {"token-mean, same batch"}:
+    for layout in layouts - {"token-mean, same batch", "experience", "mini-batches=2 x epochs=2"}:
         names = {c.metric for c in report.comparisons if c.layout == layout}
         prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
         assert {n for n in ref if n.startswith((prefix + "actor/", prefix + "critic/"))} <= names, layout
@@ -151,7 +151,7 @@ def _failing(report) -> str:
 
 def test_catches_min_summed_across_packs(ppo, monkeypatch):
     monkeypatch.setattr(Min, "merge", lambda self, other: Min(self.extreme + other.extreme))
-    failures = _failing(run_checks(ppo))
+    failures = _failing(run_checks(ppo, update=False))
     assert "actor/probs_ratio_min [micro-batches=2]" in failures
     assert "critic/values_min [per-sequence]" in failures
 
@@ -169,7 +169,7 @@ def test_catches_a_zero_sentinel_for_empty_extrema(ppo, monkeypatch):
 
     monkeypatch.setattr(Min, "of", staticmethod(min_of))
     monkeypatch.setattr(Max, "of", staticmethod(max_of))
-    failures = _failing(run_checks(ppo))
+    failures = _failing(run_checks(ppo, update=False))
     # the prompt-only fixture runs alone one sequence at a time: its 0.0 wins the min of ratios (~1)
     # and the max of the (shifted, negative) values
     assert "actor/probs_ratio_min [per-sequence]" in failures
@@ -189,7 +189,7 @@ def _local_counts_agg(original):
 def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
     for module in (policy, value):
         monkeypatch.setattr(module, "agg_loss_with", _local_counts_agg(aggregate.agg_loss_with))
-    failures = _failing(run_checks(ppo, "token-mean"))
+    failures = _failing(run_checks(ppo, "token-mean", update=False))
     assert "actor/loss [micro-batches=2]" in failures
     assert "actor/grad_norm [micro-batches=2]" in failures
     assert "critic/vf_loss [simulated dp=2]" in failures
@@ -198,7 +198,7 @@ def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
 
 def test_catches_attention_leaking_across_packed_sequences(ppo, monkeypatch):
     monkeypatch.setattr(attention_call.AttentionCall, "bounds", lambda self: [0, int(self.cu_seqlens[-1])])
-    failures = _failing(run_checks(ppo))
+    failures = _failing(run_checks(ppo, update=False))
     assert "actor/grad_max_diff [micro-batches=1]" in failures
     assert "critic/values_mean [micro-batches=1]" in failures
     assert "on-policy: max |ratio - 1| = 0 [micro-batches=1]" in failures
@@ -260,7 +260,7 @@ def _swap_settings(monkeypatch, session, changes):
 def test_catches_swapped_clip_bounds(ppo, monkeypatch):
     _swap_settings(monkeypatch, ppo, changes=lambda s: dict(clip_ratio_low=s.clip_ratio_high,
                                                            clip_ratio_high=s.clip_ratio_low))
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/pg_loss [off-policy: ranks=1]" in failures
     assert "off-policy/actor/grad_max_diff [off-policy: per-sequence]" in failures
     assert "FAIL actor/" not in failures  # on-policy: ratio 1, the bounds never bind
@@ -268,14 +268,14 @@ def test_catches_swapped_clip_bounds(ppo, monkeypatch):
 
 def test_catches_dual_clip_off(ppo, monkeypatch):
     _swap_settings(monkeypatch, ppo, changes=lambda s: dict(clip_ratio_c=None))
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/pg_clipfrac_lower [off-policy: per-sequence]" in failures
     assert "FAIL actor/" not in failures
 
 
 def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
     monkeypatch.setitem(policy._KL, "k3", lambda d, kl_clamp: (torch.exp(d) - d - 1).clamp(-10, 10))  # sign of d
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/kl [off-policy: packed budget=" in failures
     assert "off-policy/actor/kl_loss [off-policy: simulated dp=2]" in failures
 
@@ -286,7 +286,7 @@ def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
     original = packed_loss.chunked_logprobs_entropy
     monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",
                         lambda *a, temperature, **k: original(*a, temperature=1.0, **k))
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/entropy [off-policy: packed budget=" in failures
     assert "FAIL actor/" not in failures  # the configured temperature is 1: the on-policy pass cannot see it
 
@@ -315,7 +315,7 @@ def test_catches_micro_batch_losses_averaged(ppo, monkeypatch):
     from fsdptrain.train import step
 
     monkeypatch.setattr(step, "accumulate_gradients", _buggy_accumulate(lambda plan, norms: 1.0 / plan.num_packs))
-    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False, update=False))
     assert "critic/loss [micro-batches=2]" in failures  # the loss row: the scalar backward ran on
     assert f"critic/loss [packed budget={max(ppo.batch.full.lengths())} (small)]" in failures
     assert "[micro-batches=1]" not in failures and "[ranks=1]" not in failures  # one pack: nothing to average
@@ -325,7 +325,7 @@ def test_catches_the_dp_factor_applied_twice(ppo, monkeypatch):
     from fsdptrain.train import step
 
     monkeypatch.setattr(step, "accumulate_gradients", _buggy_accumulate(lambda plan, norms: norms.dp_size))
-    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False, update=False))
     assert "critic/loss [simulated dp=2]" in failures and "actor/grad_norm [simulated dp=2]" in failures
     assert "[micro-batches=2]" not in failures  # dp size 1 elsewhere on one rank
 
@@ -340,7 +340,7 @@ def test_catches_gae_skipping_the_last_token(ppo, monkeypatch):
         return original(rewards, values, mask & ~last, gamma=gamma, lam=lam)  # the loop never visits the last
 
     monkeypatch.setattr(adv_estimators, "gae", skipping)
-    report = run_checks(ppo, off_policy=False)
+    report = run_checks(ppo, off_policy=False, update=False)
     failed = {k.rule for k in report.checks if not k.passed}
     assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
 
@@ -350,7 +350,7 @@ def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
 
     original = adv_estimators.gae
     monkeypatch.setattr(adv_estimators, "gae", lambda r, v, m, *, gamma, lam: original(r, v, m, gamma=lam, lam=gamma))
-    report = run_checks(ppo, off_policy=False)
+    report = run_checks(ppo, off_policy=False, update=False)
     failed = {k.rule for k in report.checks if not k.passed}
     assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
 
