@@ -19,7 +19,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from fsdptrain.check.batch import CheckSession, build_session
+from fsdptrain.check.batch import CheckBatch, CheckSession, build_session
 from fsdptrain.check.compare import (
     Check,
     Comparison,
@@ -42,8 +42,8 @@ from fsdptrain.check.draft_check import (
 from fsdptrain.check.layouts import (
     CLIP_PROBE,
     Context,
-    clip_coefficient,
     Part,
+    clip_coefficient,
     grad_max_abs,
     grad_max_diff,
     grad_norm,
@@ -61,7 +61,6 @@ from fsdptrain.check.passes import (
     off_policy_settings,
     off_policy_value_settings,
 )
-from fsdptrain.check.update_pass import update_pass
 from fsdptrain.check.reference import (
     Counts,
     reference_critic,
@@ -70,6 +69,7 @@ from fsdptrain.check.reference import (
     reference_policy,
     reference_rollout_metrics,
 )
+from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
@@ -245,7 +245,7 @@ IS_DIFF = "experience/is_weights_max_diff"
 UPDATE = "update/"
 
 
-def _correction_outcome(batch) -> tuple[dict[str, float], Outcome, dict[str, float]]:
+def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, dict[str, float]]:
     """The rollout-correction weights and ``experience/rollout_is_*`` that the product made for the batch (in
     ``make_targets``, metrics reduced over the ranks as the step logs them) against :func:`reference_is_weights` and
     :func:`reference_is_metrics` from the definitions: the reference's values, the product's outcome, the scales."""

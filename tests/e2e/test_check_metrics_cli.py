@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from fsdptrain.rl.aggregate import AGG_MODES
 
 FAST_ENV = {"OMP_NUM_THREADS": "1"}
+REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
 
 
 def _env(**extra: str) -> dict:
@@ -181,50 +183,15 @@ def test_a_drafter_metric_over_unscored_positions_fails(cli, tmp_path):
 # - the loss normaliser counted over the whole step instead of the mini-batch (TRL #6024);
 # - a sequence's importance weight from the mean of its token log-ratios instead of their sum (TRL #5814).
 THREE_BUGS = """\
-import torch
-from torch.distributed.tensor import DTensor
-import fsdptrain.train.experience as experience
-import fsdptrain.train.loop as loop
-import fsdptrain.train.optim as optim
-import fsdptrain.train.step as step
+from tests.planted_bugs import (
+    plant_grad_norm_over_local_shards,
+    plant_normaliser_over_the_whole_step,
+    plant_sequence_weight_from_mean_log_ratio,
+)
 
-
-@torch.no_grad()
-def clip_by_local_shards(parameters, max_norm):
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([g.to_local() if isinstance(g, DTensor) else g for g in grads]).float()
-    if max_norm is not None and max_norm > 0 and max_norm / (float(norm) + 1e-6) < 1:
-        for g in grads:
-            g.mul_(max_norm / (float(norm) + 1e-6))
-    return norm
-
-
-optim.clip_grad_norm_ = step.clip_grad_norm_ = clip_by_local_shards
-
-whole, update, normalizers = [], loop.Trainer.update, step.global_normalizers
-
-
-def update_whole(self, batches, on_policy):
-    whole.append(step.MiniBatch([p for b in batches for p in b.prompts], [r for b in batches for r in b.responses],
-                                [t for b in batches for t in b.targets]))
-    try:
-        return update(self, batches, on_policy)
-    finally:
-        whole.clear()
-
-
-loop.Trainer.update = update_whole
-step.global_normalizers = lambda batch, **kw: normalizers(whole[0] if whole else batch, **kw)
-weights = experience.rollout_correction_weights
-
-
-def mean_not_sum(old, behaviour, mask, *, mode, level, cap, cu_seqlens=None):
-    num_tokens = mask.sum(-1, keepdim=True).clamp(min=1)
-    return weights(old, old - (old - behaviour) / num_tokens, mask, mode=mode, level=level, cap=cap,
-                   cu_seqlens=cu_seqlens)
-
-
-experience.rollout_correction_weights = mean_not_sum
+plant_grad_norm_over_local_shards()
+plant_normaliser_over_the_whole_step()
+plant_sequence_weight_from_mean_log_ratio()
 """
 SEQUENCE_TIS = ("algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence")
 
@@ -234,7 +201,7 @@ def test_three_planted_bugs_fail_with_clean_rows(cli, tmp_path, nproc):
     patch_dir = tmp_path / "patch"
     patch_dir.mkdir()
     (patch_dir / "sitecustomize.py").write_text(THREE_BUGS)
-    pythonpath = os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])
+    pythonpath = os.pathsep.join([str(patch_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     result = cli("check-metrics", "--nproc", nproc, *SEQUENCE_TIS, env=_env(PYTHONPATH=pythonpath), timeout=400)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr

@@ -23,6 +23,7 @@ from fsdptrain.model import attention_call
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
+from tests.planted_bugs import plant_normaliser_over_the_whole_step, plant_sequence_weight_from_mean_log_ratio
 
 # ---- the rules, by hand --------------------------------------------------------------------------------------------
 
@@ -382,21 +383,7 @@ def test_update_pass_runs_several_mini_batches_and_epochs_and_leaves_the_weights
 
 
 def test_catches_a_normaliser_over_the_whole_step_instead_of_the_mini_batch(ppo, monkeypatch):
-    from fsdptrain.train import loop, step
-
-    whole = []
-    update, normalizers = loop.Trainer.update, step.global_normalizers
-
-    def update_whole(self, batches, on_policy):
-        whole.append(step.MiniBatch([p for b in batches for p in b.prompts], [r for b in batches for r in b.responses],
-                                    [t for b in batches for t in b.targets]))
-        try:
-            return update(self, batches, on_policy)
-        finally:
-            whole.clear()
-
-    monkeypatch.setattr(loop.Trainer, "update", update_whole)
-    monkeypatch.setattr(step, "global_normalizers", lambda batch, **kw: normalizers(whole[0] if whole else batch, **kw))
+    plant_normaliser_over_the_whole_step(monkeypatch.setattr)
     failures = _failing(run_checks(ppo, off_policy=False, experience=False))
     for name in ("loss/global_num_tokens", "actor/pg_loss", "critic/vf_loss"):
         assert f"update/{name} [mini-batches=2 x epochs=2]" in failures
@@ -435,17 +422,7 @@ def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides
 
 
 def test_catches_a_sequence_weight_from_the_mean_of_token_log_ratios(monkeypatch):
-    from fsdptrain.train import experience
-
-    original = experience.rollout_correction_weights
-
-    def mean_not_sum(old, behaviour, mask, *, mode, level, cap, cu_seqlens=None):
-        # the bug: log w_i = mean over i's tokens of (old - behaviour), the geometric mean, not the product
-        num_tokens = mask.sum(-1, keepdim=True).clamp(min=1)
-        return original(old, old - (old - behaviour) / num_tokens, mask, mode=mode, level=level, cap=cap,
-                        cu_seqlens=cu_seqlens)
-
-    monkeypatch.setattr(experience, "rollout_correction_weights", mean_not_sum)
+    plant_sequence_weight_from_mean_log_ratio(monkeypatch.setattr)
     session = _session("algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence")
     failures = _failing(run_checks(session, off_policy=False, experience=False, update=False))
     assert "experience/is_weights_max_diff [experience]" in failures
