@@ -32,7 +32,9 @@ def test_nproc_1_passes_and_writes_json(cli, tmp_path):
                    "simulated dp=2", "ranks=1"):
         assert any(name.startswith(prefix) for name in layouts), (prefix, layouts)
     assert any(name.endswith("(one sequence each)") for name in layouts), layouts
-    for layout in layouts:
+    update = report["layouts"].pop("mini-batches=2 x epochs=2")  # the update pass: rows of its own (update/*)
+    assert update["update/actor/pg_loss"]["pass"] is True and update["update/loss/global_num_tokens"]["pass"] is True
+    for layout in [name for name in layouts if name in report["layouts"]]:
         prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
         for name in ("actor/loss", "actor/grad_norm", "actor/probs_ratio_min", "critic/values_max",
                      "critic/vf_loss"):
@@ -148,7 +150,8 @@ def test_drafter_rows_pass_in_every_layout(cli, tmp_path, nproc):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["ok"] is True
-    on_policy = [name for name in report["layouts_run"] if not name.startswith("off-policy: ")]
+    on_policy = [name for name in report["layouts_run"]
+                 if not name.startswith("off-policy: ") and " x epochs=" not in name]  # not the update pass
     assert len(on_policy) >= 8
     for layout in on_policy:
         for name in DRAFTER_ROWS:
