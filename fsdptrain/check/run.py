@@ -3,16 +3,17 @@
 On every rank: build the models and one mini-batch of experience as ``fsdptrain train`` does
 (:mod:`fsdptrain.check.batch`), run the reference (:mod:`fsdptrain.check.reference`) and every layout
 (:mod:`fsdptrain.check.layouts`) forward and backward with no optimiser step, for the policy and the critic, and
-compare the loss, the gradient (global norm, largest entry difference) and every non-DIAGNOSTIC metric
-(:mod:`fsdptrain.check.compare`). Rank 0 prints the table, the gradient-scale report and the failures, and writes
-``--json``. Exit code 0 when everything passes, 1 when anything fails (docs/check-metrics.md).
+compare the loss, the gradient (the trainer's logged norm and clip, largest entry difference) and every
+non-DIAGNOSTIC metric (:mod:`fsdptrain.check.compare`); then the off-policy pass and the experience checks
+(:mod:`fsdptrain.check.passes`), the rollout-correction weights, the update over several mini-batches and epochs
+(:mod:`fsdptrain.check.update_pass`) and the drafter. Rank 0 prints the report (:mod:`fsdptrain.check.report`) and
+writes ``--json``. Exit code 0 when everything passes, 1 when anything fails (docs/check-metrics.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -26,11 +27,8 @@ from fsdptrain.check.compare import (
     Outcome,
     compare,
     describe_error,
-    failure_lines,
     raised,
-    rows,
     self_checks,
-    to_json,
 )
 from fsdptrain.check.draft_check import PREFIX as DRAFTER
 from fsdptrain.check.draft_check import (
@@ -69,6 +67,7 @@ from fsdptrain.check.reference import (
     reference_policy,
     reference_rollout_metrics,
 )
+from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
@@ -82,43 +81,6 @@ from fsdptrain.train.setup import resolve_device_type
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"
 
-
-@dataclass
-class GradScale:
-    """The configured mode's report and, per model, the measured gradient norms under it and under token-mean."""
-
-    report: GradScaleReport
-    measured: dict[str, tuple[float, float]] = field(default_factory=dict)  # prefix -> (mode's norm, token-mean's)
-
-
-@dataclass
-class CheckReport:
-    mode: str
-    layouts: list[str]
-    reference: Outcome
-    comparisons: list[Comparison]
-    checks: list[Check]
-    grad_scale: GradScale
-    notes: list[str]
-
-    @property
-    def failures(self) -> list[str]:
-        return failure_lines(self.comparisons, self.checks)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def to_json(self) -> dict:
-        gs = self.grad_scale
-        return {
-            "ok": self.ok, "agg_mode": self.mode, "layouts_run": self.layouts, "notes": self.notes,
-            "reference": self.reference.values, **to_json(self.comparisons, self.checks),
-            "grad_scale": {"expected_scale": gs.report.scale, "description": gs.report.describe(),
-                           "measured": {p: {"grad_norm": a, "token_mean_grad_norm": b}
-                                        for p, (a, b) in gs.measured.items()}},
-            "failures": self.failures,
-        }
 
 
 def parts_of(session: CheckSession, mode: str) -> list[Part]:
@@ -240,7 +202,6 @@ def _notes(parts: list[Part], reference: Outcome, on_policy: bool) -> list[str]:
     return notes
 
 
-OFF = "off-policy/"
 IS_DIFF = "experience/is_weights_max_diff"
 UPDATE = "update/"
 
@@ -340,6 +301,29 @@ class Found:
             self.comparisons.append(raised(f"({name} raised)", name, error))
 
 
+def _correction_stage(found: Found, batch: CheckBatch, tol: dict) -> None:
+    """The rollout-correction weights and metrics against the reference's (:func:`_correction_outcome`)."""
+    want, got, is_scales = _correction_outcome(batch)
+    found.reference.values.update(want)
+    found.comparisons += compare(found.reference, got, scales=is_scales, **tol)
+    if batch.planted_behaviour:
+        found.notes.append("the rollouts carry no behaviour log-probs: the check gave them old + U(-1, 1) (seeded), "
+                           "so the importance weights are not all 1; the old log-probs stay the policy's own")
+
+
+def _update_stage(found: Found, session: CheckSession, tol: dict) -> None:
+    """The update pass (:mod:`fsdptrain.check.update_pass`); its rows carry the ``update/`` prefix."""
+    want, got, scales = update_pass(session, session.update)
+    prefixed = Outcome(got.layout, {UPDATE + k: v for k, v in got.values.items()},
+                       {UPDATE + k: v for k, v in got.kinds.items()}, covers=(UPDATE,))
+    want = {UPDATE + k: v for k, v in want.items()}
+    found.reference.values.update(want)
+    found.comparisons += compare(Outcome("reference", want, covers=()), prefixed,
+                                 scales={UPDATE + k: v for k, v in scales.items()}, **tol)
+    if not session.update.configured:
+        found.notes.append(f"the update pass ran {session.update.layout} (you configured 1 and 1)")
+
+
 def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_policy: bool = True,
                experience: bool = True, update: bool = True) -> CheckReport:
     """Reference, every layout and the comparisons for ``agg_mode`` (default: the configured one), then the
@@ -386,16 +370,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
         found.stage("off-policy", off)
         names += ["off-policy: " + name for name in names]
     if batch.correction is not None:
-        def correction() -> None:
-            want, got, is_scales = _correction_outcome(batch)
-            found.reference.values.update(want)
-            found.comparisons += compare(found.reference, got, scales=is_scales, **tol)
-            if batch.planted_behaviour:
-                found.notes.append("the rollouts carry no behaviour log-probs: the check gave them old + U(-1, 1) "
-                                   "(seeded), so the importance weights are not all 1; the old log-probs stay the "
-                                   "policy's own")
-
-        found.stage("experience", correction)
+        found.stage("experience", lambda: _correction_stage(found, batch, tol))
     if experience:
         def experience_stage() -> None:
             experience_found, note = experience_checks(session, **tol)
@@ -404,18 +379,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
 
         found.stage("experience", experience_stage)
     if update and session.update is not None and mode == cfg.loss.agg_mode:
-        def update_stage() -> None:
-            want, got, scales = update_pass(session, session.update)
-            prefixed = Outcome(got.layout, {UPDATE + k: v for k, v in got.values.items()},
-                               {UPDATE + k: v for k, v in got.kinds.items()}, covers=(UPDATE,))
-            want = {UPDATE + k: v for k, v in want.items()}
-            found.reference.values.update(want)
-            found.comparisons += compare(Outcome("reference", want, covers=()), prefixed,
-                                         scales={UPDATE + k: v for k, v in scales.items()}, **tol)
-            if not session.update.configured:
-                found.notes.append(f"the update pass ran {session.update.layout} (you configured 1 and 1)")
-
-        found.stage("update", update_stage)
+        found.stage("update", lambda: _update_stage(found, session, tol))
         names.append(session.update.layout)
     if len(every_part) > len(parts):
         def drafter() -> None:
@@ -427,71 +391,6 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
         found.stage("drafter", drafter)
     return CheckReport(mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)
 
-
-# ---- output -------------------------------------------------------------------------------------------------------
-
-
-def _fmt(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.6g}"
-
-
-def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
-    """The table, the self-checks, the gradient-scale report and the verdict (rank 0)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=file or sys.stdout, width=160)
-    cfg, batch = session.cfg, session.batch
-    num_real = batch.full.num_seqs - int(batch.has_fixture)
-    console.print(
-        f"check-metrics: {cfg.algorithm.name}, loss.agg_mode={report.mode}, {num_real} sequences "
-        f"({sum(len(r) for r in batch.full.responses)} response tokens) from {cfg.rollout.prompts_per_step} prompt "
-        f"group(s) on {session.world_size} rank(s); rtol={cfg.check.rtol:g}, atol={cfg.check.atol:g}")
-    fixtures = []
-    if batch.has_fixture:
-        fixtures.append("+1 prompt-only sequence (no response token)")
-    if batch.value_shift is not None:
-        fixtures.append(f"critic outputs shifted by {batch.value_shift:.4g} (every value < 0)")
-    if fixtures:
-        console.print("fixtures: " + "; ".join(fixtures))
-    console.print("layouts: " + ", ".join(report.layouts) + ", token-mean (gradient scale)")
-    table = Table(title=f"check-metrics: every layout against the reference ({report.mode})")
-    for column, justify in (("metric", "left"), ("reference", "right"), ("worst layout", "left"),
-                            ("max |diff|", "right"), ("max rel diff", "right"), ("result", "center")):
-        table.add_column(column, justify=justify)
-    for row in rows(report.comparisons, report.reference):
-        result = "[green]PASS[/green]" if row.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(row.metric, _fmt(row.reference), row.worst.layout, _fmt(row.worst.abs_diff),
-                      _fmt(row.worst.rel_diff), result)
-    console.print(table)
-    failed_checks = [k for k in report.checks if not k.passed]
-    console.print(f"self-consistency and on-policy checks: {len(report.checks) - len(failed_checks)} of "
-                  f"{len(report.checks)} pass (min <= mean <= max, fractions in [0, 1], counts whole"
-                  f"{', ratio 1 and clip fraction 0 on this first mini-batch' if batch.on_policy else ''})")
-    console.print("normalisation: " + report.grad_scale.report.describe(), highlight=False)
-    for prefix, (norm, token_mean) in report.grad_scale.measured.items():
-        line = f"measured {prefix.rstrip('/')} gradient norm: {norm:.6g} under {report.mode}"
-        if report.mode != "token-mean":
-            ratio = f"{norm / token_mean:.6g}x" if token_mean > 0 else "ratio undefined"
-            line += f", {token_mean:.6g} under token-mean on the same batch ({ratio} token-mean's)"
-        console.print(line, highlight=False)
-    bite = [(name, report.reference.values.get(OFF + name)) for name in
-            ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl", "critic/vf_clipfrac")]
-    if any(v is not None for _, v in bite):
-        console.print("off-policy pass (perturbed old/ref log-probs and values, importance weights, temperature "
-                      f"{off_policy_settings(session.trainer.policy_settings).temperature:g}): "
-                      + ", ".join(f"{n} {v:.3g}" for n, v in bite if v is not None)
-                      + " on the reference: the clip, dual-clip and KL paths bit on these shares", highlight=False)
-    for note in report.notes:
-        console.print("note: " + note, highlight=False)
-    failures = report.failures
-    for line in failures:
-        console.print(line, style="red", highlight=False, markup=False)
-    if failures:
-        console.print(f"check-metrics: FAIL ({len(failures)} failure(s))", style="bold red")
-    else:
-        console.print(f"check-metrics: PASS ({len(report.comparisons)} comparisons, {len(report.checks)} checks)",
-                      style="bold green")
 
 
 def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
