@@ -7,7 +7,7 @@
   switch those paths on: asymmetric clip (clip_ratio_high + 0.08 when the bounds are equal), dual-clip (3.0 when off,
   vanilla loss), the KL loss (the configured estimator and clamp, coefficient at least 0.001), importance weights
   (the configured correction, else tis per token with cap 2) and a sampling temperature of 0.7 when 1 is configured.
-- The **experience checks**: the batch's advantages and returns against :mod:`fsdptrain.check.experience_oracle`,
+- The **experience checks**: the batch's advantages and returns against :mod:`fsdptrain.check.experience_reference`,
   then the product's estimator rerun on the real ranks with gamma = 0.9, lambda = 0.8 (so a swap shows) against the
   oracle with those settings.
 """
@@ -21,7 +21,7 @@ import torch
 
 from fsdptrain.check.batch import CheckBatch, CheckSession, IsCorrection
 from fsdptrain.check.compare import Check
-from fsdptrain.check.experience_oracle import OracleSettings, SeqInputs, max_difference, oracle_experience
+from fsdptrain.check.experience_reference import OracleSettings, SeqInputs, max_difference, oracle_experience
 from fsdptrain.distributed import world
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
 from fsdptrain.train.experience import estimate_advantages

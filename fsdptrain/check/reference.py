@@ -3,7 +3,7 @@
 Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-batch, back to back.
 
 Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
-:func:`~fsdptrain.check.oracles.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
+:func:`~fsdptrain.check.per_sequence.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
 the contract of docs/loss.md with the batch's own counts N (response tokens) and S (sequences with a response
 token), then backward, one sequence at a time:
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from fsdptrain.check.batch import IsCorrection, RolloutFacts
-from fsdptrain.check.oracles import reference_policy_outputs, reference_values
+from fsdptrain.check.per_sequence import reference_policy_outputs, reference_values
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.rl.pg_losses import PolicyLossSettings as PgSettings

@@ -52,7 +52,7 @@ from fsdptrain.check.layouts import (
     token_mean_grad_norm,
     trainer_clip,
 )
-from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss
+from fsdptrain.check.per_sequence import per_sequence_policy_loss, per_sequence_value_loss
 from fsdptrain.check.passes import (
     experience_checks,
     off_policy_batch,

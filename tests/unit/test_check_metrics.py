@@ -409,7 +409,7 @@ def test_a_raising_layout_is_a_fail_row_and_the_others_still_run(ppo, monkeypatc
                                        ("algorithm.rollout_correction=mis",
                                         "algorithm.rollout_correction_level=sequence")], ids=["tis-token", "mis-seq"])
 def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides):
-    # Before: TypeError in check/oracles.py, the prompt-only fixture had no weights.
+    # Before: TypeError in check/per_sequence.py, the prompt-only fixture had no weights.
     session = _session(*overrides)
     report = run_checks(session, off_policy=False, experience=False)
     assert report.ok, "\n".join(report.failures)
