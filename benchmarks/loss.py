@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from fsdptrain.check.oracles import per_sequence_policy_loss
+from fsdptrain.check.per_sequence import per_sequence_policy_loss
 from fsdptrain.config.schema import LossConfig
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers

@@ -35,9 +35,11 @@ from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.packed_loss import SeqTargets
-from fsdptrain.train.step import MiniBatch
+from fsdptrain.rl.metrics import finalize
+from fsdptrain.train.step import MiniBatch, reduce_metrics
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN
+BEHAVIOUR_SEED, BEHAVIOUR_SPREAD = 20_260_127, 1.0  # planted behaviour log-probs: old +- 1 (weights in [0.37, 2.7])
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,15 @@ class RolloutFacts:
     num_prompt_tokens: int
     num_response_tokens: int
     truncated: bool
+
+
+@dataclass(frozen=True)
+class IsCorrection:
+    """The rollout correction the checked batch's importance weights follow: mode (tis, mis), level, cap C."""
+
+    mode: str
+    level: str
+    cap: float
 
 
 @dataclass
@@ -72,11 +83,45 @@ class CheckBatch:
     local_index: list[int]
     """``local``'s sequences as positions in ``full``, in ``local``'s order."""
 
+    behaviour: Optional[list[torch.Tensor]] = None
+    """With a rollout correction: the behaviour log-probs each of ``full``'s sequences' weights came from (its old
+    log-probs when the rollout carried none); None without one. ``correction`` says how they were made."""
+    correction: Optional[IsCorrection] = None
+    experience: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The step's experience metrics as ``fsdptrain train`` logs them (``experience/rollout_is_*``, rank-reduced)."""
+    planted_behaviour: bool = False
+    """True when the check gave the rollouts behaviour log-probs (old + seeded noise) so the weights are not 1."""
+
     def with_targets(self, targets: list) -> "CheckBatch":
         """The same batch with ``full``'s targets replaced (``local``'s follow through ``local_index``)."""
         full = MiniBatch(self.full.prompts, self.full.responses, list(targets))
         local = MiniBatch(self.local.prompts, self.local.responses, [targets[i] for i in self.local_index])
         return dataclasses.replace(self, full=full, local=local)
+
+
+@dataclass(frozen=True)
+class UpdateShape:
+    """Mini-batches per step and epochs of the checked update, and whether they are the configured ones."""
+
+    mini_batches: int
+    epochs: int
+    configured: bool
+
+    @property
+    def layout(self) -> str:
+        return f"mini-batches={self.mini_batches} x epochs={self.epochs}"
+
+
+def update_shape(cfg: DictConfig, num_prompts: int) -> UpdateShape:
+    """The configured mini-batches and epochs when either is above 1, else 2 and 2 (the battery), with the
+    mini-batch count lowered to a divisor of the checked ``num_prompts`` prompt groups when needed."""
+    mini_batches, epochs = cfg.trainer.mini_batches_per_step, cfg.algorithm.ppo_epochs
+    configured = mini_batches > 1 or epochs > 1
+    mini_batches = mini_batches if configured else 2
+    epochs = epochs if configured else 2
+    while mini_batches > 1 and num_prompts % mini_batches:
+        mini_batches -= 1
+    return UpdateShape(mini_batches, epochs, configured)
 
 
 @dataclass
@@ -86,6 +131,8 @@ class CheckSession:
     cfg: DictConfig
     trainer: Trainer
     batch: CheckBatch
+    update: Optional[UpdateShape] = None
+    """The mini-batches and epochs of the update pass (:mod:`fsdptrain.check.update_pass`)."""
 
     @property
     def world_size(self) -> int:
@@ -94,7 +141,8 @@ class CheckSession:
 
 def check_config(cfg: DictConfig, world_size: int) -> DictConfig:
     """A copy of ``cfg`` whose step is the checked mini-batch: ``min(check.num_prompts, prompts_per_step)`` prompt
-    groups and one mini-batch. The caller's config is not modified."""
+    groups and one mini-batch (the update pass takes its mini-batches and epochs from :func:`update_shape`). The
+    caller's config is not modified."""
     num_prompts = min(cfg.check.num_prompts, cfg.rollout.prompts_per_step)
     if num_prompts < world_size:
         raise ConfigError(f"check.num_prompts={cfg.check.num_prompts} must be at least the number of ranks "
@@ -131,7 +179,8 @@ def shift_values_below_zero(trainer: Trainer, rollouts: list[Rollout]) -> Option
 def _fixture(prompt_ids: list[int]) -> tuple[list[int], list[int], SeqTargets]:
     """A prompt-only sequence: a real prompt, no response token, empty targets."""
     empty = torch.zeros(0, dtype=torch.float32)
-    targets = SeqTargets(old_logprobs=empty, advantages=empty, ref_logprobs=empty, old_values=empty, returns=empty)
+    targets = SeqTargets(old_logprobs=empty, advantages=empty, ref_logprobs=empty, old_values=empty, returns=empty,
+                         is_weights=empty)
     return list(prompt_ids), [], targets
 
 
@@ -153,17 +202,29 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
         shift = shift_values_below_zero(trainer, rollouts)
     trainer.skip_old_passes = False  # the oracle compares against recomputed old log-probs and values
     targets, facts = trainer.make_experience(rollouts)
+    alg = trainer.cfg.algorithm
+    correction = (IsCorrection(alg.rollout_correction, alg.rollout_correction_level, alg.rollout_correction_cap)
+                  if alg.rollout_correction != "none" else None)
+    planted = correction is not None and all(r.behaviour_logprobs is None for r in rollouts)
+    if planted:  # weights of exactly 1 would prove nothing: a behaviour policy off by seeded noise, and again
+        rollouts = with_behaviour(rollouts, [t.old_logprobs for t in targets], seed=BEHAVIOUR_SEED + info.rank)
+        targets, facts = trainer.make_experience(rollouts)
+    experience = finalize(reduce_metrics(facts["metrics"])) if facts["metrics"] else {}
     (local,) = trainer.minibatches(rollouts, targets)
-    entries = [((r.group, k), p, resp, t, info.rank, r.reward) for k, (r, p, resp, t) in
-               enumerate(zip(rollouts, local.prompts, local.responses, local.targets))]
+    behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
+                 else t.old_logprobs for r, t in zip(rollouts, targets)]
+    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b) for k, (r, p, resp, t, b) in
+               enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour))]
     gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
     full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
     scores = [float(e[5]) for e in gathered]
     groups = [int(e[0][0]) for e in gathered]
     local_index = sorted((i for i, e in enumerate(gathered) if e[4] == info.rank), key=lambda i: gathered[i][0][1])
+    full_behaviour = [e[6] for e in gathered]
     add_fixture = masked_fixture
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
+        full_behaviour.append(torch.zeros(0, dtype=torch.float32))
         full.prompts.append(prompt)
         full.responses.append(response)
         full.targets.append(target)
@@ -174,9 +235,23 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
             local.targets.append(target)
     mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated) for r in rollouts]
     all_facts = [f for part in _all_gather(mine) for f in part]
-    return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts, on_policy=facts["on_policy"],
-                      value_shift=shift, has_fixture=add_fixture, scores=scores, groups=groups,
-                      local_index=local_index)
+    # Planted behaviour log-probs leave the old ones the trainer's own, so the ratio is still 1 (on-policy).
+    return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts,
+                      on_policy=facts["on_policy"] or planted, value_shift=shift, has_fixture=add_fixture,
+                      scores=scores, groups=groups, local_index=local_index,
+                      behaviour=full_behaviour if correction is not None else None, correction=correction,
+                      experience=experience, planted_behaviour=planted)
+
+
+def with_behaviour(rollouts: list[Rollout], old_R: list[torch.Tensor], *, seed: int) -> list[Rollout]:
+    """The rollouts with behaviour log-probs ``old + U(-BEHAVIOUR_SPREAD, +BEHAVIOUR_SPREAD)`` (seeded): a sampler
+    that drifted from the trained policy, so the rollout-correction weights differ from 1 and some pass the cap."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for rollout, old in zip(rollouts, old_R):
+        noise = (torch.rand(old.shape, generator=gen, dtype=torch.float64) * 2 - 1) * BEHAVIOUR_SPREAD
+        out.append(dataclasses.replace(rollout, behaviour_logprobs=(old.double() + noise).float().tolist()))
+    return out
 
 
 def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
@@ -190,4 +265,5 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
         vocab_size = trainer.models.policy.config.vocab_size
         trainer.start_drafter(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
                                           draft_vocab_size=draft_vocab_size(checked, vocab_size)))
-    return CheckSession(cfg=checked, trainer=trainer, batch=batch)
+    return CheckSession(cfg=checked, trainer=trainer, batch=batch,
+                        update=update_shape(cfg, checked.rollout.prompts_per_step))

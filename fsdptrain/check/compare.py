@@ -6,12 +6,14 @@ A value passes when ``|value - reference| <= atol + rtol * scale``. The scale is
 - ``grad_max_diff`` (the largest difference over every gradient entry; its reference is 0): the largest gradient
   entry of the reference.
 The "rel diff" reported is the difference over that scale. A metric present on one side only fails (an extremum that
-went missing, or a 0.0 that appeared).
+went missing, or a 0.0 that appeared). A layout or stage that raised is one failed row naming the exception
+(:func:`raised`), so a planted bug that crashes a path is reported in the table like any other.
 """
 
 from __future__ import annotations
 
 import math
+import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +32,8 @@ class Outcome:
     kinds: dict[str, Kind] = field(default_factory=dict)
     covers: tuple[str, ...] = ("actor/", "critic/")
     """Name prefixes this layout produces: a reference metric under one of them must be present here too."""
+    error: Optional[str] = None
+    """Set when the layout raised instead of producing numbers (:func:`raised`): it is then one FAIL row."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class Comparison:
     passed: bool
     badness: float
     """abs_diff over the tolerance (inf when one side is missing): what makes a layout the worst."""
+    error: Optional[str] = None
+    """What was raised when this comparison could not run (then it fails)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,22 @@ class Check:
     detail: str
 
 
+def describe_error(error: BaseException) -> str:
+    """One line: the exception, its first message line and where in fsdptrain it was raised."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "fsdptrain" in f.filename]
+    where = ""
+    if frames:
+        path = frames[-1].filename
+        where = f" (at {path[path.rfind('fsdptrain'):]}:{frames[-1].lineno})"
+    message = str(error).strip().splitlines()
+    return f"raised {type(error).__name__}: {message[0] if message else ''}{where}"
+
+
+def raised(stage: str, layout: str, error: BaseException) -> Comparison:
+    """A failed row for a stage or a layout that raised: check-metrics reports a bug, it does not crash on it."""
+    return Comparison(stage, layout, None, None, None, None, False, math.inf, error=describe_error(error))
+
+
 def _covered(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name.startswith(p) for p in prefixes)
 
@@ -63,6 +85,8 @@ def _covered(name: str, prefixes: tuple[str, ...]) -> bool:
 def compare(reference: Outcome, outcome: Outcome, *, rtol: float, atol: float, scales: dict[str, float],
             skip: frozenset[str] = frozenset()) -> list[Comparison]:
     """Every metric of ``outcome`` (and every reference metric it covers) against the reference."""
+    if outcome.error is not None:
+        return [Comparison("(raised)", outcome.layout, None, None, None, None, False, math.inf, error=outcome.error)]
     names = {n for n in reference.values if _covered(n, outcome.covers)} | set(outcome.values)
     out = []
     for name in sorted(names - skip):
@@ -141,7 +165,9 @@ def failure_lines(comparisons: list[Comparison], checks: list[Check]) -> list[st
     for c in comparisons:
         if c.passed:
             continue
-        if c.reference is None or c.value is None:
+        if c.error is not None:
+            out.append(f"FAIL {c.metric} [{c.layout}]: {c.error}")
+        elif c.reference is None or c.value is None:
             side = "the reference" if c.reference is None else "this layout"
             out.append(f"FAIL {c.metric} [{c.layout}]: absent in {side} (reference {c.reference}, value {c.value})")
         else:
@@ -162,9 +188,9 @@ def to_json(comparisons: list[Comparison], checks: list[Check]) -> dict:
     """Per layout and metric: reference, value, abs_diff, rel_diff, pass; then the checks."""
     layouts: dict[str, dict] = {}
     for c in comparisons:
-        layouts.setdefault(c.layout, {})[c.metric] = {
-            "reference": _number(c.reference), "value": _number(c.value), "abs_diff": _number(c.abs_diff),
-            "rel_diff": _number(c.rel_diff), "pass": c.passed}
+        entry = {"reference": _number(c.reference), "value": _number(c.value), "abs_diff": _number(c.abs_diff),
+                 "rel_diff": _number(c.rel_diff), "pass": c.passed}
+        layouts.setdefault(c.layout, {})[c.metric] = entry if c.error is None else {**entry, "error": c.error}
     return {"layouts": layouts,
             "checks": [{"rule": k.rule, "layout": k.layout, "value": _number(k.value), "pass": k.passed,
                         "detail": k.detail} for k in checks]}

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fsdptrain.check.draft_oracle import per_sequence_draft_loss, reference_draft_outputs, sequence_draft_mask
+from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss, reference_draft_outputs, sequence_draft_mask
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.model.drafter import build_draft_vocab

@@ -200,21 +200,23 @@ def forced_packs(plan: PackPlan) -> Callable[[Part, Context], Run]:
 
 
 def simulated_dp(part: Part, ctx: Context) -> Run:
-    """N shards in this process, each as one data-parallel rank would run it; FSDP's gradient mean done by hand."""
+    """N shards in this process, each as one data-parallel rank would run it; FSDP's gradient mean done by hand: the
+    shards' gradients accumulate in the model, then are divided by N, so the model holds the mean (for the clip)."""
     num_shards = ctx.simulated_dp
     norms = dataclasses.replace(ctx.norms, dp_size=num_shards)
-    losses, shard_metrics, grads = [], [], None
+    losses, shard_metrics = [], []
+    _fresh(part)
     for shard in range(num_shards):
         batch = _sub_batch(ctx.full, [i for i in range(ctx.full.num_seqs) if i % num_shards == shard])
         plan = plan_packs(batch.lengths(), ctx.token_budget)  # no sequence: one empty pack, as on a real rank
-        _fresh(part)
         loss, metrics = run_packs(part, batch, plan, norms, ctx)
         losses.append(loss)
         shard_metrics.append(metrics)
-        shard_grads = gather_full_grads(part.model)
-        grads = shard_grads if grads is None else {k: grads[k] + shard_grads[k] for k in grads}
-    grads = {k: g / num_shards for k, g in grads.items()}
-    return Run(sum(losses) / num_shards, reduce_like_ranks(shard_metrics), grads)
+    with torch.no_grad():
+        for param in part.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(num_shards)
+    return Run(sum(losses) / num_shards, reduce_like_ranks(shard_metrics), gather_full_grads(part.model))
 
 
 def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
@@ -265,6 +267,26 @@ def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
 def _one_each(lengths: list[int]) -> PackPlan:
     budget = max(lengths)
     return PackPlan([[i] for i in range(len(lengths))], list(lengths), [n / budget for n in lengths], budget)
+
+
+CLIP_PROBE = 0.5
+"""The clip threshold of the clip rows, as a share of the reference's gradient norm: the clip binds in every layout."""
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor torch-style clipping applies to every gradient entry: min(1, max_norm / (norm + 1e-6)); 1 when
+    ``max_norm`` is not positive (no clipping)."""
+    return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+
+
+def trainer_clip(part: Part, pre_clip: Grads, max_norm: float) -> tuple[float, float]:
+    """The trainer's own clip-and-norm path (``clip_grad_norm_`` as the train step calls it, looked up on its module)
+    on the gradient the layout left in the (sharded) model: the norm it returns, which ``*/grad_norm`` logs, and the
+    coefficient it applied, measured as the gathered clipped norm over the gathered ``pre_clip`` norm. Collective."""
+    before = grad_norm(pre_clip)  # first: on one process the gathered gradient may be the model's own tensor
+    logged = float(step.clip_grad_norm_(part.model.parameters(), max_norm))
+    after = grad_norm(gather_full_grads(part.model))
+    return logged, (after / before if before > 0 else 1.0)
 
 
 def grad_norm(grads: Grads) -> float:

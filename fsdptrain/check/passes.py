@@ -7,7 +7,7 @@
   switch those paths on: asymmetric clip (clip_ratio_high + 0.08 when the bounds are equal), dual-clip (3.0 when off,
   vanilla loss), the KL loss (the configured estimator and clamp, coefficient at least 0.001), importance weights
   (the configured correction, else tis per token with cap 2) and a sampling temperature of 0.7 when 1 is configured.
-- The **experience checks**: the batch's advantages and returns against :mod:`fsdptrain.check.experience_oracle`,
+- The **experience checks**: the batch's advantages and returns against :mod:`fsdptrain.check.experience_reference`,
   then the product's estimator rerun on the real ranks with gamma = 0.9, lambda = 0.8 (so a swap shows) against the
   oracle with those settings.
 """
@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from fsdptrain.check.batch import CheckBatch, CheckSession
+from fsdptrain.check.batch import CheckBatch, CheckSession, IsCorrection
 from fsdptrain.check.compare import Check
-from fsdptrain.check.experience_oracle import OracleSettings, SeqInputs, max_difference, oracle_experience
+from fsdptrain.check.experience_reference import OracleSettings, SeqInputs, max_difference, oracle_experience
 from fsdptrain.distributed import world
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
 from fsdptrain.train.experience import estimate_advantages
@@ -41,9 +41,10 @@ def _noise(gen: torch.Generator, like: torch.Tensor, spread: float) -> torch.Ten
 
 def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: float) -> CheckBatch:
     """The batch with seeded perturbations of every sequence's targets (the same on every rank: drawn in ``full``'s
-    order) and rollout-correction weights."""
+    order) and rollout-correction weights made by the product's ``rollout_correction_weights`` (what the layouts
+    use); the behaviour log-probs ride along, for the reference to make its own weights from their definitions."""
     gen = torch.Generator().manual_seed(OFF_POLICY_SEED)
-    targets = []
+    targets, behaviours = [], []
     for t in batch.full.targets:
         old = t.old_logprobs + _noise(gen, t.old_logprobs, OLD_SPREAD)
         ref = (t.ref_logprobs if t.ref_logprobs is not None else t.old_logprobs) + _noise(gen, old, REF_SPREAD)
@@ -53,7 +54,9 @@ def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: flo
         values = None if t.old_values is None else t.old_values + _noise(gen, t.old_values, VALUE_SPREAD)
         targets.append(dataclasses.replace(t, old_logprobs=old, ref_logprobs=ref, old_values=values,
                                            is_weights=weights[0]))
-    return batch.with_targets(targets)
+        behaviours.append(behaviour)
+    return dataclasses.replace(batch.with_targets(targets), behaviour=behaviours,
+                               correction=IsCorrection(correction, level, cap))
 
 
 def off_policy_settings(policy: PolicyLossSettings) -> PolicyLossSettings:

@@ -3,7 +3,7 @@
 Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-batch, back to back.
 
 Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
-:func:`~fsdptrain.check.oracles.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
+:func:`~fsdptrain.check.per_sequence.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
 the contract of docs/loss.md with the batch's own counts N (response tokens) and S (sequences with a response
 token), then backward, one sequence at a time:
 
@@ -16,19 +16,21 @@ token-weighted mean a plain sum over a count, the explained variance from the wh
 The per-token formulas (PPO clip, dual clip, GSPO ratio, the KL estimators, clipped value error) are written here
 from their definitions; the entropy is reused from ``fsdptrain.rl.policy``. A policy loss other than vanilla PPO (a
 built-in or a user's) runs its own per-token function on each sequence alone, its metrics merged over sequences;
-the rollout-correction weights multiply the per-token pg term.
+the rollout-correction weights, written here from their definitions (:func:`reference_is_weights`), multiply the
+per-token pg term.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from fsdptrain.check.batch import RolloutFacts
-from fsdptrain.check.oracles import reference_policy_outputs, reference_values
+from fsdptrain.check.batch import IsCorrection, RolloutFacts
+from fsdptrain.check.per_sequence import reference_policy_outputs, reference_values
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import finalize, merge_all
@@ -71,6 +73,41 @@ def seq_share(x_R: Tensor, mode: str, counts: Counts) -> Tensor:
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
+def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorrection) -> tuple[Tensor, Tensor]:
+    """One sequence's importance weights from their definitions, in float64: ``(applied w'_R, raw w)``.
+
+    Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[R]``. Sequence level:
+    w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token. tis: w' = min(w, C);
+    mis: w' = w if w <= C else 0. No clamp, no log-space decision: the definitions, not the product's
+    ``rollout_correction_weights``.
+    """
+    ratios = [math.exp(o - b) for o, b in zip(old_R.double().tolist(), behaviour_R.double().tolist())]
+    ratios_R = torch.tensor(ratios, dtype=torch.float64)
+    raw = ratios_R if correction.level == "token" else torch.prod(ratios_R).reshape(1)
+    cap = torch.tensor(correction.cap, dtype=torch.float64)
+    applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(raw <= cap, raw, 0.0)
+    return (applied if correction.level == "token" else applied.expand(len(ratios))), raw
+
+
+def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
+                         correction: IsCorrection) -> dict[str, float]:
+    """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (tokens at token
+    level, sequences with a response token at sequence level): the plain mean and max of the applied weights, the
+    max of the raw ones and the share of raw weights above C."""
+    raw_U, applied_U = [], []
+    for old_R, behaviour_R in zip(olds, behaviours):
+        if old_R.numel() == 0:
+            continue
+        applied, raw = reference_is_weights(old_R, behaviour_R, correction)
+        raw_U.append(raw)
+        applied_U.append(applied if correction.level == "token" else applied[:1])
+    raw, applied = torch.cat(raw_U), torch.cat(applied_U)
+    return {"experience/rollout_is_mean": float(applied.sum() / applied.numel()),
+            "experience/rollout_is_max": float(applied.max()),
+            "experience/rollout_is_ratio_max": float(raw.max()),
+            "experience/rollout_is_capped_frac": float((raw > correction.cap).sum() / raw.numel())}
+
+
 def _stats(values_A: Tensor, prefix: str, *, mean: bool = True, extrema: bool = False) -> dict[str, float]:
     """Plain mean (sum / count) and extrema over every valid token; absent when there is none."""
     out: dict[str, float] = {}
@@ -89,18 +126,23 @@ def _cat(parts: Sequence[Tensor]) -> Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in parts]) if parts else torch.zeros(0)
 
 
-def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings,
-                     counts: Counts) -> tuple[float, dict, dict]:
+def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, counts: Counts, *,
+                     behaviour: Optional[Sequence[Tensor]] = None,
+                     correction: Optional[IsCorrection] = None) -> tuple[float, dict, dict]:
     """Forward and backward of the policy loss one sequence at a time: the loss, the directly computed metrics, and
     the tolerance scale of each loss (the same aggregation of the per-token magnitudes, see :func:`_loss_scales`).
 
+    With ``settings.use_is_weights`` the pg term is weighted by :func:`reference_is_weights` of each sequence's old
+    and ``behaviour`` log-probs under ``correction`` (never the targets' own ``is_weights``, which the product made).
     The gradient accumulates in ``model``. Sequences without a response token add nothing and run no forward.
     """
+    if settings.use_is_weights and (behaviour is None or correction is None):
+        raise ValueError("the reference's importance weights need the behaviour log-probs and the correction")
     mode = settings.agg_mode
     total = 0.0
     parts: dict[str, list[Tensor]] = {k: [] for k in ("pg", "ratio", "clip", "lower", "ppo_kl", "kl", "entropy")}
     other: list = []
-    for prompt_ids, response_ids, target in zip(batch.prompts, batch.responses, batch.targets):
+    for i, (prompt_ids, response_ids, target) in enumerate(zip(batch.prompts, batch.responses, batch.targets)):
         if not response_ids:
             continue
         logp, entropy = reference_policy_outputs(model, prompt_ids, response_ids, temperature=settings.temperature)
@@ -115,7 +157,7 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings,
             pg = pg[0]
             other.append(pg_metrics)
         if settings.use_is_weights:
-            pg = pg * target.is_weights.to(logp)
+            pg = pg * reference_is_weights(target.old_logprobs, behaviour[i], correction)[0].to(logp)
         loss = seq_share(pg, mode, counts)
         if settings.use_reference:
             kl = kl_direct(logp, target.ref_logprobs.to(logp), settings.kl_estimator, settings.kl_clamp)

@@ -3,32 +3,32 @@
 On every rank: build the models and one mini-batch of experience as ``fsdptrain train`` does
 (:mod:`fsdptrain.check.batch`), run the reference (:mod:`fsdptrain.check.reference`) and every layout
 (:mod:`fsdptrain.check.layouts`) forward and backward with no optimiser step, for the policy and the critic, and
-compare the loss, the gradient (global norm, largest entry difference) and every non-DIAGNOSTIC metric
-(:mod:`fsdptrain.check.compare`). Rank 0 prints the table, the gradient-scale report and the failures, and writes
-``--json``. Exit code 0 when everything passes, 1 when anything fails (docs/check-metrics.md).
+compare the loss, the gradient (the trainer's logged norm and clip, largest entry difference) and every
+non-DIAGNOSTIC metric (:mod:`fsdptrain.check.compare`); then the off-policy pass and the experience checks
+(:mod:`fsdptrain.check.passes`), the rollout-correction weights, the update over several mini-batches and epochs
+(:mod:`fsdptrain.check.update_pass`) and the drafter. Rank 0 prints the report (:mod:`fsdptrain.check.report`) and
+writes ``--json``. Exit code 0 when everything passes, 1 when anything fails (docs/check-metrics.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
 
-from fsdptrain.check.batch import CheckSession, build_session
+from fsdptrain.check.batch import CheckBatch, CheckSession, build_session
 from fsdptrain.check.compare import (
     Check,
     Comparison,
     Outcome,
     compare,
-    failure_lines,
-    rows,
+    describe_error,
+    raised,
     self_checks,
-    to_json,
 )
 from fsdptrain.check.draft_check import PREFIX as DRAFTER
 from fsdptrain.check.draft_check import (
@@ -38,8 +38,10 @@ from fsdptrain.check.draft_check import (
     reference_drafter,
 )
 from fsdptrain.check.layouts import (
+    CLIP_PROBE,
     Context,
     Part,
+    clip_coefficient,
     grad_max_abs,
     grad_max_diff,
     grad_norm,
@@ -48,15 +50,25 @@ from fsdptrain.check.layouts import (
     padded_value_loss,
     real_ranks,
     token_mean_grad_norm,
+    trainer_clip,
 )
-from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss
+from fsdptrain.check.per_sequence import per_sequence_policy_loss, per_sequence_value_loss
 from fsdptrain.check.passes import (
     experience_checks,
     off_policy_batch,
     off_policy_settings,
     off_policy_value_settings,
 )
-from fsdptrain.check.reference import Counts, reference_critic, reference_policy, reference_rollout_metrics
+from fsdptrain.check.reference import (
+    Counts,
+    reference_critic,
+    reference_is_metrics,
+    reference_is_weights,
+    reference_policy,
+    reference_rollout_metrics,
+)
+from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report
+from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
@@ -69,43 +81,6 @@ from fsdptrain.train.setup import resolve_device_type
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"
 
-
-@dataclass
-class GradScale:
-    """The configured mode's report and, per model, the measured gradient norms under it and under token-mean."""
-
-    report: GradScaleReport
-    measured: dict[str, tuple[float, float]] = field(default_factory=dict)  # prefix -> (mode's norm, token-mean's)
-
-
-@dataclass
-class CheckReport:
-    mode: str
-    layouts: list[str]
-    reference: Outcome
-    comparisons: list[Comparison]
-    checks: list[Check]
-    grad_scale: GradScale
-    notes: list[str]
-
-    @property
-    def failures(self) -> list[str]:
-        return failure_lines(self.comparisons, self.checks)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def to_json(self) -> dict:
-        gs = self.grad_scale
-        return {
-            "ok": self.ok, "agg_mode": self.mode, "layouts_run": self.layouts, "notes": self.notes,
-            "reference": self.reference.values, **to_json(self.comparisons, self.checks),
-            "grad_scale": {"expected_scale": gs.report.scale, "description": gs.report.describe(),
-                           "measured": {p: {"grad_norm": a, "token_mean_grad_norm": b}
-                                        for p, (a, b) in gs.measured.items()}},
-            "failures": self.failures,
-        }
 
 
 def parts_of(session: CheckSession, mode: str) -> list[Part]:
@@ -135,15 +110,22 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
         if part.prefix == DRAFTER:
             loss, metrics, grads[DRAFTER] = reference_drafter(part.model, session.batch.full, part.settings,
                                                               counts.loss_scale_factor)
-            values.update(metrics, **{DRAFTER + "grad_norm": grad_norm(grads[DRAFTER]), DRAFTER + "grad_max_diff": 0.0})
+            norm = grad_norm(grads[DRAFTER])
+            values.update(metrics, **{DRAFTER + "grad_norm": norm, DRAFTER + "grad_max_diff": 0.0,
+                                      DRAFTER + "clip_coef": clip_coefficient(norm, CLIP_PROBE * norm)})
             scales[DRAFTER + "grad_max_diff"] = grad_max_abs(grads[DRAFTER])
             continue
-        run = reference_policy if part.prefix == "actor/" else reference_critic
-        loss, metrics, loss_scales = run(part.model, session.batch.full, part.settings, counts)
+        if part.prefix == "actor/":
+            loss, metrics, loss_scales = reference_policy(part.model, session.batch.full, part.settings, counts,
+                                                          behaviour=session.batch.behaviour,
+                                                          correction=session.batch.correction)
+        else:
+            loss, metrics, loss_scales = reference_critic(part.model, session.batch.full, part.settings, counts)
         scales.update({part.prefix + k: v for k, v in loss_scales.items()})
         grads[part.prefix] = gather_full_grads(part.model)
         values[part.prefix + "loss"] = loss
-        values[part.prefix + "grad_norm"] = grad_norm(grads[part.prefix])
+        values[part.prefix + "grad_norm"] = norm = grad_norm(grads[part.prefix])
+        values[part.prefix + "clip_coef"] = clip_coefficient(norm, CLIP_PROBE * norm)
         values[part.prefix + "grad_max_diff"] = 0.0
         scales[part.prefix + "grad_max_diff"] = grad_max_abs(grads[part.prefix])
         values.update({part.prefix + k: v for k, v in metrics.items()})
@@ -151,35 +133,49 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
     return Outcome("reference", values, covers=()), scales, grads
 
 
-def _grad_scale(session: CheckSession, parts: list[Part], ctx: Context, mode: str, reference: Outcome,
-                counts: Counts) -> tuple[GradScale, dict[str, float], dict[str, float]]:
-    """The report for ``mode`` on this batch, and per model the expected and the measured ratio of the gradient norm
-    to token-mean's (absent for seq-mean-token-mean, which reweights instead of scaling, or a zero gradient)."""
-    report = grad_scale_report(mode, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs,
-                               seq_lengths=[len(r) for r in session.batch.full.responses],
-                               dp_size=session.world_size, loss_scale_factor=counts.loss_scale_factor,
-                               grad_clip=session.cfg.trainer.grad_clip)
-    scale = GradScale(report)
+def _scale_report(session: CheckSession, mode: str, counts: Counts) -> GradScaleReport:
+    """The gradient-scale report of ``mode`` on this batch (docs/loss.md)."""
+    return grad_scale_report(mode, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs,
+                             seq_lengths=[len(r) for r in session.batch.full.responses],
+                             dp_size=session.world_size, loss_scale_factor=counts.loss_scale_factor,
+                             grad_clip=session.cfg.trainer.grad_clip)
+
+
+def _grad_scale(scale: GradScale, parts: list[Part], ctx: Context, mode: str,
+                reference: Outcome) -> tuple[dict[str, float], dict[str, float]]:
+    """Per model, the expected and the measured ratio of the gradient norm to token-mean's (absent for
+    seq-mean-token-mean, which reweights instead of scaling, or a zero gradient); records the norms in ``scale``."""
     expected, measured = {}, {}
     for part in parts:
         norm = reference.values[part.prefix + "grad_norm"]
         token_mean = norm if mode == "token-mean" else token_mean_grad_norm(part, ctx)
         scale.measured[part.prefix] = (norm, token_mean)
-        if report.scale is not None and token_mean > 0:
+        if scale.report.scale is not None and token_mean > 0:
             name = "grad_scale/" + part.prefix.rstrip("/")
-            expected[name], measured[name] = report.scale, norm / token_mean
-    return scale, expected, measured
+            expected[name], measured[name] = scale.report.scale, norm / token_mean
+    return expected, measured
 
 
 def _layout_outcome(name: str, run_layout, parts: list[Part], ctx: Context, ref_grads: dict,
                     session: CheckSession) -> Outcome:
-    """Run one layout for every model; its loss, gradient norm and difference, and finalised comparable metrics."""
+    """Run one layout for every model; its loss, gradient norm and difference, and finalised comparable metrics;
+    or, when it raises, an outcome that is one FAIL row naming the exception."""
+    try:
+        return _run_layout(name, run_layout, parts, ctx, ref_grads, session)
+    except Exception as error:  # a crashing layout is a failure of that layout, the others still run
+        return Outcome(name, {}, covers=(), error=describe_error(error))
+
+
+def _run_layout(name: str, run_layout, parts: list[Part], ctx: Context, ref_grads: dict,
+                session: CheckSession) -> Outcome:
     values, kinds = {}, {}
     for part in parts:
         result = run_layout(part, ctx)
         values[part.prefix + "loss"] = result.loss
-        values[part.prefix + "grad_norm"] = grad_norm(result.grads)
         values[part.prefix + "grad_max_diff"] = grad_max_diff(result.grads, ref_grads[part.prefix])
+        max_norm = CLIP_PROBE * grad_norm(ref_grads[part.prefix])
+        values[part.prefix + "grad_norm"], values[part.prefix + "clip_coef"] = trainer_clip(part, result.grads,
+                                                                                            max_norm)
         values.update({part.prefix + k: v for k, v in result.values().items()})
         kinds.update({part.prefix + k: v for k, v in comparable(result.metrics).items()})
     covers = ("actor/", "critic/", DRAFTER)
@@ -206,7 +202,25 @@ def _notes(parts: list[Part], reference: Outcome, on_policy: bool) -> list[str]:
     return notes
 
 
-OFF = "off-policy/"
+IS_DIFF = "experience/is_weights_max_diff"
+UPDATE = "update/"
+
+
+def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, dict[str, float]]:
+    """The rollout-correction weights and ``experience/rollout_is_*`` that the product made for the batch (in
+    ``make_targets``, metrics reduced over the ranks as the step logs them) against :func:`reference_is_weights` and
+    :func:`reference_is_metrics` from the definitions: the reference's values, the product's outcome, the scales."""
+    olds, behaviours = [t.old_logprobs for t in batch.full.targets], batch.behaviour
+    want = reference_is_metrics(olds, behaviours, batch.correction)
+    worst, largest = 0.0, 0.0
+    for old, behaviour, target in zip(olds, behaviours, batch.full.targets):
+        if old.numel():
+            weights, _ = reference_is_weights(old, behaviour, batch.correction)
+            worst = max(worst, float((target.is_weights.double() - weights).abs().max()))
+            largest = max(largest, float(weights.abs().max()))
+    want[IS_DIFF] = 0.0
+    got = {**batch.experience, IS_DIFF: worst}
+    return want, Outcome("experience", got, covers=("experience/",)), {IS_DIFF: largest}
 
 
 def _context(session: CheckSession, batch, counts: Counts) -> Context:
@@ -264,117 +278,119 @@ def _drafter_pass(session: CheckSession, parts: list[Part], ctx: Context, planne
     for name, run_layout in planned:
         outcome = _layout_outcome(name, run_layout, parts, ctx, ref_grads, session)
         mine = {k: v for k, v in outcome.values.items() if k.startswith(DRAFTER)}
-        drafter = Outcome(name, mine, {k: v for k, v in outcome.kinds.items() if k in mine}, covers=(DRAFTER,))
+        drafter = Outcome(name, mine, {k: v for k, v in outcome.kinds.items() if k in mine}, covers=(DRAFTER,),
+                          error=outcome.error)
         comparisons += compare(reference, drafter, scales=scales, **tol)
     return reference, comparisons
 
 
+@dataclass
+class Found:
+    """What the stages of :func:`run_checks` found so far: reference values, comparisons, checks and notes."""
+
+    reference: Outcome
+    comparisons: list[Comparison] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def stage(self, name: str, run) -> None:
+        """Run one stage; an exception it raises becomes one FAIL row named after it (docs/check-metrics.md)."""
+        try:
+            run()
+        except Exception as error:  # a bug that crashes a path is reported like one that miscounts
+            self.comparisons.append(raised(f"({name} raised)", name, error))
+
+
+def _correction_stage(found: Found, batch: CheckBatch, tol: dict) -> None:
+    """The rollout-correction weights and metrics against the reference's (:func:`_correction_outcome`)."""
+    want, got, is_scales = _correction_outcome(batch)
+    found.reference.values.update(want)
+    found.comparisons += compare(found.reference, got, scales=is_scales, **tol)
+    if batch.planted_behaviour:
+        found.notes.append("the rollouts carry no behaviour log-probs: the check gave them old + U(-1, 1) (seeded), "
+                           "so the importance weights are not all 1; the old log-probs stay the policy's own")
+
+
+def _update_stage(found: Found, session: CheckSession, tol: dict) -> None:
+    """The update pass (:mod:`fsdptrain.check.update_pass`); its rows carry the ``update/`` prefix."""
+    want, got, scales = update_pass(session, session.update)
+    prefixed = Outcome(got.layout, {UPDATE + k: v for k, v in got.values.items()},
+                       {UPDATE + k: v for k, v in got.kinds.items()}, covers=(UPDATE,))
+    want = {UPDATE + k: v for k, v in want.items()}
+    found.reference.values.update(want)
+    found.comparisons += compare(Outcome("reference", want, covers=()), prefixed,
+                                 scales={UPDATE + k: v for k, v in scales.items()}, **tol)
+    if not session.update.configured:
+        found.notes.append(f"the update pass ran {session.update.layout} (you configured 1 and 1)")
+
+
 def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_policy: bool = True,
-               experience: bool = True) -> CheckReport:
+               experience: bool = True, update: bool = True) -> CheckReport:
     """Reference, every layout and the comparisons for ``agg_mode`` (default: the configured one), then the
-    off-policy pass and the experience checks (docs/check-metrics.md). Collective."""
+    off-policy pass, the rollout-correction weights, the experience checks, the update over several mini-batches and
+    epochs (the configured mode only) and the drafter (docs/check-metrics.md).
+    Each stage, and each layout within one, that raises is a FAIL row; the others still run. Collective."""
     cfg, batch, tr = session.cfg, session.batch, session.trainer
     mode = agg_mode or cfg.loss.agg_mode
     every_part = parts_of(session, mode)
     parts = checked_policy_and_critic(every_part)
     counts = Counts.of(batch.full, tr.loss_scale_factor)
     ctx = _context(session, batch, counts)
-    reference, scales, ref_grads = _reference(session, parts, counts)
     planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
                       world_size=session.world_size)
-    outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, session) for name, run_layout in planned]
-    grad_scale, expected, measured = _grad_scale(session, parts, ctx, mode, reference, counts)
-    reference.values.update(expected)
-    if measured:
-        outcomes.append(Outcome("token-mean, same batch", measured, covers=("grad_scale/",)))
-    skip = frozenset() if EV_NAME in reference.values else frozenset({EV_NAME})
     tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
-    comparisons = [c for o in outcomes for c in compare(reference, o, scales=scales, skip=skip, **tol)]
-    checks = [k for o in (reference, *outcomes) for k in self_checks(o, on_policy=batch.on_policy, **tol)]
-    notes = _notes(parts, reference, batch.on_policy)
+    found = Found(Outcome("reference", {}, covers=()))
+    grad_scale = GradScale(_scale_report(session, mode, counts))
+
+    def configured() -> None:
+        reference, scales, ref_grads = _reference(session, parts, counts)
+        found.reference.values.update(reference.values)
+        outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, session)
+                    for name, run_layout in planned]
+        expected, measured = _grad_scale(grad_scale, parts, ctx, mode, reference)
+        found.reference.values.update(expected)
+        if measured:
+            outcomes.append(Outcome("token-mean, same batch", measured, covers=("grad_scale/",)))
+        skip = frozenset() if EV_NAME in reference.values else frozenset({EV_NAME})
+        found.comparisons += [c for o in outcomes for c in compare(found.reference, o, scales=scales, skip=skip,
+                                                                    **tol)]
+        found.checks += [k for o in (found.reference, *outcomes)
+                         for k in self_checks(o, on_policy=batch.on_policy, **tol)]
+        found.notes += _notes(parts, reference, batch.on_policy)
+
+    found.stage("configured", configured)
     names = [name for name, _ in planned]
     if off_policy:
-        off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol)
-        reference.values.update(off_reference.values)
-        comparisons += off_comparisons
-        checks += off_checks
+        def off() -> None:
+            off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol)
+            found.reference.values.update(off_reference.values)
+            found.comparisons += off_comparisons
+            found.checks += off_checks
+
+        found.stage("off-policy", off)
         names += ["off-policy: " + name for name in names]
+    if batch.correction is not None:
+        found.stage("experience", lambda: _correction_stage(found, batch, tol))
     if experience:
-        experience_found, note = experience_checks(session, **tol)
-        checks += experience_found
-        notes += [note] if note else []
+        def experience_stage() -> None:
+            experience_found, note = experience_checks(session, **tol)
+            found.checks += experience_found
+            found.notes += [note] if note else []
+
+        found.stage("experience", experience_stage)
+    if update and session.update is not None and mode == cfg.loss.agg_mode:
+        found.stage("update", lambda: _update_stage(found, session, tol))
+        names.append(session.update.layout)
     if len(every_part) > len(parts):
-        drafter_reference, drafter_comparisons = _drafter_pass(session, every_part[len(parts):], ctx, planned, counts,
-                                                               tol)
-        reference.values.update(drafter_reference.values)
-        comparisons += drafter_comparisons
-    return CheckReport(mode, names, reference, comparisons, checks, grad_scale, notes)
+        def drafter() -> None:
+            drafter_reference, drafter_comparisons = _drafter_pass(session, every_part[len(parts):], ctx, planned,
+                                                                   counts, tol)
+            found.reference.values.update(drafter_reference.values)
+            found.comparisons += drafter_comparisons
 
+        found.stage("drafter", drafter)
+    return CheckReport(mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)
 
-# ---- output -------------------------------------------------------------------------------------------------------
-
-
-def _fmt(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.6g}"
-
-
-def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
-    """The table, the self-checks, the gradient-scale report and the verdict (rank 0)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=file or sys.stdout, width=160)
-    cfg, batch = session.cfg, session.batch
-    num_real = batch.full.num_seqs - int(batch.has_fixture)
-    console.print(
-        f"check-metrics: {cfg.algorithm.name}, loss.agg_mode={report.mode}, {num_real} sequences "
-        f"({sum(len(r) for r in batch.full.responses)} response tokens) from {cfg.rollout.prompts_per_step} prompt "
-        f"group(s) on {session.world_size} rank(s); rtol={cfg.check.rtol:g}, atol={cfg.check.atol:g}")
-    fixtures = []
-    if batch.has_fixture:
-        fixtures.append("+1 prompt-only sequence (no response token)")
-    if batch.value_shift is not None:
-        fixtures.append(f"critic outputs shifted by {batch.value_shift:.4g} (every value < 0)")
-    if fixtures:
-        console.print("fixtures: " + "; ".join(fixtures))
-    console.print("layouts: " + ", ".join(report.layouts) + ", token-mean (gradient scale)")
-    table = Table(title=f"check-metrics: every layout against the reference ({report.mode})")
-    for column, justify in (("metric", "left"), ("reference", "right"), ("worst layout", "left"),
-                            ("max |diff|", "right"), ("max rel diff", "right"), ("result", "center")):
-        table.add_column(column, justify=justify)
-    for row in rows(report.comparisons, report.reference):
-        result = "[green]PASS[/green]" if row.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(row.metric, _fmt(row.reference), row.worst.layout, _fmt(row.worst.abs_diff),
-                      _fmt(row.worst.rel_diff), result)
-    console.print(table)
-    failed_checks = [k for k in report.checks if not k.passed]
-    console.print(f"self-consistency and on-policy checks: {len(report.checks) - len(failed_checks)} of "
-                  f"{len(report.checks)} pass (min <= mean <= max, fractions in [0, 1], counts whole"
-                  f"{', ratio 1 and clip fraction 0 on this first mini-batch' if batch.on_policy else ''})")
-    console.print("normalisation: " + report.grad_scale.report.describe(), highlight=False)
-    for prefix, (norm, token_mean) in report.grad_scale.measured.items():
-        line = f"measured {prefix.rstrip('/')} gradient norm: {norm:.6g} under {report.mode}"
-        if report.mode != "token-mean":
-            ratio = f"{norm / token_mean:.6g}x" if token_mean > 0 else "ratio undefined"
-            line += f", {token_mean:.6g} under token-mean on the same batch ({ratio} token-mean's)"
-        console.print(line, highlight=False)
-    bite = [(name, report.reference.values.get(OFF + name)) for name in
-            ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl", "critic/vf_clipfrac")]
-    if any(v is not None for _, v in bite):
-        console.print("off-policy pass (perturbed old/ref log-probs and values, importance weights, temperature "
-                      f"{off_policy_settings(session.trainer.policy_settings).temperature:g}): "
-                      + ", ".join(f"{n} {v:.3g}" for n, v in bite if v is not None)
-                      + " on the reference: the clip, dual-clip and KL paths bit on these shares", highlight=False)
-    for note in report.notes:
-        console.print("note: " + note, highlight=False)
-    failures = report.failures
-    for line in failures:
-        console.print(line, style="red", highlight=False, markup=False)
-    if failures:
-        console.print(f"check-metrics: FAIL ({len(failures)} failure(s))", style="bold red")
-    else:
-        console.print(f"check-metrics: PASS ({len(report.comparisons)} comparisons, {len(report.checks)} checks)",
-                      style="bold green")
 
 
 def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:

@@ -7,7 +7,7 @@ One forward of the packed row `[1, T]` gives the final hidden states; the output
 (:func:`chunked_logprobs_entropy`), so neither the `[T, V]` logits nor their gradient exist at once. The loss is then
 computed once over the row by the layout-aware policy and value losses with `cu_seqlens`: there is no Python loop
 over the sequences of a pack. The per-sequence oracle that tests and check-metrics compare against is
-fsdptrain/check/oracles.py.
+fsdptrain/check/per_sequence.py.
 """
 
 from __future__ import annotations

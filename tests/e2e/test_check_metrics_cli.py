@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from fsdptrain.rl.aggregate import AGG_MODES
 
 FAST_ENV = {"OMP_NUM_THREADS": "1"}
+REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
 
 
 def _env(**extra: str) -> dict:
@@ -30,7 +32,9 @@ def test_nproc_1_passes_and_writes_json(cli, tmp_path):
                    "simulated dp=2", "ranks=1"):
         assert any(name.startswith(prefix) for name in layouts), (prefix, layouts)
     assert any(name.endswith("(one sequence each)") for name in layouts), layouts
-    for layout in layouts:
+    update = report["layouts"].pop("mini-batches=2 x epochs=2")  # the update pass: rows of its own (update/*)
+    assert update["update/actor/pg_loss"]["pass"] is True and update["update/loss/global_num_tokens"]["pass"] is True
+    for layout in [name for name in layouts if name in report["layouts"]]:
         prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
         for name in ("actor/loss", "actor/grad_norm", "actor/probs_ratio_min", "critic/values_max",
                      "critic/vf_loss"):
@@ -146,7 +150,8 @@ def test_drafter_rows_pass_in_every_layout(cli, tmp_path, nproc):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["ok"] is True
-    on_policy = [name for name in report["layouts_run"] if not name.startswith("off-policy: ")]
+    on_policy = [name for name in report["layouts_run"]
+                 if not name.startswith("off-policy: ") and " x epochs=" not in name]  # not the update pass
     assert len(on_policy) >= 8
     for layout in on_policy:
         for name in DRAFTER_ROWS:
@@ -174,3 +179,45 @@ def test_a_drafter_metric_over_unscored_positions_fails(cli, tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL drafter/accept_prob [packed budget=" in result.stdout
     assert "FAIL actor/" not in result.stdout
+
+
+# Three bugs from the anchors' trainers, planted together on the ranks (each shows in rows of its own):
+# - the grad norm over this rank's shards only (SkyRL #211): each rank logs and clips by its own norm;
+# - the loss normaliser counted over the whole step instead of the mini-batch (TRL #6024);
+# - a sequence's importance weight from the mean of its token log-ratios instead of their sum (TRL #5814).
+THREE_BUGS = """\
+from tests.planted_bugs import (
+    plant_grad_norm_over_local_shards,
+    plant_normaliser_over_the_whole_step,
+    plant_sequence_weight_from_mean_log_ratio,
+)
+
+plant_grad_norm_over_local_shards()
+plant_normaliser_over_the_whole_step()
+plant_sequence_weight_from_mean_log_ratio()
+"""
+SEQUENCE_TIS = ("algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence")
+
+
+@pytest.mark.parametrize("nproc", ["2", pytest.param("1", marks=pytest.mark.slow)])
+def test_three_planted_bugs_fail_with_clean_rows(cli, tmp_path, nproc):
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(THREE_BUGS)
+    pythonpath = os.pathsep.join([str(patch_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    result = cli("check-metrics", "--nproc", nproc, *SEQUENCE_TIS, env=_env(PYTHONPATH=pythonpath), timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "check-metrics: FAIL" in result.stdout
+    assert "FAIL update/loss/global_num_tokens [mini-batches=2 x epochs=2]" in result.stdout
+    assert "FAIL experience/is_weights_max_diff [experience]" in result.stdout
+    if nproc == "2":  # on one rank its shards are every shard: that norm is the global one
+        assert "FAIL actor/grad_norm [ranks=2]" in result.stdout and "FAIL actor/clip_coef [ranks=2]" in result.stdout
+
+
+@pytest.mark.parametrize("nproc", ["2", pytest.param("1", marks=pytest.mark.slow)])
+def test_several_mini_batches_epochs_and_rollout_correction_pass(cli, nproc):
+    result = cli("check-metrics", "--nproc", nproc, "trainer.mini_batches_per_step=2", "algorithm.ppo_epochs=2",
+                 "algorithm.rollout_correction=mis", env=_env(), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "update/actor/pg_loss" in result.stdout and "experience/rollout_is_mean" in result.stdout

@@ -53,3 +53,14 @@ def test_skip_equals_recompute(cli, tmp_path, config):
         assert a.keys() == b.keys()
         for key in a:
             assert a[key].equal(b[key]), (model, key)
+
+
+@pytest.mark.parametrize("level", ["token", pytest.param("sequence", marks=pytest.mark.slow)])
+def test_rollout_correction_on_policy_keeps_the_pass_and_weights_are_exactly_1(cli, tmp_path, level):
+    # The skipped pass left the importance weights None: the first step raised AttributeError in the packed loss.
+    # On-policy the behaviour log-probs are the old ones, so every weight is exp(0) = 1 exactly.
+    lines, _ = _run(cli, tmp_path, "tis", "trainer.steps=1", "algorithm.rollout_correction=tis",
+                    f"algorithm.rollout_correction_level={level}")
+    assert lines[0]["experience/rollout_is_mean"] == 1.0
+    assert lines[0]["experience/rollout_is_ratio_max"] == 1.0
+    assert lines[0]["experience/rollout_is_capped_frac"] == 0.0

@@ -23,6 +23,7 @@ from fsdptrain.model import attention_backends
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
+from tests.planted_bugs import plant_normaliser_over_the_whole_step, plant_sequence_weight_from_mean_log_ratio
 
 # ---- the rules, by hand --------------------------------------------------------------------------------------------
 
@@ -111,7 +112,7 @@ def test_batch_has_the_fixtures(ppo):
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
-    report = run_checks(ppo, mode)
+    report = run_checks(ppo, mode, update=False)
     assert report.ok, "\n".join(report.failures)
     ref = report.reference.values
     assert ref["critic/values_max"] < -0.99  # the value shift makes every value negative (<= -1 up to rounding)
@@ -119,7 +120,7 @@ def test_ppo_policy_and_critic_pass_every_mode(ppo, mode):
     layouts = {c.layout for c in report.comparisons}
     assert {"per-sequence", "padded", "micro-batches=2", "simulated dp=2", "ranks=1"} <= layouts
     # every layout is compared on every policy and critic metric of the reference
-    for layout in layouts - {"token-mean, same batch"}:
+    for layout in layouts - {"token-mean, same batch", "experience", "mini-batches=2 x epochs=2"}:
         names = {c.metric for c in report.comparisons if c.layout == layout}
         prefix = "off-policy/" if layout.startswith("off-policy: ") else ""
         assert {n for n in ref if n.startswith((prefix + "actor/", prefix + "critic/"))} <= names, layout
@@ -151,7 +152,7 @@ def _failing(report) -> str:
 
 def test_catches_min_summed_across_packs(ppo, monkeypatch):
     monkeypatch.setattr(Min, "merge", lambda self, other: Min(self.extreme + other.extreme))
-    failures = _failing(run_checks(ppo))
+    failures = _failing(run_checks(ppo, update=False))
     assert "actor/probs_ratio_min [micro-batches=2]" in failures
     assert "critic/values_min [per-sequence]" in failures
 
@@ -169,7 +170,7 @@ def test_catches_a_zero_sentinel_for_empty_extrema(ppo, monkeypatch):
 
     monkeypatch.setattr(Min, "of", staticmethod(min_of))
     monkeypatch.setattr(Max, "of", staticmethod(max_of))
-    failures = _failing(run_checks(ppo))
+    failures = _failing(run_checks(ppo, update=False))
     # the prompt-only fixture runs alone one sequence at a time: its 0.0 wins the min of ratios (~1)
     # and the max of the (shifted, negative) values
     assert "actor/probs_ratio_min [per-sequence]" in failures
@@ -189,7 +190,7 @@ def _local_counts_agg(original):
 def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
     for module in (policy, value):
         monkeypatch.setattr(module, "agg_loss_with", _local_counts_agg(aggregate.agg_loss_with))
-    failures = _failing(run_checks(ppo, "token-mean"))
+    failures = _failing(run_checks(ppo, "token-mean", update=False))
     assert "actor/loss [micro-batches=2]" in failures
     assert "actor/grad_norm [micro-batches=2]" in failures
     assert "critic/vf_loss [simulated dp=2]" in failures
@@ -198,7 +199,7 @@ def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
 
 def test_catches_attention_leaking_across_packed_sequences(ppo, monkeypatch):
     monkeypatch.setattr(attention_backends.AttentionCall, "bounds", lambda self: [0, int(self.cu_seqlens[-1])])
-    failures = _failing(run_checks(ppo))
+    failures = _failing(run_checks(ppo, update=False))
     assert "actor/grad_max_diff [micro-batches=1]" in failures
     assert "critic/values_mean [micro-batches=1]" in failures
     assert "on-policy: max |ratio - 1| = 0 [micro-batches=1]" in failures
@@ -260,7 +261,7 @@ def _swap_settings(monkeypatch, session, changes):
 def test_catches_swapped_clip_bounds(ppo, monkeypatch):
     _swap_settings(monkeypatch, ppo, changes=lambda s: dict(clip_ratio_low=s.clip_ratio_high,
                                                            clip_ratio_high=s.clip_ratio_low))
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/pg_loss [off-policy: ranks=1]" in failures
     assert "off-policy/actor/grad_max_diff [off-policy: per-sequence]" in failures
     assert "FAIL actor/" not in failures  # on-policy: ratio 1, the bounds never bind
@@ -268,14 +269,14 @@ def test_catches_swapped_clip_bounds(ppo, monkeypatch):
 
 def test_catches_dual_clip_off(ppo, monkeypatch):
     _swap_settings(monkeypatch, ppo, changes=lambda s: dict(clip_ratio_c=None))
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/pg_clipfrac_lower [off-policy: per-sequence]" in failures
     assert "FAIL actor/" not in failures
 
 
 def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
     monkeypatch.setitem(policy._KL, "k3", lambda d, kl_clamp: (torch.exp(d) - d - 1).clamp(-10, 10))  # sign of d
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/kl [off-policy: packed budget=" in failures
     assert "off-policy/actor/kl_loss [off-policy: simulated dp=2]" in failures
 
@@ -286,7 +287,7 @@ def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
     original = packed_loss.chunked_logprobs_entropy
     monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",
                         lambda *a, temperature, **k: original(*a, temperature=1.0, **k))
-    failures = _failing(run_checks(ppo, experience=False))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/entropy [off-policy: packed budget=" in failures
     assert "FAIL actor/" not in failures  # the configured temperature is 1: the on-policy pass cannot see it
 
@@ -315,7 +316,7 @@ def test_catches_micro_batch_losses_averaged(ppo, monkeypatch):
     from fsdptrain.train import step
 
     monkeypatch.setattr(step, "accumulate_gradients", _buggy_accumulate(lambda plan, norms: 1.0 / plan.num_packs))
-    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False, update=False))
     assert "critic/loss [micro-batches=2]" in failures  # the loss row: the scalar backward ran on
     assert f"critic/loss [packed budget={max(ppo.batch.full.lengths())} (small)]" in failures
     assert "[micro-batches=1]" not in failures and "[ranks=1]" not in failures  # one pack: nothing to average
@@ -325,7 +326,7 @@ def test_catches_the_dp_factor_applied_twice(ppo, monkeypatch):
     from fsdptrain.train import step
 
     monkeypatch.setattr(step, "accumulate_gradients", _buggy_accumulate(lambda plan, norms: norms.dp_size))
-    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False, update=False))
     assert "critic/loss [simulated dp=2]" in failures and "actor/grad_norm [simulated dp=2]" in failures
     assert "[micro-batches=2]" not in failures  # dp size 1 elsewhere on one rank
 
@@ -340,7 +341,7 @@ def test_catches_gae_skipping_the_last_token(ppo, monkeypatch):
         return original(rewards, values, mask & ~last, gamma=gamma, lam=lam)  # the loop never visits the last
 
     monkeypatch.setattr(adv_estimators, "gae", skipping)
-    report = run_checks(ppo, off_policy=False)
+    report = run_checks(ppo, off_policy=False, update=False)
     failed = {k.rule for k in report.checks if not k.passed}
     assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
 
@@ -350,6 +351,90 @@ def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
 
     original = adv_estimators.gae
     monkeypatch.setattr(adv_estimators, "gae", lambda r, v, m, *, gamma, lam: original(r, v, m, gamma=lam, lam=gamma))
-    report = run_checks(ppo, off_policy=False)
+    report = run_checks(ppo, off_policy=False, update=False)
     failed = {k.rule for k in report.checks if not k.passed}
     assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
+
+
+# ---- issue 27: the update over several mini-batches, the trainer's clip, the IS weights, a raising layout ----------
+
+
+def _full_weights(session) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in session.trainer.models.policy.named_parameters()}
+
+
+def test_update_pass_runs_several_mini_batches_and_epochs_and_leaves_the_weights(ppo):
+    before = _full_weights(ppo)
+    report = run_checks(ppo, off_policy=False, experience=False)
+    assert report.ok, "\n".join(report.failures)
+    got = {c.metric: c for c in report.comparisons if c.layout == "mini-batches=2 x epochs=2"}
+    ref = report.reference.values
+    # 4 prompt groups in 2 mini-batches: each update sees half the batch's response tokens, 8 sequences
+    assert ref["update/loss/global_num_tokens"] == sum(len(r) for r in ppo.batch.full.responses) / 2
+    assert ref["update/loss/global_num_seqs"] == 8
+    for name in ("update/actor/pg_loss", "update/actor/grad_norm", "update/critic/vf_loss", "update/critic/grad_norm",
+                 "update/actor/probs_ratio_max", "update/loss/global_num_tokens"):
+        assert got[name].passed, name
+    assert ref["update/actor/probs_ratio_max"] > 1.01  # the second epoch ran on stepped weights
+    assert all(torch.equal(before[k], v) for k, v in _full_weights(ppo).items())  # restored for the next check
+
+
+def test_catches_a_normaliser_over_the_whole_step_instead_of_the_mini_batch(ppo, monkeypatch):
+    plant_normaliser_over_the_whole_step(monkeypatch.setattr)
+    failures = _failing(run_checks(ppo, off_policy=False, experience=False))
+    for name in ("loss/global_num_tokens", "actor/pg_loss", "critic/vf_loss"):
+        assert f"update/{name} [mini-batches=2 x epochs=2]" in failures
+    assert "[ranks=1]" not in failures  # one mini-batch: the normaliser is the mini-batch's
+
+
+def test_a_raising_layout_is_a_fail_row_and_the_others_still_run(ppo, monkeypatch):
+    from fsdptrain.check import run
+
+    def broken(*args, **kwargs):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    monkeypatch.setattr(run, "padded_policy_loss", broken)
+    report = run_checks(ppo, off_policy=False, experience=False, update=False)
+    assert not report.ok
+    assert len(report.failures) == 1, report.failures
+    assert report.failures[0].startswith("FAIL (raised) [padded]: raised TypeError: 'NoneType' object is not "
+                                         "subscriptable (at fsdptrain/check/layouts.py:")
+    assert any(c.layout == "micro-batches=2" and c.passed for c in report.comparisons)
+
+
+@pytest.mark.parametrize("overrides", [("algorithm.rollout_correction=tis",),
+                                       ("algorithm.rollout_correction=mis",
+                                        "algorithm.rollout_correction_level=sequence")], ids=["tis-token", "mis-seq"])
+def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides):
+    # Before: TypeError in check/per_sequence.py, the prompt-only fixture had no weights.
+    session = _session(*overrides)
+    report = run_checks(session, off_policy=False, experience=False)
+    assert report.ok, "\n".join(report.failures)
+    ref = report.reference.values
+    assert session.batch.planted_behaviour and session.batch.on_policy
+    assert ref["experience/rollout_is_capped_frac"] > 0 and ref["experience/rollout_is_mean"] != 1.0
+    names = {c.metric for c in report.comparisons if c.layout == "experience"}
+    assert {"experience/rollout_is_mean", "experience/rollout_is_max", "experience/rollout_is_ratio_max",
+            "experience/rollout_is_capped_frac", "experience/is_weights_max_diff"} <= names
+
+
+def test_catches_a_sequence_weight_from_the_mean_of_token_log_ratios(monkeypatch):
+    plant_sequence_weight_from_mean_log_ratio(monkeypatch.setattr)
+    session = _session("algorithm.rollout_correction=tis", "algorithm.rollout_correction_level=sequence")
+    failures = _failing(run_checks(session, off_policy=False, experience=False, update=False))
+    assert "experience/is_weights_max_diff [experience]" in failures
+    assert "actor/loss [ranks=1]" in failures and "experience/rollout_is_ratio_max [experience]" in failures
+
+
+def test_catches_inverted_importance_weights_in_the_off_policy_pass(ppo, monkeypatch):
+    from fsdptrain.check import passes
+
+    original = passes.rollout_correction_weights
+    monkeypatch.setattr(passes, "rollout_correction_weights",
+                        lambda old, behaviour, mask, **kw: original(behaviour, old, mask, **kw))
+    failures = _failing(run_checks(ppo, experience=False, update=False))
+    assert "off-policy/actor/loss [off-policy: ranks=1]" in failures
+    assert "off-policy/critic/" not in failures

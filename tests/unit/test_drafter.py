@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from fsdptrain.check.draft_oracle import per_sequence_draft_loss
+from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import (

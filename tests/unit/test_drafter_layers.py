@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fsdptrain.check.draft_oracle import per_sequence_draft_loss
+from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab, capture_policy_features, run_drafter
 from fsdptrain.model.drafter_export import export_drafter, load_drafter

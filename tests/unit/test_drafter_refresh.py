@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fsdptrain.check.draft_oracle import per_sequence_draft_loss
+from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab

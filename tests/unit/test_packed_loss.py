@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
-from fsdptrain.check.oracles import per_sequence_policy_loss, per_sequence_value_loss, reference_policy_outputs
+from fsdptrain.check.per_sequence import per_sequence_policy_loss, per_sequence_value_loss, reference_policy_outputs
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.registry.names import AGG_MODES

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdptrain.check.draft_oracle import per_sequence_draft_loss
+from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
 from fsdptrain.distributed import world
 from tests.dist.workers.report import report_and_exit
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, gather_full_state_dict, shard_as_one_unit

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fsdptrain.check.draft_oracle import per_sequence_draft_loss, sequence_draft_mask
+from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss, sequence_draft_mask
 from fsdptrain.compose import compose_config
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_state_dict

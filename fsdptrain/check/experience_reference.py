@@ -1,4 +1,4 @@
-"""check-metrics, part 5: the experience oracle. Rewards, advantages and returns of every sequence recomputed
+"""check-metrics, part 5: the experience reference. Rewards, advantages and returns of every sequence recomputed
 straight from their definitions, in float64 Python loops, without `fsdptrain.rl.advantages` or
 `fsdptrain.rl.adv_estimators`, over the whole gathered batch (so whitening uses the global moments by construction).
 

@@ -1,4 +1,4 @@
-"""The drafter's per-sequence oracle: each sequence alone through the unpacked policy and drafter, the full teacher
+"""The drafter one sequence at a time: each sequence alone through the unpacked policy and drafter, the full teacher
 logits sliced to the draft vocabulary, a plain softmax soft cross-entropy (docs/drafter.md)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The per-sequence oracle: each sequence alone through the unpacked model (sdpa, full logits, plain log-softmax),
-its loss with the mini-batch's global normalisers, summed. The slow, obviously correct path that tests and
-check-metrics compare the fused packed loss against."""
+"""One sequence at a time: each sequence alone through the unpacked model (sdpa, full logits, plain log-softmax),
+the forward the reference (:mod:`fsdptrain.check.reference`) runs, and the per-sequence loss path (the product's
+``policy_loss``/``value_loss`` on each sequence with the mini-batch's global normalisers, summed). The slow,
+obviously correct path that tests and check-metrics compare the fused packed loss against."""
 
 from __future__ import annotations
 

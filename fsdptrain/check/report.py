@@ -1,0 +1,114 @@
+"""check-metrics, part 8: the report. The table of every metric's worst layout, the self-checks, the gradient-scale
+report, the notes and the verdict (rank 0), and the ``--json`` shape (docs/check-metrics.md)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fsdptrain.check.batch import CheckSession
+from fsdptrain.check.compare import Check, Comparison, Outcome, failure_lines, rows, to_json
+from fsdptrain.check.passes import off_policy_settings
+from fsdptrain.rl.grad_scale import GradScaleReport
+
+OFF = "off-policy/"
+
+@dataclass
+class GradScale:
+    """The configured mode's report and, per model, the measured gradient norms under it and under token-mean."""
+
+    report: GradScaleReport
+    measured: dict[str, tuple[float, float]] = field(default_factory=dict)  # prefix -> (mode's norm, token-mean's)
+
+
+@dataclass
+class CheckReport:
+    mode: str
+    layouts: list[str]
+    reference: Outcome
+    comparisons: list[Comparison]
+    checks: list[Check]
+    grad_scale: GradScale
+    notes: list[str]
+
+    @property
+    def failures(self) -> list[str]:
+        return failure_lines(self.comparisons, self.checks)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        gs = self.grad_scale
+        return {
+            "ok": self.ok, "agg_mode": self.mode, "layouts_run": self.layouts, "notes": self.notes,
+            "reference": self.reference.values, **to_json(self.comparisons, self.checks),
+            "grad_scale": {"expected_scale": gs.report.scale, "description": gs.report.describe(),
+                           "measured": {p: {"grad_norm": a, "token_mean_grad_norm": b}
+                                        for p, (a, b) in gs.measured.items()}},
+            "failures": self.failures,
+        }
+
+def _fmt(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
+    """The table, the self-checks, the gradient-scale report and the verdict (rank 0)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file or sys.stdout, width=160)
+    cfg, batch = session.cfg, session.batch
+    num_real = batch.full.num_seqs - int(batch.has_fixture)
+    console.print(
+        f"check-metrics: {cfg.algorithm.name}, loss.agg_mode={report.mode}, {num_real} sequences "
+        f"({sum(len(r) for r in batch.full.responses)} response tokens) from {cfg.rollout.prompts_per_step} prompt "
+        f"group(s) on {session.world_size} rank(s); rtol={cfg.check.rtol:g}, atol={cfg.check.atol:g}")
+    fixtures = []
+    if batch.has_fixture:
+        fixtures.append("+1 prompt-only sequence (no response token)")
+    if batch.value_shift is not None:
+        fixtures.append(f"critic outputs shifted by {batch.value_shift:.4g} (every value < 0)")
+    if fixtures:
+        console.print("fixtures: " + "; ".join(fixtures))
+    console.print("layouts: " + ", ".join(report.layouts) + ", token-mean (gradient scale)")
+    table = Table(title=f"check-metrics: every layout against the reference ({report.mode})")
+    for column, justify in (("metric", "left"), ("reference", "right"), ("worst layout", "left"),
+                            ("max |diff|", "right"), ("max rel diff", "right"), ("result", "center")):
+        table.add_column(column, justify=justify)
+    for row in rows(report.comparisons, report.reference):
+        result = "[green]PASS[/green]" if row.passed else "[bold red]FAIL[/bold red]"
+        table.add_row(row.metric, _fmt(row.reference), row.worst.layout, _fmt(row.worst.abs_diff),
+                      _fmt(row.worst.rel_diff), result)
+    console.print(table)
+    failed_checks = [k for k in report.checks if not k.passed]
+    console.print(f"self-consistency and on-policy checks: {len(report.checks) - len(failed_checks)} of "
+                  f"{len(report.checks)} pass (min <= mean <= max, fractions in [0, 1], counts whole"
+                  f"{', ratio 1 and clip fraction 0 on this first mini-batch' if batch.on_policy else ''})")
+    console.print("normalisation: " + report.grad_scale.report.describe(), highlight=False)
+    for prefix, (norm, token_mean) in report.grad_scale.measured.items():
+        line = f"measured {prefix.rstrip('/')} gradient norm: {norm:.6g} under {report.mode}"
+        if report.mode != "token-mean":
+            ratio = f"{norm / token_mean:.6g}x" if token_mean > 0 else "ratio undefined"
+            line += f", {token_mean:.6g} under token-mean on the same batch ({ratio} token-mean's)"
+        console.print(line, highlight=False)
+    bite = [(name, report.reference.values.get(OFF + name)) for name in
+            ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl", "critic/vf_clipfrac")]
+    if any(v is not None for _, v in bite):
+        console.print("off-policy pass (perturbed old/ref log-probs and values, importance weights, temperature "
+                      f"{off_policy_settings(session.trainer.policy_settings).temperature:g}): "
+                      + ", ".join(f"{n} {v:.3g}" for n, v in bite if v is not None)
+                      + " on the reference: the clip, dual-clip and KL paths bit on these shares", highlight=False)
+    for note in report.notes:
+        console.print("note: " + note, highlight=False)
+    failures = report.failures
+    for line in failures:
+        console.print(line, style="red", highlight=False, markup=False)
+    if failures:
+        console.print(f"check-metrics: FAIL ({len(failures)} failure(s))", style="bold red")
+    else:
+        console.print(f"check-metrics: PASS ({len(report.comparisons)} comparisons, {len(report.checks)} checks)",
+                      style="bold green")

@@ -1,0 +1,191 @@
+"""check-metrics, part 7: the step's whole update, several mini-batches and epochs, against a step split by hand.
+
+The layouts run one mini-batch with no optimiser step. This pass runs the trainer's own update loop
+(``Trainer.minibatches`` and ``Trainer.update``: per epoch, per mini-batch, global normalisers, micro-batches, clip,
+optimiser step, metrics merged over the updates) on the checked batch with ``trainer.mini_batches_per_step`` and
+``algorithm.ppo_epochs`` as configured, or 2 and 2 when configured at 1
+(:func:`fsdptrain.check.batch.update_shape`), and compares every
+number it logs with a reference that splits the step by hand:
+
+- mini-batch m holds the prompt groups g with ``g // (P / M) == m`` (P groups, M mini-batches);
+- per epoch and mini-batch, for the policy then the critic: the one-sequence-at-a-time reference loss with that
+  mini-batch's own counts N_m and S_m (:mod:`fsdptrain.check.reference`), backward, the global norm of the gathered
+  gradient in float64, every gradient entry scaled by min(1, clip / (norm + 1e-6)), then the same AdamW step;
+- the logged values: a loss (``pg_loss``, ``kl_loss``, ``vf_loss``) is the mean over the updates of each update's
+  value; a mean is pooled over every valid token of every update; an extremum is taken over all of them;
+  ``*/grad_norm`` and ``loss/global_num_tokens``, ``loss/global_num_seqs`` are means over the updates.
+
+The explained variance (over the pooled vectors) and the drafter are not compared here (docs/check-metrics.md). The
+models' weights and optimiser states are restored after the pass: check-metrics leaves the run unchanged. Without
+the prompt-only fixture (it belongs to no prompt group).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from fsdptrain.check.batch import CheckBatch, CheckSession, UpdateShape
+from fsdptrain.check.compare import Outcome
+from fsdptrain.check.layouts import clip_coefficient, grad_norm
+from fsdptrain.check.reference import Counts, reference_critic, reference_policy
+from fsdptrain.distributed.fsdp import gather_full_grads, reshard_all, zero_grads
+from fsdptrain.rl.metrics import comparable, finalize
+from fsdptrain.train.step import MiniBatch
+
+LOSSES = ("pg_loss", "kl_loss", "vf_loss")
+SKIPPED = ("critic/vf_explained_var",)
+
+
+class Snapshot:
+    """The trained models' sharded weights and optimiser states, to put back after the pass."""
+
+    def __init__(self, pairs: list[tuple[torch.nn.Module, torch.optim.Optimizer]]):
+        self.saved = []
+        for model, optimizer in pairs:
+            reshard_all(model)  # parameters() must yield the sharded tensors the optimiser holds
+            weights = [p.detach().clone() for p in model.parameters()]
+            state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                     for p, s in optimizer.state.items()}
+            self.saved.append((model, optimizer, weights, state))
+
+    def restore(self) -> None:
+        for model, optimizer, weights, state in self.saved:
+            reshard_all(model)
+            zero_grads(model)
+            with torch.no_grad():
+                for param, saved in zip(model.parameters(), weights):
+                    param.copy_(saved)
+            optimizer.state.clear()
+            optimizer.state.update({p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                                    for p, s in state.items()})
+
+
+def _split(batch: CheckBatch, shape: UpdateShape, num_prompts: int) -> list[tuple[MiniBatch, Optional[list]]]:
+    """The full batch's real sequences split into mini-batches by prompt group, by hand; with their behaviour
+    log-probs when there is a rollout correction."""
+    per_mb = num_prompts // shape.mini_batches
+    out = []
+    for m in range(shape.mini_batches):
+        index = [i for i, g in enumerate(batch.groups) if g // per_mb == m]
+        full = batch.full
+        sub = MiniBatch([full.prompts[i] for i in index], [full.responses[i] for i in index],
+                        [full.targets[i] for i in index])
+        out.append((sub, None if batch.behaviour is None else [batch.behaviour[i] for i in index]))
+    return out
+
+
+def _step_by_hand(model, optimizer, max_norm: float) -> float:
+    """Clip by the float64 norm of the gathered gradient and step; the norm (collective)."""
+    norm = grad_norm(gather_full_grads(model))
+    coef = clip_coefficient(norm, max_norm)
+    reshard_all(model)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coef)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def _merge(per_update: list[dict[str, float]], tokens: list[int], prefix: str) -> dict[str, float]:
+    """What the step logs from each update's directly computed metrics: losses averaged over the updates, means
+    pooled over the tokens of every update, extrema over all of them."""
+    out = {}
+    for name in per_update[0]:
+        values = [m[name] for m in per_update if name in m]
+        if name in LOSSES:
+            out[prefix + name] = sum(values) / len(values)
+        elif name.endswith("_min"):
+            out[prefix + name] = min(values)
+        elif name.endswith("_max"):
+            out[prefix + name] = max(values)
+        else:
+            weights = [n for m, n in zip(per_update, tokens) if name in m]
+            out[prefix + name] = sum(v * n for v, n in zip(values, weights)) / sum(weights)
+    return out
+
+
+def reference_update(session: CheckSession, shape: UpdateShape) -> tuple[dict[str, float], dict[str, float]]:
+    """The step split by hand (see the module docstring): the logged values and the tolerance scales. Changes the
+    weights and optimiser states: snapshot first."""
+    cfg, tr, batch = session.cfg, session.trainer, session.batch
+    num_prompts = cfg.rollout.prompts_per_step
+    splits = _split(batch, shape, num_prompts)
+    models = [("actor/", tr.models.policy, tr.models.policy_optimizer, cfg.trainer.grad_clip)]
+    if tr.models.critic is not None:
+        models.append(("critic/", tr.models.critic, tr.models.critic_optimizer, cfg.trainer.critic_grad_clip))
+    metrics = {prefix: [] for prefix, *_ in models}
+    norms = {prefix: [] for prefix, *_ in models}
+    loss_scales: dict[str, list[float]] = {}
+    tokens, counts_seen = [], []
+    for _ in range(shape.epochs):
+        for sub, behaviour in splits:
+            counts = Counts.of(sub, tr.loss_scale_factor)
+            tokens.append(counts.num_tokens)
+            counts_seen.append(counts)
+            for prefix, model, optimizer, max_norm in models:
+                zero_grads(model)
+                if prefix == "actor/":
+                    _, found, scales = reference_policy(model, sub, tr.policy_settings, counts, behaviour=behaviour,
+                                                        correction=batch.correction)
+                else:
+                    _, found, scales = reference_critic(model, sub, tr.value_settings, counts)
+                metrics[prefix].append(found)
+                for name in LOSSES:
+                    if name in scales:
+                        loss_scales.setdefault(prefix + name, []).append(scales[name])
+                norms[prefix].append(_step_by_hand(model, optimizer, max_norm))
+    values = {}
+    for prefix in metrics:
+        values.update(_merge(metrics[prefix], tokens, prefix))
+        values[prefix + "grad_norm"] = sum(norms[prefix]) / len(norms[prefix])
+    values["loss/global_num_tokens"] = sum(c.num_tokens for c in counts_seen) / len(counts_seen)
+    values["loss/global_num_seqs"] = sum(c.num_seqs for c in counts_seen) / len(counts_seen)
+    if batch.on_policy:
+        values["actor/on_policy_max_ratio_dev"] = 0.0
+    for name in SKIPPED:
+        values.pop(name, None)
+    return values, {name: sum(s) / len(s) for name, s in loss_scales.items()}
+
+
+def trainer_update(session: CheckSession, shape: UpdateShape) -> Outcome:
+    """The trainer's own update loop on this rank's share, with ``shape``'s mini-batches and epochs (collective).
+    Changes the weights and optimiser states: snapshot first."""
+    tr, batch = session.trainer, session.batch
+    real = len(batch.rollouts)  # this rank's real sequences come first in ``local``, in its rollouts' order
+    shaped = OmegaConf.create(OmegaConf.to_container(tr.cfg, resolve=True))
+    shaped.trainer.mini_batches_per_step = shape.mini_batches
+    shaped.algorithm.ppo_epochs = shape.epochs
+    saved_cfg, saved_drafter = tr.cfg, tr.drafter
+    tr.cfg, tr.drafter = shaped, None
+    try:
+        batches = tr.minibatches(batch.rollouts, batch.local.targets[:real])
+        merged, facts = tr.update(batches, batch.on_policy)
+    finally:
+        tr.cfg, tr.drafter = saved_cfg, saved_drafter
+    kinds = comparable(merged)
+    values = {name: v for name, v in finalize(merged).items() if name in kinds}
+    values.update({name: v for name, v in facts.items() if not name.startswith("drafter/")})
+    for name in SKIPPED:
+        values.pop(name, None)
+    return Outcome(shape.layout, values, kinds, covers=("actor/", "critic/", "loss/"))
+
+
+def update_pass(session: CheckSession, shape: UpdateShape) -> tuple[dict[str, float], Outcome, dict[str, float]]:
+    """The reference values, the trainer's outcome and the scales; the weights are restored after (collective)."""
+    tr = session.trainer
+    pairs = [(tr.models.policy, tr.models.policy_optimizer)]
+    if tr.models.critic is not None:
+        pairs.append((tr.models.critic, tr.models.critic_optimizer))
+    snapshot = Snapshot(pairs)
+    try:
+        want, scales = reference_update(session, shape)
+        snapshot.restore()
+        got = trainer_update(session, shape)
+    finally:
+        snapshot.restore()
+    return want, got, scales
