@@ -35,6 +35,7 @@ from torch import Tensor
 
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.model.attention import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
@@ -233,7 +234,7 @@ def real_ranks(part: Part, ctx: Context) -> Run:
                                     loss_scale_factor=ctx.norms.loss_scale_factor)
     loss, metrics = run_packs(part, ctx.local, None, norms, ctx)
     total = world.all_reduce_sum(torch.tensor([loss], dtype=torch.float64))
-    return Run(float(total[0]) / ctx.mesh.size(), step.reduce_metrics(metrics), gather_full_grads(part.model))
+    return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
 
 
 def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,

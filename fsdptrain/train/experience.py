@@ -38,7 +38,7 @@ from fsdptrain.rl.adv_estimators import (
 from fsdptrain.rl.metrics import Metrics
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
 from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
-from fsdptrain.train.step import plan_agreed
+from fsdptrain.distributed.collectives import plan_agreed
 
 
 @torch.no_grad()

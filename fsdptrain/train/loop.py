@@ -56,7 +56,8 @@ from fsdptrain.train.setup import (
 )
 from fsdptrain.train.signals import StopRequest
 from fsdptrain.train.sources import OfflineSource
-from fsdptrain.train.step import DrafterUpdate, MiniBatch, reduce_metrics, update_on_minibatch
+from fsdptrain.distributed.collectives import reduce_metrics
+from fsdptrain.train.step import DrafterUpdate, MiniBatch, update_on_minibatch
 from fsdptrain.train.trackers import Trackers
 
 

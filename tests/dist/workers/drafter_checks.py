@@ -37,6 +37,7 @@ from fsdptrain.train.cotrain import (
     local_draft_counts,
     packed_policy_and_draft_loss,
 )
+from fsdptrain.distributed.collectives import plan_agreed
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
@@ -46,7 +47,6 @@ from fsdptrain.train.step import (
     accumulate_gradients,
     local_counts,
     optimizer_step,
-    plan_agreed,
     refresh_drafter,
 )
 
