@@ -36,10 +36,10 @@ from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.rl.draft_loss import draft_loss
+from fsdptrain.rl.draft_loss import packed_draft_mask
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.train.cotrain import global_normalizers_with_draft, local_draft_counts
 from fsdptrain.train.loop import Trainer
-from fsdptrain.train.packed_loss import packed_draft_mask
 from fsdptrain.train.progress import quiet_known_warnings
 
 METRICS = ("drafter/accept_prob", "drafter/expected_accept_len@3", "drafter/top1_agreement", "drafter/loss")

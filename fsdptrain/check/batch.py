@@ -29,10 +29,10 @@ from fsdptrain.check.draft_check import check_vocab
 from fsdptrain.config import ConfigError
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values
 from fsdptrain.train.loop import Trainer
-from fsdptrain.train.packed_loss import SeqTargets
 from fsdptrain.train.step import MiniBatch
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN

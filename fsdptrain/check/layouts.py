@@ -41,10 +41,10 @@ from fsdptrain.model.attention import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize
+from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 from fsdptrain.train import step
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
 Grads = dict[str, Tensor]

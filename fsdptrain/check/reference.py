@@ -31,8 +31,8 @@ from fsdptrain.check.batch import RolloutFacts
 from fsdptrain.check.oracles import reference_policy_outputs, reference_values
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings as PgSettings
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
 _LOG_RATIO_CLAMP = 20.0

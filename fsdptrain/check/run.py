@@ -63,8 +63,8 @@ from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.train.packed_loss import packed_policy_loss, packed_value_loss
 from fsdptrain.train.setup import resolve_device_type
+from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"

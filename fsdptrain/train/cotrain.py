@@ -23,15 +23,9 @@ from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.draft_loss import draft_loss
+from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, draft_loss, packed_draft_mask
 from fsdptrain.rl.metrics import Metrics
-from fsdptrain.train.packed_loss import (
-    PolicyLossSettings,
-    SeqTargets,
-    count_draft_tokens_and_seqs,
-    packed_draft_mask,
-    packed_policy_loss,
-)
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
 
 
 @dataclass(frozen=True)
@@ -60,8 +54,9 @@ def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[S
     `drafter/*`). The agg mode, temperature and chunk size are the policy's."""
     drafter, policy = settings.drafter, settings.policy
     features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
-    loss, metrics = packed_policy_loss(model, packed, targets, norms=norms, settings=policy,
-                                       hidden_TH=features.final_hidden_TH)
+    head = model.get_output_embeddings()
+    loss, metrics = policy_loss_of_hidden(features.final_hidden_TH, head.weight, head.bias, packed, targets,
+                                          norms=norms, settings=policy)
     d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
     return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
 

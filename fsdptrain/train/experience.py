@@ -27,6 +27,8 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import plan_agreed
+from fsdptrain.model.forward import value_token_outputs
 from fsdptrain.rl.adv_estimators import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageResult,
@@ -36,9 +38,9 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.metrics import Metrics
+from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
-from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
-from fsdptrain.distributed.collectives import plan_agreed
+from fsdptrain.train.step import policy_token_outputs
 
 
 @torch.no_grad()

@@ -19,14 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import validate_world
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.files import write_atomic
 from fsdptrain.model.drafter import DraftVocab, draft_vocab_from_counts
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import build_drafter, draft_vocab_size, local_token_counts, vocab_from_file
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
 from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.train.progress import (
     METRIC_KINDS_FILE,
@@ -56,7 +57,7 @@ from fsdptrain.train.setup import (
 )
 from fsdptrain.train.signals import StopRequest
 from fsdptrain.train.sources import OfflineSource
-from fsdptrain.distributed.collectives import reduce_metrics
+from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import DrafterUpdate, MiniBatch, update_on_minibatch
 from fsdptrain.train.trackers import Trackers
 

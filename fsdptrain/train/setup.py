@@ -18,7 +18,7 @@ from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -18,12 +18,21 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fsdptrain.data.packing import PackPlan, pack_sequences
+from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.distributed.fsdp import reshard_all
+from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
+from fsdptrain.rl.packed_loss import (
+    PolicyLossSettings,
+    SeqTargets,
+    ValueLossSettings,
+    policy_loss_of_hidden,
+    token_logprobs_entropy,
+    value_loss_of_values,
+)
 from fsdptrain.train.cotrain import (
     CoTrainSettings,
     DraftLossSettings,
@@ -33,7 +42,6 @@ from fsdptrain.train.cotrain import (
     packed_policy_and_draft_loss,
 )
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -52,6 +60,31 @@ class MiniBatch:
 
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+
+def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
+                         compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One forward of the policy over the packed row, then `token_logprobs_entropy` of its hidden states."""
+    head = model.get_output_embeddings()
+    return token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
+                                  temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
+
+
+def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                       settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, Metrics]:
+    """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
+    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`)."""
+    if hidden_TH is None:
+        hidden_TH = final_hidden_states(model, packed)
+    head = model.get_output_embeddings()
+    return policy_loss_of_hidden(hidden_TH, head.weight, head.bias, packed, targets, norms=norms, settings=settings)
+
+
+def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                      settings: ValueLossSettings) -> tuple[torch.Tensor, Metrics]:
+    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`)."""
+    return value_loss_of_values(value_token_outputs(model, packed), packed, targets, norms=norms, settings=settings)
 
 
 def local_counts(batch: MiniBatch) -> tuple[int, int]:

@@ -281,7 +281,7 @@ def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
 
 
 def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
-    from fsdptrain.train import packed_loss
+    from fsdptrain.rl import packed_loss
 
     original = packed_loss.chunked_logprobs_entropy
     monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",

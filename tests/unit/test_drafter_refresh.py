@@ -19,7 +19,9 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.train.cotrain import DraftLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, count_draft_tokens_and_seqs, packed_policy_loss
+from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.train.step import packed_policy_loss
 from fsdptrain.train.step import DrafterUpdate, MiniBatch, update_on_minibatch
 
 VOCAB = 32

@@ -40,7 +40,8 @@ from fsdptrain.train.cotrain import (
 from fsdptrain.distributed.collectives import plan_agreed
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.train.step import packed_policy_loss
 from fsdptrain.train.step import (
     DrafterUpdate,
     MiniBatch,
