@@ -184,8 +184,8 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     torch.manual_seed(checked.trainer.seed)
     trainer = Trainer(checked, run_dir=None, info=info, mesh=mesh)
     batch = make_batch(trainer)
-    if checked.drafter.enabled and trainer.drafter is None:  # no vocabulary file or saved drafter: the batch's ids
-        vocab_size = trainer.models.policy.config.vocab_size
-        trainer.start_drafter(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
+    if checked.drafter.enabled and trainer.auxiliary_loss() is None:  # no vocabulary file or saved drafter yet:
+        vocab_size = trainer.models.policy.config.vocab_size  # the batch's ids
+        trainer.extensions[0].start(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
                                           draft_vocab_size=draft_vocab_size(checked, vocab_size)))
     return CheckSession(cfg=checked, trainer=trainer, batch=batch)

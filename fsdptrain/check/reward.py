@@ -23,7 +23,7 @@ from fsdptrain.distributed import world
 from fsdptrain.rewards.pool import run_call
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.progress import log, print_samples
-from fsdptrain.train.prompt_source import PromptSource
+from fsdptrain.train.rollout_sources import PromptSource
 from fsdptrain.train.setup import resolve_device_type
 
 

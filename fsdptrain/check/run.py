@@ -116,9 +116,10 @@ def parts_of(session: CheckSession, mode: str) -> list[Part]:
     if tr.models.critic is not None:
         out.append(Part("critic/", tr.models.critic, replace(tr.value_settings, agg_mode=mode), packed_value_loss,
                         per_sequence_value_loss, padded_value_loss))
-    if tr.drafter is not None:  # the co-trained drafter: its per-sequence oracle also stands in for a padded path
-        settings = draft_part_settings(tr.models.policy, out[0].settings, tr.drafter.loss, session.batch.full)
-        out.append(Part(DRAFTER, tr.drafter.module, settings, packed_draft_part_loss, per_sequence_draft_part_loss,
+    drafter = tr.auxiliary_loss()
+    if drafter is not None:  # the co-trained drafter: its per-sequence oracle also stands in for a padded path
+        settings = draft_part_settings(tr.models.policy, out[0].settings, drafter.loss, session.batch.full)
+        out.append(Part(DRAFTER, drafter.module, settings, packed_draft_part_loss, per_sequence_draft_part_loss,
                         per_sequence_draft_part_loss))
     return out
 

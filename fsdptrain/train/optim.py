@@ -154,3 +154,9 @@ class NonFiniteGuard:
             )
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return True
+
+    def state_dict(self) -> dict:
+        return {"num_skipped": self.num_skipped, "num_in_a_row": self.num_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_skipped, self.num_in_a_row = int(state["num_skipped"]), int(state["num_in_a_row"])

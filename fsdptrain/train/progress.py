@@ -7,17 +7,13 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Optional
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.files import append_line, write_atomic
 from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
 from fsdptrain.train.setup import max_response_length
-
-if TYPE_CHECKING:
-    from fsdptrain.train.loop import Trainer
-
 
 GRAD_NORM_WARN_STEPS = 5
 
@@ -46,30 +42,29 @@ class GradNormWatch:
                 f"({self.factor * self.clip:g}) for {GRAD_NORM_WARN_STEPS} steps (now {grad_norm:.4g}): clipping "
                 f"dominates the update; lower the learning rate or use a mode whose scale is near 1")
 
+    def state_dict(self) -> dict:
+        return {"in_a_row": self.in_a_row}
 
-def print_start_report(trainer: "Trainer") -> None:
-    """Model sizes, the backend, and the gradient scale of the configured mode with its normalisation in words."""
-    cfg = trainer.cfg
-    log(f"fsdptrain: {trainer.info.world_size} rank(s) on {trainer.device.type}, mesh {tuple(trainer.mesh.shape)}, "
-        f"packed attention: {trainer.models.backend}")
-    source = trainer.source
-    if hasattr(source, "train_rows"):
-        dropped = source.dropped
-        log(f"prompts: {len(source.train_rows)} training rows, {len(source.eval_rows)} evaluation rows"
-            + (f"; skipped {dropped['train']} + {dropped['eval']} longer than data.max_prompt_length"
-               if dropped["train"] or dropped["eval"] else "")
-            + f"; {trainer.num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
-            f"{trainer.num_steps * cfg.rollout.prompts_per_step / len(source.train_rows):.3g} epochs; rewards: "
-            + ", ".join([f"{f.name} x {f.weight:g}" for f in source.functions] + _reward_model_names(cfg)))
-    log("policy: " + describe_model_memory(trainer.models.policy, num_shards=trainer.dp_size))
+    def load_state_dict(self, state: dict) -> None:
+        self.in_a_row = int(state["in_a_row"])
+
+
+def print_start_report(cfg, *, world_size: int, device, mesh_shape: tuple, backend: str, policy, dp_size: int,
+                       loss_scale_factor: float, source_line: Optional[str]) -> None:
+    """Model sizes, the backend, the source's line, and the gradient scale of the configured mode with its
+    normalisation in words."""
+    log(f"fsdptrain: {world_size} rank(s) on {device.type}, mesh {mesh_shape}, packed attention: {backend}")
+    if source_line is not None:
+        log(source_line)
+    log("policy: " + describe_model_memory(policy, num_shards=dp_size))
     seqs = cfg.rollout.prompts_per_step // cfg.trainer.mini_batches_per_step * (
         cfg.rollout.n if cfg.data.source != "jsonl" else 1)
     max_len = max_response_length(cfg)
     if cfg.loss.loss_scale_factor is None and cfg.loss.agg_mode == "seq-mean-token-sum-norm":
         log(f"loss.loss_scale_factor is null: using the configured maximum response length {max_len}")
     report = grad_scale_report(cfg.loss.agg_mode, num_tokens=seqs * max_len, num_seqs=seqs,
-                               seq_lengths=[max_len] * seqs, dp_size=trainer.dp_size,
-                               loss_scale_factor=trainer.loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
+                               seq_lengths=[max_len] * seqs, dp_size=dp_size,
+                               loss_scale_factor=loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
     log(f"normalisation (a mini-batch of {seqs} sequences at the maximum length {max_len}): " + report.describe())
 
 
@@ -135,11 +130,6 @@ def stats_line(result: dict) -> str:
         if key in result:
             parts.append(f"{label} {result[key]:.3g}")
     return "  ".join(parts)
-
-
-def _reward_model_names(cfg) -> list[str]:
-    weights = cfg.reward.model_weights or [1.0] * len(cfg.reward.models)
-    return [f"reward_model/{m} ({path}) x {w:g}" for m, (path, w) in enumerate(zip(cfg.reward.models, weights))]
 
 
 def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:

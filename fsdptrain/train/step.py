@@ -13,15 +13,14 @@ This is where the contracts of docs/architecture.md (the data path) and docs/los
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
-from fsdptrain.distributed.fsdp import reshard_all
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
@@ -32,14 +31,6 @@ from fsdptrain.rl.packed_loss import (
     policy_loss_of_hidden,
     token_logprobs_entropy,
     value_loss_of_values,
-)
-from fsdptrain.train.cotrain import (
-    CoTrainSettings,
-    DraftLossSettings,
-    global_normalizers_with_draft,
-    local_draft_counts,
-    packed_draft_refresh_loss,
-    packed_policy_and_draft_loss,
 )
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
 
@@ -94,9 +85,16 @@ def local_counts(batch: MiniBatch) -> tuple[int, int]:
 
 def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float]) -> LossNormalizers:
     """The mini-batch's global counts (collective): response tokens and sequences with at least one such token."""
-    total = world.all_reduce_sum(torch.tensor(local_counts(batch), dtype=torch.float64))
-    return LossNormalizers(global_num_tokens=int(total[0]), global_num_seqs=int(total[1]), dp_size=dp_size,
-                           loss_scale_factor=loss_scale_factor)
+    (norms,) = normalizers_of(local_counts(batch), dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    return norms
+
+
+def normalizers_of(*local: tuple[int, int], dp_size: int, loss_scale_factor: Optional[float]
+                   ) -> tuple[LossNormalizers, ...]:
+    """Global normalisers from each loss's (tokens, sequences) on this rank, all in ONE all-reduce (collective)."""
+    total = world.all_reduce_sum(torch.tensor([c for counts in local for c in counts], dtype=torch.float64))
+    return tuple(LossNormalizers(global_num_tokens=int(total[2 * i]), global_num_seqs=int(total[2 * i + 1]),
+                                 dp_size=dp_size, loss_scale_factor=loss_scale_factor) for i in range(len(local)))
 
 
 @dataclass
@@ -134,26 +132,57 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
 
 @dataclass
 class StepOutcome:
-    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, and the normalisers used
-    (with a co-trained drafter, `drafter` is the drafter's own step)."""
+    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, the normalisers used, and
+    the typed per-step facts of an auxiliary loss's own step (empty without one)."""
 
     grad_norm: float
     skipped: bool
     norms: Optional[LossNormalizers] = None
-    drafter: Optional["StepOutcome"] = None
+    auxiliary: Metrics = field(default_factory=Metrics)
 
 
-@dataclass
-class DrafterUpdate:
-    """A drafter co-trained with the policy: its sharded module, its own optimizer, clip and guard, its loss, and
-    how many refresh passes follow each policy step (docs/drafter.md)."""
+class AuxiliaryLoss(Protocol):
+    """The hook for an auxiliary loss on the policy's forward (docs/architecture.md, "Extensions").
 
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    grad_clip: float
-    guard: NonFiniteGuard
-    loss: DraftLossSettings
-    refresh_passes: int = 0
+    The policy's update runs :meth:`forward` instead of its plain forward, once per pack: it returns what it captured
+    (``final_hidden_TH`` among it, which the policy loss uses). The auxiliary loss of the same pack is added to the
+    policy loss, so one backward trains both; it must reach the policy only through detached captures, so the
+    policy's gradients stay those of the policy loss. It has its own global normalisers, counted on this rank by
+    :meth:`local_counts` and all-reduced in the same call as the policy's. After the policy's optimizer step,
+    :meth:`after_policy_step` takes its own optimizer's step (and any extra passes) and returns typed facts.
+    """
+
+    def forward(self, model, packed: PackedBatch): ...
+
+    def local_counts(self, batch: MiniBatch, plan: PackPlan) -> tuple[int, int]: ...
+
+    def loss_of(self, model, captured, packed: PackedBatch, *, norms: LossNormalizers,
+             policy: PolicyLossSettings) -> tuple[torch.Tensor, Metrics]: ...
+
+    def after_policy_step(self, model, batch: MiniBatch, plan: PackPlan, *, norms: LossNormalizers,
+                          policy: PolicyLossSettings, token_budget: int, device: torch.device) -> Metrics: ...
+
+
+@dataclass(frozen=True)
+class WithAuxiliary:
+    """The settings of :func:`policy_and_auxiliary_loss`: the policy loss's, the auxiliary loss and its global
+    normalisers."""
+
+    policy: PolicyLossSettings
+    auxiliary: AuxiliaryLoss
+    norms: LossNormalizers
+
+
+def policy_and_auxiliary_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                              settings: WithAuxiliary) -> tuple[torch.Tensor, Metrics]:
+    """policy_loss + auxiliary loss of one pack, from ONE forward of the policy (the auxiliary's capturing one); the
+    metrics of both."""
+    auxiliary = settings.auxiliary
+    captured = auxiliary.forward(model, packed)
+    loss, metrics = packed_policy_loss(model, packed, targets, norms=norms, settings=settings.policy,
+                                       hidden_TH=captured.final_hidden_TH)
+    aux_loss, aux_metrics = auxiliary.loss_of(model, captured, packed, norms=settings.norms, policy=settings.policy)
+    return loss + aux_loss, metrics.merge(aux_metrics)
 
 
 def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
@@ -168,48 +197,30 @@ def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard)
 
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
-                        guard: NonFiniteGuard, device: torch.device, drafter: Optional[DrafterUpdate] = None
+                        guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None
                         ) -> tuple[Metrics, StepOutcome]:
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
 
-    With ``drafter`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
-    train the drafter too (`packed_policy_and_draft_loss`), and the drafter then takes its own clipped step; then
-    come its refresh passes against the updated policy (:func:`refresh_drafter`). The metrics are the joint pass's:
-    the drafter is scored before it learns from this mini-batch.
+    With ``auxiliary`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
+    train the auxiliary loss too (:func:`policy_and_auxiliary_loss`), and after the policy's step comes the
+    auxiliary's own (:meth:`AuxiliaryLoss.after_policy_step`). The metrics are the joint pass's.
     """
-    if drafter is None:
+    if auxiliary is None:
         norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device)
         outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
         outcome.norms = norms
         return reduce_metrics(accumulated.metrics), outcome
-    assert loss_fn is packed_policy_loss, "a drafter co-trains with the policy loss only"
+    assert loss_fn is packed_policy_loss, "an auxiliary loss trains with the policy loss only"
     plan = plan_agreed(batch.lengths(), token_budget)
-    draft_counts = local_draft_counts(batch.prompts, batch.responses, plan, on=drafter.loss.on)
-    norms, draft_norms = global_normalizers_with_draft(local_counts(batch), draft_counts, dp_size=dp_size,
-                                                       loss_scale_factor=loss_scale_factor)
-    joint = CoTrainSettings(policy=settings, drafter=drafter.module, draft=drafter.loss, draft_norms=draft_norms)
-    accumulated = accumulate_gradients(model, batch, loss_fn=packed_policy_and_draft_loss, settings=joint,
+    norms, aux_norms = normalizers_of(local_counts(batch), auxiliary.local_counts(batch, plan), dp_size=dp_size,
+                                      loss_scale_factor=loss_scale_factor)
+    joint = WithAuxiliary(policy=settings, auxiliary=auxiliary, norms=aux_norms)
+    accumulated = accumulate_gradients(model, batch, loss_fn=policy_and_auxiliary_loss, settings=joint,
                                        norms=norms, token_budget=token_budget, device=device, plan=plan)
     outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
     outcome.norms = norms
-    outcome.drafter = optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
-                                     guard=drafter.guard)
-    outcome.drafter.norms = draft_norms
-    refresh_drafter(model, batch, drafter, settings=joint, plan=plan, token_budget=token_budget, device=device)
+    outcome.auxiliary = auxiliary.after_policy_step(model, batch, plan, norms=aux_norms, policy=settings,
+                                                    token_budget=token_budget, device=device)
     return reduce_metrics(accumulated.metrics), outcome
-
-
-def refresh_drafter(model, batch: MiniBatch, drafter: DrafterUpdate, *, settings: CoTrainSettings, plan: PackPlan,
-                    token_budget: int, device: torch.device) -> None:
-    """`drafter.refresh_passes` drafter-only passes over the mini-batch, each a clipped step of the drafter, with the
-    policy (already stepped) forward under no_grad as the teacher: the drafter catches up with the policy that
-    generates the next rollouts. The policy's weights and gradients are not touched; its units are resharded after
-    (`reshard_all`). Collective, on the joint pass's agreed plan."""
-    for _ in range(drafter.refresh_passes):
-        accumulate_gradients(model, batch, loss_fn=packed_draft_refresh_loss, settings=settings,
-                             norms=settings.draft_norms, token_budget=token_budget, device=device, plan=plan)
-        optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip, guard=drafter.guard)
-    if drafter.refresh_passes:
-        reshard_all(model)
