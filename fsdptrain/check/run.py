@@ -63,7 +63,7 @@ from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.train.setup import resolve_device_type
+from fsdptrain.train.build import resolve_device_type
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")

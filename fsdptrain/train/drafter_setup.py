@@ -1,12 +1,12 @@
 """The co-trained drafter's life in a run: its vocabulary, its sharded build, its optimizer, its export.
 
-Every rank runs these collectively, in the same order. :class:`DrafterExtension` plugs all of it into the train step through the extension hook
-(`fsdptrain.train.loop.Extension`, docs/architecture.md "Extensions"). The drafter is built once its draft
-vocabulary is known:
-at start from `drafter.vocab_path`, or from the token counts of the first `drafter.vocab_from_steps` steps' rollouts
-(summed over ranks, so every rank builds the same vocabulary), right before that last step's update. Its random
-initialisation draws from a generator of its own (seeded from `trainer.seed`), so turning the drafter on leaves the
-global RNG, and hence the rollouts and the policy's run, unchanged. docs/drafter.md describes the whole.
+Every rank runs these collectively, in the same order. :class:`DrafterExtension` plugs all of it into the train
+step through the extension hook (`fsdptrain.train.loop.Extension`, docs/architecture.md "Extensions"). The drafter
+is built once its draft vocabulary is known: at start from `drafter.vocab_path`, or from the token counts of the
+first `drafter.vocab_from_steps` steps' rollouts (summed over ranks, so every rank builds the same vocabulary), right
+before that last step's update. Its random initialisation draws from a generator of its own (seeded from
+`trainer.seed`), so turning the drafter on leaves the global RNG, and hence the rollouts and the policy's run,
+unchanged. docs/drafter.md describes the whole.
 """
 
 from __future__ import annotations

@@ -35,32 +35,35 @@ from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
-from fsdptrain.train.optim import NonFiniteGuard
+from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
-from fsdptrain.train.progress import (
-    METRIC_KINDS_FILE,
-    GradNormWatch,
+from fsdptrain.train.console import (
     log,
-    metric_kinds,
     print_samples,
     print_start_report,
     print_summary,
     progress_columns,
     quiet_known_warnings,
-    read_metric_kinds,
     stats_line,
+)
+from fsdptrain.train.rollout_sources import build_source, resolve_steps
+from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
+from fsdptrain.train.run_files import (
+    METRIC_KINDS_FILE,
+    metric_kinds,
+    read_metric_kinds,
     write_metric_kinds,
     write_metrics_line,
     write_samples,
 )
-from fsdptrain.train.rollout_sources import build_source, resolve_steps
-from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
-from fsdptrain.train.setup import (
+from fsdptrain.train.build import (
     build_models,
     build_tokenizer,
     loss_scale_factor,
+    max_response_length,
     policy_settings,
     resolve_device_type,
+    skips_old_passes,
     value_settings,
 )
 from fsdptrain.train.signals import StopRequest
@@ -353,15 +356,6 @@ def on_policy_deviation(values: dict[str, float]) -> Metrics:
     return Metrics({"actor/on_policy_max_ratio_dev": Max(max(deviations))}) if deviations else Metrics()
 
 
-def skips_old_passes(cfg: DictConfig) -> bool:
-    """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
-    skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
-    experience; no behaviour log-probs from data; and no KL-in-reward (it reads the old log-probs before the update)."""
-    return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
-            and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
-            and cfg.algorithm.kl_in_reward_coef == 0)
-
-
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 
@@ -398,7 +392,8 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
         keep_metrics_before(samples_path, start)
     print_start_report(cfg, world_size=info.world_size, device=trainer.device, mesh_shape=tuple(trainer.mesh.shape),
                        backend=trainer.models.backend, policy=trainer.models.policy, dp_size=trainer.dp_size,
-                       loss_scale_factor=trainer.loss_scale_factor, source_line=trainer.source.describe(num_steps))
+                       loss_scale_factor=trainer.loss_scale_factor, max_len=max_response_length(cfg),
+                       source_line=trainer.source.describe(num_steps))
     eval_rewards: dict[int, float] = {}
     if trainer.can_evaluate() and start == 0:
         eval_rewards[0] = trainer.evaluate()

@@ -45,9 +45,9 @@ from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAno
 from fsdptrain.rl.metrics import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.train.perf import phase
-from fsdptrain.train.progress import log
+from fsdptrain.train.console import log
 from fsdptrain.train.reward_scoring import ModelScores, score_with_reward_models
-from fsdptrain.train.setup import DTYPES, Models
+from fsdptrain.train.build import DTYPES, Models
 
 
 class RolloutSource(Protocol):

@@ -17,7 +17,7 @@ from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, s
 from fsdptrain.distributed.checkpoint_check import newest_intact_checkpoint
 from fsdptrain.distributed.export import export_hf
 from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
-from fsdptrain.train.progress import log
+from fsdptrain.train.console import log
 from fsdptrain.train.run_ownership import run_id
 
 STATE_LAYOUT = 2

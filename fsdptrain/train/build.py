@@ -1,4 +1,5 @@
-"""Set-up of one run from its config: the tokenizer, the sharded models and their optimizers, the loss settings.
+"""Building one run from its config: the tokenizer, the sharded models and their optimizers, the loss settings,
+the dtypes by config name.
 
 Every rank runs these collectively, in the same order (docs/architecture.md).
 """
@@ -166,3 +167,12 @@ def resolve_device_type(cfg: DictConfig) -> str:
     if cfg.trainer.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.trainer.device
+
+
+def skips_old_passes(cfg: DictConfig) -> bool:
+    """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
+    skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
+    experience; no behaviour log-probs from data; and no KL-in-reward (it reads the old log-probs before the update)."""
+    return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
+            and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
+            and cfg.algorithm.kl_in_reward_coef == 0)
