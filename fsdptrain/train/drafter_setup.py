@@ -34,6 +34,7 @@ from fsdptrain.model.drafter_export import export_drafter, load_drafter
 from fsdptrain.rl.metrics import Max, Metrics
 from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
+from fsdptrain.train.run_dir import guard_of_layout_1
 
 DEFAULT_DRAFT_VOCAB = 32000
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -250,9 +251,7 @@ class DrafterExtension:
     def state_of_layout_1(extra: dict) -> dict:
         """The state of a layout-1 checkpoint (docs/checkpointing.md): the guard's ``drafter_nonfinite`` pair and
         the vocabulary's ``draft_counts``, both in its ``extra``."""
-        pair = extra.get("drafter_nonfinite")
-        guard = None if pair is None else {"num_skipped": int(pair[0]), "num_in_a_row": int(pair[1])}
-        return {"guard": guard, "draft_counts": extra.get("draft_counts")}
+        return {"guard": guard_of_layout_1(extra.get("drafter_nonfinite")), "draft_counts": extra.get("draft_counts")}
 
     def step_facts(self) -> Metrics:
         """`drafter/lr` and `drafter/nonfinite_skipped` (a run total): the same on every rank, MAX over ranks."""
