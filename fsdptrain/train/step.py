@@ -5,10 +5,14 @@ This is where the contracts of docs/architecture.md (the data path) and docs/los
 1. the number of micro-batches is agreed world-wide (max over ranks) and this rank's packs are planned with it, so
    every rank runs the same forwards and FSDP's collectives line up (a rank with less work runs empty packs);
 2. the mini-batch's global token and sequence counts are all-reduced once, before any forward;
-3. each micro-batch runs one packed forward and the fused loss with those global counts (``agg_loss`` applies the
-   dp-size factor), then backward; micro-batch losses are summed by backward, never averaged by their count;
+3. each micro-batch runs one packed forward of the model (here) and the fused loss of its outputs
+   (fsdptrain/rl/packed_loss.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
+   micro-batch losses are summed by backward, never averaged by their count;
 4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step;
-5. metrics merge by their kinds over micro-batches and then over ranks (:func:`reduce_metrics`).
+5. metrics merge by their kinds over micro-batches and then over ranks (``reduce_metrics``).
+
+The policy's update takes an optional :class:`AuxiliaryLoss`: the hook through which an extension trains a loss on
+the policy's forward (docs/architecture.md, "Extensions").
 """
 
 from __future__ import annotations
