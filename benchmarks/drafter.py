@@ -36,11 +36,11 @@ from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.rl.draft_loss import draft_loss
+from fsdptrain.rl.draft_loss import packed_draft_mask
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.train.cotrain import global_normalizers_with_draft, local_draft_counts
 from fsdptrain.train.loop import Trainer
-from fsdptrain.train.packed_loss import packed_draft_mask
-from fsdptrain.train.progress import quiet_known_warnings
+from fsdptrain.train.console import quiet_known_warnings
 
 METRICS = ("drafter/accept_prob", "drafter/expected_accept_len@3", "drafter/top1_agreement", "drafter/loss")
 
@@ -101,14 +101,14 @@ def interleaved_overhead(overrides: list[str], repeats: int) -> dict[str, float]
     trainer = Trainer(cfg, Path(tempfile.mkdtemp()), info, mesh)
     start = time.perf_counter()
     rollouts, _ = trainer.step_rollouts(0)
-    trainer.count_draft_vocab(0, rollouts)
+    trainer.extensions[0].on_rollouts(0, rollouts)
     targets, facts = trainer.make_experience(rollouts)
     batches = trainer.minibatches(rollouts, targets)
     before_update = time.perf_counter() - start
-    drafter, best = trainer.drafter, {"on": float("inf"), "off": float("inf")}
+    drafter, best = trainer.extensions[0].update, {"on": float("inf"), "off": float("inf")}
     for _ in range(repeats):
         for mode in ("off", "on"):
-            trainer.drafter = drafter if mode == "on" else None
+            trainer.extensions[0].update = drafter if mode == "on" else None
             start = time.perf_counter()
             trainer.update(batches, facts["on_policy"])
             best[mode] = min(best[mode], time.perf_counter() - start)
@@ -150,8 +150,8 @@ def main() -> None:
     results = {
         "steps": steps,
         "eval_sequences": len(rollouts),
-        "co-trained": score(cotrained, cotrained.drafter.module, rollouts),
-        "frozen": score(cotrained, frozen.drafter.module, rollouts),
+        "co-trained": score(cotrained, cotrained.auxiliary_loss().module, rollouts),
+        "frozen": score(cotrained, frozen.auxiliary_loss().module, rollouts),
         "accept_prob_first5": statistics.mean(r["drafter/accept_prob"] for r in rows_on[:5]),
         "accept_prob_last5": statistics.mean(r["drafter/accept_prob"] for r in rows_on[-5:]),
         "accept_len3_first5": statistics.mean(r["drafter/expected_accept_len@3"] for r in rows_on[:5]),

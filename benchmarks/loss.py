@@ -8,7 +8,7 @@ Sections:
   log_softmax -> gather), each in its own process, as peak RSS minus the RSS once the inputs were built.
   Goal: the chunked path's extra memory is at most a quarter of the naive one's.
 - timing: the same two paths, forward+backward and forward alone under no_grad (the experience pass), at that size.
-- packed: the fused packed policy loss (`fsdptrain.train.packed_loss.packed_policy_loss`: one packed forward per pack of
+- packed: the fused packed policy loss (`fsdptrain.train.step.packed_policy_loss`: one packed forward per pack of
   a small Llama, the chunked projection, the loss once per row) vs the per-sequence reference loop
   (`per_sequence_policy_loss`), at 8 and 64 sequences of log-normal lengths (mean about 128), V=32000, hidden 512.
   Goal: the fused path is never slower.
@@ -38,7 +38,8 @@ from fsdptrain.config.schema import LossConfig
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.train.step import packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}
 WARMUP_SEQS = 8
@@ -151,7 +152,7 @@ def lognormal_lengths(num_seqs: int, mean: float, seed: int, sigma: float = 0.6)
 def _packed_variants(model, prompts, responses, targets, *, token_budget, chunk_size, num_seqs=None):
     """name -> a callable giving one step's total loss to backward, on the same model and sequences.
 
-    fused: `fsdptrain.train.packed_loss.packed_policy_loss` over packs planned under `token_budget` (one packed forward per
+    fused: `fsdptrain.train.step.packed_policy_loss` over packs planned under `token_budget` (one packed forward per
     pack, the chunked projection, the loss computed once per row); per-sequence: the reference path
     `per_sequence_policy_loss`, one forward per sequence through the unpacked model, full logits, a Python loop.
     `num_seqs`: only the first ones (the warm-up's subset).

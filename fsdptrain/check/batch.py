@@ -31,12 +31,13 @@ from fsdptrain.check.draft_check import check_vocab
 from fsdptrain.config import ConfigError
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import reduce_metrics
+from fsdptrain.rl.metrics import finalize
+from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values
 from fsdptrain.train.loop import Trainer
-from fsdptrain.train.packed_loss import SeqTargets
-from fsdptrain.rl.metrics import finalize
-from fsdptrain.train.step import MiniBatch, reduce_metrics
+from fsdptrain.train.step import MiniBatch
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN
 BEHAVIOUR_SEED, BEHAVIOUR_SPREAD = 20_260_127, 1.0  # planted behaviour log-probs: old +- 1 (weights in [0.37, 2.7])
@@ -261,9 +262,9 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     torch.manual_seed(checked.trainer.seed)
     trainer = Trainer(checked, run_dir=None, info=info, mesh=mesh)
     batch = make_batch(trainer)
-    if checked.drafter.enabled and trainer.drafter is None:  # no vocabulary file or saved drafter: the batch's ids
-        vocab_size = trainer.models.policy.config.vocab_size
-        trainer.start_drafter(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
+    if checked.drafter.enabled and trainer.auxiliary_loss() is None:  # no vocabulary file or saved drafter yet:
+        vocab_size = trainer.models.policy.config.vocab_size  # the batch's ids
+        trainer.extensions[0].start(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
                                           draft_vocab_size=draft_vocab_size(checked, vocab_size)))
     return CheckSession(cfg=checked, trainer=trainer, batch=batch,
                         update=update_shape(cfg, checked.rollout.prompts_per_step))

@@ -35,15 +35,16 @@ from torch import Tensor
 
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize
+from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 from fsdptrain.train import step
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
 Grads = dict[str, Tensor]
@@ -235,7 +236,7 @@ def real_ranks(part: Part, ctx: Context) -> Run:
                                     loss_scale_factor=ctx.norms.loss_scale_factor)
     loss, metrics = run_packs(part, ctx.local, None, norms, ctx)
     total = world.all_reduce_sum(torch.tensor([loss], dtype=torch.float64))
-    return Run(float(total[0]) / ctx.mesh.size(), step.reduce_metrics(metrics), gather_full_grads(part.model))
+    return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
 
 
 def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,

@@ -23,9 +23,9 @@ from fsdptrain.check.batch import CheckBatch, CheckSession, IsCorrection
 from fsdptrain.check.compare import Check
 from fsdptrain.check.experience_reference import OracleSettings, SeqInputs, max_difference, oracle_experience
 from fsdptrain.distributed import world
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
 from fsdptrain.train.experience import estimate_advantages
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 
 OFF_POLICY_SEED = 20_250_515
 OLD_SPREAD, REF_SPREAD, BEHAVIOUR_SPREAD, VALUE_SPREAD = 1.5, 4.0, 1.0, 0.5

@@ -13,9 +13,9 @@ from torch import Tensor
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 
 
 def _sequence_ids(prompt_ids: Sequence[int], response_ids: Sequence[int], device) -> Tensor:

@@ -34,8 +34,8 @@ from fsdptrain.check.per_sequence import reference_policy_outputs, reference_val
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.rl.pg_losses import PgTermSettings
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import MiniBatch
 
 EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained variance is ill-conditioned, not compared

@@ -22,9 +22,9 @@ from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.distributed import world
 from fsdptrain.rewards.pool import run_call
 from fsdptrain.train.loop import Trainer
-from fsdptrain.train.progress import log, print_samples
-from fsdptrain.train.prompt_source import PromptSource
-from fsdptrain.train.setup import resolve_device_type
+from fsdptrain.train.console import log, print_samples
+from fsdptrain.train.rollout_sources import PromptSource
+from fsdptrain.train.build import resolve_device_type
 
 
 def spread(values: list, groups: list[int]) -> list[float]:

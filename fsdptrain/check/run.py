@@ -75,8 +75,8 @@ from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.train.packed_loss import packed_policy_loss, packed_value_loss
-from fsdptrain.train.setup import resolve_device_type
+from fsdptrain.train.build import resolve_device_type
+from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"
@@ -91,9 +91,10 @@ def parts_of(session: CheckSession, mode: str) -> list[Part]:
     if tr.models.critic is not None:
         out.append(Part("critic/", tr.models.critic, replace(tr.value_settings, agg_mode=mode), packed_value_loss,
                         per_sequence_value_loss, padded_value_loss))
-    if tr.drafter is not None:  # the co-trained drafter: its per-sequence oracle also stands in for a padded path
-        settings = draft_part_settings(tr.models.policy, out[0].settings, tr.drafter.loss, session.batch.full)
-        out.append(Part(DRAFTER, tr.drafter.module, settings, packed_draft_part_loss, per_sequence_draft_part_loss,
+    drafter = tr.auxiliary_loss()
+    if drafter is not None:  # the co-trained drafter: its per-sequence oracle also stands in for a padded path
+        settings = draft_part_settings(tr.models.policy, out[0].settings, drafter.loss, session.batch.full)
+        out.append(Part(DRAFTER, drafter.module, settings, packed_draft_part_loss, per_sequence_draft_part_loss,
                         per_sequence_draft_part_loss))
     return out
 

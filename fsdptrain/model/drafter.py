@@ -316,7 +316,7 @@ def _first_tensor(args, kwargs) -> Tensor:
 
 def capture_policy_features(model: nn.Module, packed: PackedBatch, *, feature_layers: Sequence[int]) -> PolicyFeatures:
     """One forward of the ROOT policy model over the packed row, capturing by hooks (they only read and detach, so
-    the policy's graph, and hence its gradients, are those of `fsdptrain.train.packed_loss.final_hidden_states`)."""
+    the policy's graph, and hence its gradients, are those of `fsdptrain.model.forward.final_hidden_states`)."""
     captured: dict = {}
     layers = decoder_layers(model)
     handles = []

@@ -264,7 +264,7 @@ def score_sequences(
 ) -> Tensor:
     """Scores `[N]` (float32, CPU) of the sequences `input_ids`, packed as `packs` (indices into `input_ids`).
 
-    `packs` comes from the caller's planner (e.g. `train_step.plan_agreed`, so every rank runs the same number of
+    `packs` comes from the caller's planner (e.g. `fsdptrain.distributed.collectives.plan_agreed`, so every rank runs the same number of
     forwards; an empty pack still runs one). Every index must appear in exactly one pack. Call `model.reshard()`
     after the scoring phase when `model` is sharded, to free its root unit.
     """

@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from fsdptrain.registry.names import DRAFT_ON
-from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode
+from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Loss, Mean, Metrics
+from fsdptrain.rl.packed_loss import PackedRow
 
 ACCEPT_WINDOW = 3
 _LEN_KEY = f"drafter/expected_accept_len@{ACCEPT_WINDOW}"
@@ -232,3 +233,14 @@ def draft_loss(draft_hidden_TH: Tensor, draft_head_DH: Tensor, policy_hidden_TH:
 # ---- the per-sequence reference ------------------------------------------------------------------------------
 
 
+
+
+def packed_draft_mask(packed: PackedRow, *, on: str) -> Tensor:
+    """`draft_mask` of a pack's row, `[T]`."""
+    return draft_mask(packed.label_mask[0], packed.response_mask[0], on=on)
+
+
+def count_draft_tokens_and_seqs(packed: PackedRow, *, on: str) -> tuple[int, int]:
+    """(scored draft positions, sequences with at least one) of one pack: what the train step all-reduces into the
+    draft loss's own `LossNormalizers` (never the policy's: the masks differ)."""
+    return count_tokens_and_seqs(packed_draft_mask(packed, on=on), packed.cu_seqlens)

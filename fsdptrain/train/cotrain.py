@@ -21,17 +21,14 @@ from torch import Tensor, nn
 
 from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
+from fsdptrain.distributed.fsdp import reshard_all
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.draft_loss import draft_loss
-from fsdptrain.rl.metrics import Metrics
-from fsdptrain.train.packed_loss import (
-    PolicyLossSettings,
-    SeqTargets,
-    count_draft_tokens_and_seqs,
-    packed_draft_mask,
-    packed_policy_loss,
-)
+from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, draft_loss, packed_draft_mask
+from fsdptrain.rl.metrics import Mean, Metrics
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
+from fsdptrain.train.optim import NonFiniteGuard
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, optimizer_step
 
 
 @dataclass(frozen=True)
@@ -60,8 +57,9 @@ def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[S
     `drafter/*`). The agg mode, temperature and chunk size are the policy's."""
     drafter, policy = settings.drafter, settings.policy
     features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
-    loss, metrics = packed_policy_loss(model, packed, targets, norms=norms, settings=policy,
-                                       hidden_TH=features.final_hidden_TH)
+    head = model.get_output_embeddings()
+    loss, metrics = policy_loss_of_hidden(features.final_hidden_TH, head.weight, head.bias, packed, targets,
+                                          norms=norms, settings=policy)
     d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
     return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
 
@@ -113,3 +111,57 @@ def global_normalizers_with_draft(policy_counts: tuple[int, int], draft_counts: 
     draft = LossNormalizers(global_num_tokens=int(total[2]), global_num_seqs=int(total[3]), dp_size=dp_size,
                             loss_scale_factor=loss_scale_factor)
     return policy, draft
+
+
+@dataclass
+class DrafterUpdate:
+    """A drafter co-trained with the policy, as the step's auxiliary loss (`fsdptrain.train.step.AuxiliaryLoss`):
+    its sharded module, its own optimizer, clip and guard, its loss, and how many refresh passes follow each policy
+    step (docs/drafter.md)."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_clip: float
+    guard: NonFiniteGuard
+    loss: DraftLossSettings
+    refresh_passes: int = 0
+
+    def forward(self, model, packed: PackedBatch):
+        """The policy's one forward, capturing the drafter's features and the final hidden states."""
+        return capture_policy_features(model, packed, feature_layers=self.module.feature_layers)
+
+    def local_counts(self, batch: MiniBatch, plan: PackPlan) -> tuple[int, int]:
+        return local_draft_counts(batch.prompts, batch.responses, plan, on=self.loss.on)
+
+    def settings(self, policy: PolicyLossSettings, norms: LossNormalizers) -> CoTrainSettings:
+        return CoTrainSettings(policy=policy, drafter=self.module, draft=self.loss, draft_norms=norms)
+
+    def loss_of(self, model, captured, packed: PackedBatch, *, norms: LossNormalizers,
+                policy: PolicyLossSettings) -> tuple[Tensor, Metrics]:
+        """loss_weight * draft_loss of one pack and its `drafter/*` metrics."""
+        d_loss, d_metrics = _draft_loss_of(model, captured, packed, self.settings(policy, norms))
+        return self.loss.loss_weight * d_loss, d_metrics
+
+    def after_policy_step(self, model, batch: MiniBatch, plan: PackPlan, *, norms: LossNormalizers,
+                          policy: PolicyLossSettings, token_budget: int, device: torch.device) -> Metrics:
+        """The drafter's clipped step, then its refresh passes (:func:`refresh_drafter`); its grad norm and global
+        token count, each a MEAN over the step's optimizer steps."""
+        outcome = optimizer_step(self.module, self.optimizer, grad_clip=self.grad_clip, guard=self.guard)
+        refresh_drafter(model, batch, self, settings=self.settings(policy, norms), plan=plan,
+                        token_budget=token_budget, device=device)
+        return Metrics({"drafter/grad_norm": Mean(outcome.grad_norm, 1),
+                        "drafter/global_num_tokens": Mean(norms.global_num_tokens, 1)})
+
+
+def refresh_drafter(model, batch: MiniBatch, drafter: DrafterUpdate, *, settings: CoTrainSettings, plan: PackPlan,
+                    token_budget: int, device: torch.device) -> None:
+    """`drafter.refresh_passes` drafter-only passes over the mini-batch, each a clipped step of the drafter, with the
+    policy (already stepped) forward under no_grad as the teacher: the drafter catches up with the policy that
+    generates the next rollouts. The policy's weights and gradients are not touched; its units are resharded after
+    (`reshard_all`). Collective, on the joint pass's agreed plan."""
+    for _ in range(drafter.refresh_passes):
+        accumulate_gradients(model, batch, loss_fn=packed_draft_refresh_loss, settings=settings,
+                             norms=settings.draft_norms, token_budget=token_budget, device=device, plan=plan)
+        optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip, guard=drafter.guard)
+    if drafter.refresh_passes:
+        reshard_all(model)

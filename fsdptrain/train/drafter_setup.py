@@ -1,10 +1,12 @@
 """The co-trained drafter's life in a run: its vocabulary, its sharded build, its optimizer, its export.
 
-Every rank runs these collectively, in the same order. The drafter is built once its draft vocabulary is known:
-at start from `drafter.vocab_path`, or from the token counts of the first `drafter.vocab_from_steps` steps' rollouts
-(summed over ranks, so every rank builds the same vocabulary), right before that last step's update. Its random
-initialisation draws from a generator of its own (seeded from `trainer.seed`), so turning the drafter on leaves the
-global RNG, and hence the rollouts and the policy's run, unchanged. docs/drafter.md describes the whole.
+Every rank runs these collectively, in the same order. :class:`DrafterExtension` plugs all of it into the train
+step through the extension hook (`fsdptrain.train.loop.Extension`, docs/architecture.md "Extensions"). The drafter
+is built once its draft vocabulary is known: at start from `drafter.vocab_path`, or from the token counts of the
+first `drafter.vocab_from_steps` steps' rollouts (summed over ranks, so every rank builds the same vocabulary), right
+before that last step's update. Its random initialisation draws from a generator of its own (seeded from
+`trainer.seed`), so turning the drafter on leaves the global RNG, and hence the rollouts and the policy's run,
+unchanged. docs/drafter.md describes the whole.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from fsdptrain.model.drafter import (
     Eagle3Drafter,
     default_feature_layers,
     draft_config,
+    draft_vocab_from_counts,
     load_draft_vocab,
 )
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
-from fsdptrain.train.cotrain import DraftLossSettings
+from fsdptrain.rl.metrics import Max, Metrics
+from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from fsdptrain.train.setup import DTYPES
-from fsdptrain.train.step import DrafterUpdate
+from fsdptrain.train.build import DTYPES
+from fsdptrain.train.run_dir import guard_of_layout_1
 
 DEFAULT_DRAFT_VOCAB = 32000
 DRAFTER_SEED_OFFSET = 7919
@@ -173,3 +177,90 @@ def export_sharded_drafter(drafter: Eagle3Drafter, out_dir: Path, target_config,
         plain.load_state_dict(state, strict=True)
         export_drafter(plain, out_dir, target_config, dtype=DTYPES[dtype], embed_tokens=embed_tokens)
     world.barrier()
+
+
+class DrafterExtension:
+    """The co-trained drafter as an extension of the train step (`fsdptrain.train.loop.Extension`): it counts the
+    draft vocabulary over the first steps' rollouts, then trains as the policy's auxiliary loss (`DrafterUpdate`),
+    saves and restores itself with the checkpoint, logs `drafter/lr` and `drafter/nonfinite_skipped`, and exports
+    `export/drafter/`."""
+
+    name = "drafter"
+
+    def __init__(self, cfg: DictConfig, policy, *, mesh, device: torch.device, backend: str, num_steps: int):
+        self.cfg, self.policy = cfg, policy
+        self.build_args = dict(mesh=mesh, device=device, backend=backend, num_steps=num_steps)
+        self.update: Optional[DrafterUpdate] = None
+        self.scheduler = None
+        self.draft_counts: Optional[torch.Tensor] = None
+        """Token counts (summed over ranks) of the steps so far, while the draft vocabulary is being counted."""
+        vocab_size = policy.config.vocab_size
+        draft_vocab_size(cfg, vocab_size)  # a size above the vocabulary fails before the first step
+        if cfg.drafter.path is not None:  # the saved drafter, its vocabulary with it
+            self.start(None)
+        elif cfg.drafter.vocab_path is not None:
+            self.start(vocab_from_file(cfg, vocab_size))
+
+    def start(self, vocab: Optional[DraftVocab]) -> None:
+        """Build the sharded drafter, its optimizer and scheduler over `vocab`, or from `drafter.path` when None
+        (collective)."""
+        self.update, self.scheduler = build_drafter(self.cfg, self.policy, vocab, **self.build_args)
+
+    def on_rollouts(self, step: int, rollouts: list[Rollout]) -> None:
+        """While the vocabulary is being counted: add this step's token counts (summed over ranks); after
+        `drafter.vocab_from_steps` steps, build the drafter over the most frequent tokens (collective)."""
+        if self.update is not None:
+            return
+        vocab_size = self.policy.config.vocab_size
+        counts = world.all_reduce_sum(local_token_counts(rollouts, vocab_size, on=self.cfg.drafter.on))
+        self.draft_counts = counts if self.draft_counts is None else self.draft_counts + counts
+        if step + 1 >= self.cfg.drafter.vocab_from_steps:
+            size = draft_vocab_size(self.cfg, vocab_size)
+            self.start(draft_vocab_from_counts(self.draft_counts, draft_vocab_size=size))
+            self.draft_counts = None
+
+    def auxiliary_loss(self) -> Optional[DrafterUpdate]:
+        return self.update
+
+    def extra_policy_forwards(self, epochs: int) -> int:
+        """The refresh passes' policy forwards of one step (counted in perf/*; the drafter's own FLOPs are not)."""
+        return epochs * self.update.refresh_passes if self.update is not None else 0
+
+    def parts(self) -> tuple[dict, dict, dict]:
+        """(models, optimizers, schedulers) to checkpoint: the drafter's weights with d2t/t2d, AdamW and schedule."""
+        if self.update is None:
+            return {}, {}, {}
+        return {"drafter": self.update.module}, {"drafter": self.update.optimizer}, {"drafter": self.scheduler}
+
+    def prepare_to_load(self, saved_models: list[str]) -> None:
+        """A checkpoint with a drafter while this run has none yet: build one of the right shapes, whose weights and
+        d2t/t2d the checkpoint then overwrites (collective)."""
+        if "drafter" in saved_models and self.update is None:
+            self.start(placeholder_vocab(self.cfg, self.policy.config.vocab_size))
+
+    def state_dict(self) -> dict:
+        guard = self.update.guard.state_dict() if self.update is not None else None
+        return {"guard": guard, "draft_counts": None if self.draft_counts is None else self.draft_counts.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.update is not None and state["guard"] is not None:
+            self.update.guard.load_state_dict(state["guard"])
+        self.draft_counts = state["draft_counts"]
+
+    @staticmethod
+    def state_of_layout_1(extra: dict) -> dict:
+        """The state of a layout-1 checkpoint (docs/checkpointing.md): the guard's ``drafter_nonfinite`` pair and
+        the vocabulary's ``draft_counts``, both in its ``extra``."""
+        return {"guard": guard_of_layout_1(extra.get("drafter_nonfinite")), "draft_counts": extra.get("draft_counts")}
+
+    def step_facts(self) -> Metrics:
+        """`drafter/lr` and `drafter/nonfinite_skipped` (a run total): the same on every rank, MAX over ranks."""
+        if self.update is None:
+            return Metrics()
+        return Metrics({"drafter/lr": Max(self.update.optimizer.param_groups[0]["lr"]),
+                        "drafter/nonfinite_skipped": Max(self.update.guard.num_skipped)})
+
+    def export(self, run_dir: Path) -> None:
+        if self.update is not None:
+            export_sharded_drafter(self.update.module, run_dir / "export" / "drafter", self.policy.config,
+                                   dtype=self.cfg.drafter.export_dtype)

@@ -27,6 +27,8 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import plan_agreed
+from fsdptrain.model.forward import value_token_outputs
 from fsdptrain.rl.adv_estimators import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageResult,
@@ -36,9 +38,9 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.metrics import Metrics
+from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
-from fsdptrain.train.packed_loss import SeqTargets, policy_token_outputs, value_token_outputs
-from fsdptrain.train.step import plan_agreed
+from fsdptrain.train.step import policy_token_outputs
 
 
 @torch.no_grad()
@@ -197,7 +199,7 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
 
     Collective (packed passes, one all-reduce). Returns the targets, whether the step is on-policy (no rollout
     carries behaviour log-probs), and this rank's experience metrics (rollout correction; empty without it).
-    ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/loop.py `skips_old_passes`): the old
+    ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/build.py `skips_old_passes`): the old
     log-probs, and the critic's old values when the estimator does not read them, are left None; the first update
     forward's detached outputs stand in for them, which is what the passes would have computed.
     """

@@ -1,7 +1,16 @@
-"""The training loop: rollouts -> experience -> epochs x mini-batches of the FSDP2 update -> metrics -> log.
+"""The training recipe: rollouts -> experience -> epochs x mini-batches of the FSDP2 update -> reduce -> log ->
+checkpoint.
 
-Set-up is split into ``build_*`` helpers; :meth:`Trainer.run_step` reads top to bottom as the data path of
-docs/architecture.md. Every rank runs this code; rank 0 alone prints and writes the run directory.
+:meth:`Trainer.run_step` reads top to bottom as the data path of docs/architecture.md and calls components only:
+the rollout source (fsdptrain/train/rollout_sources.py), the experience passes (experience.py), the update of one
+mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py); :func:`_run` logs each step and saves
+checkpoints (run_dir.py). Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone prints
+and writes the run directory.
+
+Optional features plug in as an :class:`Extension` (docs/architecture.md, "Extensions"): :func:`build_extensions` is
+their one registration. Every stateful part (models, optimizers, schedulers, guards, watches, the source, the
+extensions) saves and restores itself through ``state_dict()`` / ``load_state_dict()``; :meth:`Trainer.checkpointed`
+lists them for the checkpointer.
 
 Prompt groups are owned by rank ``index % world_size`` and belong to mini-batch ``index // (P / M)``, both fixed by
 the group's global index within the step, so the mini-batches hold the same data at any world size.
@@ -11,7 +20,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,64 +28,109 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import validate_world
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.files import write_atomic
-from fsdptrain.model.drafter import DraftVocab, draft_vocab_from_counts
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.train.drafter_setup import build_drafter, draft_vocab_size, local_token_counts, vocab_from_file
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
-from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss, packed_value_loss
+from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
-from fsdptrain.train.progress import (
-    METRIC_KINDS_FILE,
-    GradNormWatch,
+from fsdptrain.train.console import (
     log,
-    metric_kinds,
     print_samples,
     print_start_report,
     print_summary,
     progress_columns,
     quiet_known_warnings,
-    read_metric_kinds,
     stats_line,
+)
+from fsdptrain.train.rollout_sources import build_source, resolve_steps
+from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
+from fsdptrain.train.run_files import (
+    METRIC_KINDS_FILE,
+    metric_kinds,
+    read_metric_kinds,
     write_metric_kinds,
     write_metrics_line,
     write_samples,
 )
-from fsdptrain.train.prompt_source import PromptSource, resolve_steps
-from fsdptrain.train.run_dir import export, keep_metrics_before, resume, save
-from fsdptrain.train.setup import (
+from fsdptrain.train.build import (
     build_models,
     build_tokenizer,
     loss_scale_factor,
+    max_response_length,
     policy_settings,
     resolve_device_type,
+    skips_old_passes,
     value_settings,
 )
 from fsdptrain.train.signals import StopRequest
-from fsdptrain.train.sources import OfflineSource
-from fsdptrain.train.step import DrafterUpdate, MiniBatch, reduce_metrics, update_on_minibatch
+from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, packed_policy_loss, packed_value_loss, update_on_minibatch
 from fsdptrain.train.trackers import Trackers
 
 
-def actor_and_drafter_names(metrics: Metrics) -> Metrics:
-    """The policy step's metrics under `actor/`, the co-trained drafter's under their own `drafter/` names."""
-    return Metrics((name if name.startswith("drafter/") else "actor/" + name, metric)
-                   for name, metric in metrics.items())
+class Extension(Protocol):
+    """An optional feature of the train step (docs/architecture.md, "Extensions").
+
+    It sees each step's rollouts, may train an auxiliary loss on the policy's forward (the hook of
+    `fsdptrain.train.step.AuxiliaryLoss`: the same forward's captures, the same backward, its own optimizer step),
+    adds its models, optimizers, schedulers and state to the checkpoint, logs typed facts, and exports itself. Every
+    method is called on every rank in the same order (they may be collective).
+    """
+
+    name: str
+    """Its key in the checkpoint's states."""
+
+    def on_rollouts(self, step: int, rollouts: list[Rollout]) -> None: ...
+
+    def auxiliary_loss(self) -> Optional[AuxiliaryLoss]:
+        """Its auxiliary loss for this step's update, or None (not trained this step)."""
+
+    def extra_policy_forwards(self, epochs: int) -> int:
+        """Policy forwards it adds to one step (perf's FLOPs)."""
+
+    def parts(self) -> tuple[dict, dict, dict]:
+        """Its (models, optimizers, schedulers) by name, saved with the policy's."""
+
+    def prepare_to_load(self, saved_models: list[str]) -> None:
+        """Build what a checkpoint holding ``saved_models`` will load into."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def step_facts(self) -> Metrics:
+        """Typed metrics of the step, the same on every rank."""
+
+    def export(self, run_dir: Path) -> None: ...
+
+
+def build_extensions(cfg: DictConfig, models, *, mesh, device: torch.device, num_steps: int) -> list[Extension]:
+    """The extensions the config turns on: their one registration."""
+    extensions: list[Extension] = []
+    if cfg.drafter.enabled:
+        extensions.append(DrafterExtension(cfg, models.policy, mesh=mesh, device=device, backend=models.backend,
+                                           num_steps=num_steps))
+    return extensions
+
+
+def part_names(metrics: Metrics, part: str) -> Metrics:
+    """A model's step metrics under `part/`; an auxiliary loss's, already named `its_part/...`, keep their names."""
+    return Metrics((name if "/" in name else part + name, metric) for name, metric in metrics.items())
 
 
 class Trainer:
-    """Owns the models, the experience source and the run directory for one ``fsdptrain train`` run."""
+    """Owns the models, the rollout source, the extensions and the run directory for one ``fsdptrain train`` run."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
         self.device = info.device
         self.dp_size = world.dp_size(mesh)
         self.tokenizer = build_tokenizer(cfg)
-        self.source = OfflineSource(cfg, self.tokenizer) if cfg.data.source == "jsonl" else PromptSource(
-            cfg, self.tokenizer)
-        self.num_steps = resolve_steps(cfg, getattr(self.source, "train_rows", None) and len(self.source.train_rows))
+        self.source = build_source(cfg, self.tokenizer)
+        self.num_steps = resolve_steps(cfg, self.source.num_train_rows)
         self.models = build_models(cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
         self.policy_settings = policy_settings(cfg)
         self.experience_settings = experience_settings(cfg)
@@ -89,47 +143,45 @@ class Trainer:
         self.skip_old_passes = skips_old_passes(cfg)
         self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
         self.kinds: dict[str, str] = {}
-        """The kind of every typed metric logged so far (``Kind`` values); the other logged numbers are facts."""
-        self.drafter: Optional[DrafterUpdate] = None
-        self.drafter_scheduler = None
-        self.draft_counts: Optional[torch.Tensor] = None
-        """Token counts (summed over ranks) of the steps so far, while the draft vocabulary is being counted."""
-        if cfg.drafter.enabled:
-            vocab_size = self.models.policy.config.vocab_size
-            draft_vocab_size(cfg, vocab_size)  # a size above the vocabulary fails before the first step
-            if cfg.drafter.path is not None:  # the saved drafter, its vocabulary with it
-                self.start_drafter(None)
-            elif cfg.drafter.vocab_path is not None:
-                self.start_drafter(vocab_from_file(cfg, vocab_size))
+        """The kind of every typed metric logged so far (``Kind`` values)."""
+        self.extensions = build_extensions(cfg, self.models, mesh=mesh, device=self.device, num_steps=self.num_steps)
 
-    # -- the co-trained drafter -------------------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------------------------------
 
-    def start_drafter(self, vocab: Optional[DraftVocab]) -> None:
-        """Build the sharded drafter, its optimizer and scheduler over `vocab`, or from `drafter.path` when None
-        (collective)."""
-        self.drafter, self.drafter_scheduler = build_drafter(self.cfg, self.models.policy, vocab, mesh=self.mesh,
-                                                             device=self.device, backend=self.models.backend,
-                                                             num_steps=self.num_steps)
+    def run_step(self, step: int) -> dict[str, float]:
+        """One training step on every rank; returns the finalised metrics (the same on every rank)."""
+        with StepTimer() as timer:
+            rollouts, filter_metrics = self.step_rollouts(step)  # generation and rewards
+            if world.agree_max_int(len(rollouts)) == 0:
+                raise RuntimeError(f"step {step}: no prompt group with a reward signal after "
+                                   f"{self.cfg.algorithm.filter_groups_max_rounds} round(s) of dynamic sampling: "
+                                   "raise algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
+            for extension in self.extensions:
+                extension.on_rollouts(step, rollouts)
+            with phase("experience"):
+                targets, experience = self.make_experience(rollouts)
+            batches = self.minibatches(rollouts, targets)
+            with phase("update"):
+                update_metrics, update_facts = self.update(batches, experience["on_policy"])
+            for scheduler in self.checkpointed().schedulers.values():
+                scheduler.step()
+            experience_metrics = merge_all([filter_metrics, experience["metrics"]])
+            if experience_metrics:  # names fixed by the config
+                experience_metrics = reduce_metrics(experience_metrics)
+            metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience_metrics,
+                                 update_metrics, update_facts, self.step_facts()])
+        result = {"step": step, **finalize(metrics)}
+        perf = merge_all([timer.metrics(), throughput(
+            timer.timings(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
+            step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops, device=self.device,
+            world_size=self.info.world_size)])
+        evaluation = self.evaluate_if_due(step + 1)
+        result.update(finalize(merge_all([perf, evaluation])))
+        self.kinds.update((name, metric.kind.value) for group in (metrics, perf, evaluation)
+                          for name, metric in group.items())
+        return result
 
-    def count_draft_vocab(self, step: int, rollouts: list[Rollout]) -> None:
-        """Add this step's token counts (summed over ranks); after `drafter.vocab_from_steps` steps, build the
-        drafter over the most frequent tokens (collective)."""
-        vocab_size = self.models.policy.config.vocab_size
-        counts = world.all_reduce_sum(local_token_counts(rollouts, vocab_size, on=self.cfg.drafter.on))
-        self.draft_counts = counts if self.draft_counts is None else self.draft_counts + counts
-        if step + 1 >= self.cfg.drafter.vocab_from_steps:
-            size = draft_vocab_size(self.cfg, vocab_size)
-            self.start_drafter(draft_vocab_from_counts(self.draft_counts, draft_vocab_size=size))
-            self.draft_counts = None
-
-    # -- experience --------------------------------------------------------------------------------------------------
-
-    def make_experience(self, rollouts: list[Rollout]) -> tuple[list[SeqTargets], dict]:
-        """Old/ref log-probs, values, rewards, advantages and weights for this rank's rollouts (collective passes);
-        facts: ``on_policy`` and this rank's experience ``metrics``."""
-        targets, on_policy, metrics = make_targets(self.models, rollouts, self.experience_settings,
-                                                   device=self.device, skip_old_passes=self.skip_old_passes)
-        return targets, {"on_policy": on_policy, "metrics": metrics}
+    # -- the step's components ---------------------------------------------------------------------------------------
 
     def step_rollouts(self, step: int) -> tuple[list[Rollout], Metrics]:
         """This rank's rollouts of the step, filtered to groups with a signal under ``algorithm.filter_groups``."""
@@ -145,7 +197,12 @@ class Trainer:
         return filter_groups(rollouts, more, target_groups=self.cfg.rollout.prompts_per_step,
                              max_rounds=self.cfg.algorithm.filter_groups_max_rounds, rank=rank, world_size=world_size)
 
-    # -- one step ----------------------------------------------------------------------------------------------------
+    def make_experience(self, rollouts: list[Rollout]) -> tuple[list[SeqTargets], dict]:
+        """Old/ref log-probs, values, rewards, advantages and weights for this rank's rollouts (collective passes);
+        facts: ``on_policy`` and this rank's experience ``metrics``."""
+        targets, on_policy, metrics = make_targets(self.models, rollouts, self.experience_settings,
+                                                   device=self.device, skip_old_passes=self.skip_old_passes)
+        return targets, {"on_policy": on_policy, "metrics": metrics}
 
     def minibatches(self, rollouts: list[Rollout], targets: list[SeqTargets]) -> list[MiniBatch]:
         """This rank's share of each mini-batch, by the groups' global indices."""
@@ -182,32 +239,34 @@ class Trainer:
             "batch/num_prompt_tokens": Sum(float(sum(len(r.prompt_ids) for r in rollouts))),
         }))
 
-    def update(self, batches: list[MiniBatch], on_policy: bool) -> tuple[Metrics, dict[str, float]]:
-        """Epochs x mini-batches of the policy (and critic) update; the merged metrics and per-step facts."""
+    def auxiliary_loss(self) -> Optional[AuxiliaryLoss]:
+        """The auxiliary loss trained with the policy this step (at most one extension's)."""
+        losses = [a for a in (e.auxiliary_loss() for e in self.extensions) if a is not None]
+        assert len(losses) <= 1, "one auxiliary loss on the policy's forward at a time"
+        return losses[0] if losses else None
+
+    def update(self, batches: list[MiniBatch], on_policy: bool) -> tuple[Metrics, Metrics]:
+        """Epochs x mini-batches of the policy (and critic) update: the merged metrics of the losses, and the typed
+        facts of the optimizer steps (grad norms and global counts: MEANs over the step's optimizer steps, the same on
+        every rank; the on-policy check: a MAX)."""
         cfg, models = self.cfg, self.models
         common = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
                       token_budget=cfg.trainer.token_budget, device=self.device)
-        collected = []
-        facts = {"actor/grad_norm": [], "critic/grad_norm": [], "loss/global_num_tokens": [],
-                 "loss/global_num_seqs": [], "drafter/grad_norm": [], "drafter/global_num_tokens": []}
-        guard_value = None
+        auxiliary = self.auxiliary_loss()
+        collected, facts = [], []
         for epoch in range(cfg.algorithm.ppo_epochs):
             for index, batch in enumerate(batches):
                 metrics, outcome = update_on_minibatch(
                     models.policy, models.policy_optimizer, batch, loss_fn=packed_policy_loss,
                     settings=self.policy_settings, grad_clip=cfg.trainer.grad_clip, guard=self.policy_guard,
-                    drafter=self.drafter, **common)
+                    auxiliary=auxiliary, **common)
                 if epoch == 0 and index == 0 and on_policy:
-                    values = finalize(metrics)
-                    deviations = [abs(values[k] - 1.0) for k in ("probs_ratio_min", "probs_ratio_max") if k in values]
-                    guard_value = max(deviations) if deviations else None
-                collected.append(close_minibatch(actor_and_drafter_names(metrics)))
-                facts["actor/grad_norm"].append(outcome.grad_norm)
-                if outcome.drafter is not None:
-                    facts["drafter/grad_norm"].append(outcome.drafter.grad_norm)
-                    facts["drafter/global_num_tokens"].append(outcome.drafter.norms.global_num_tokens)
-                facts["loss/global_num_tokens"].append(outcome.norms.global_num_tokens)
-                facts["loss/global_num_seqs"].append(outcome.norms.global_num_seqs)
+                    facts.append(on_policy_deviation(finalize(metrics)))
+                collected.append(close_minibatch(part_names(metrics, "actor/")))
+                facts.append(Metrics({"actor/grad_norm": Mean(outcome.grad_norm, 1),
+                                      "loss/global_num_tokens": Mean(outcome.norms.global_num_tokens, 1),
+                                      "loss/global_num_seqs": Mean(outcome.norms.global_num_seqs, 1)}))
+                facts.append(outcome.auxiliary)
                 self.policy_watch.observe(outcome.grad_norm)
                 if models.critic is not None:
                     metrics, outcome = update_on_minibatch(
@@ -215,79 +274,86 @@ class Trainer:
                         settings=self.value_settings, grad_clip=cfg.trainer.critic_grad_clip,
                         guard=self.critic_guard, **common)
                     collected.append(close_minibatch(metrics.prefixed("critic/")))
-                    facts["critic/grad_norm"].append(outcome.grad_norm)
+                    facts.append(Metrics({"critic/grad_norm": Mean(outcome.grad_norm, 1)}))
                     self.critic_watch.observe(outcome.grad_norm)
-        out = {key: sum(v) / len(v) for key, v in facts.items() if v}
-        if guard_value is not None:
-            out["actor/on_policy_max_ratio_dev"] = guard_value
-        return merge_all(collected), out
+        return merge_all(collected), merge_all(facts)
+
+    def step_facts(self) -> Metrics:
+        """The step's settings and run totals, the same on every rank (so MAX over ranks is the value): the policy's
+        learning rate (after this step's scheduler step), the loss scale factor, the optimizer steps skipped so far;
+        then the source's and the extensions' facts."""
+        own = Metrics({"actor/lr": Max(self.models.policy_optimizer.param_groups[0]["lr"]),
+                       "loss/loss_scale_factor": Max(self.loss_scale_factor),
+                       "train/nonfinite_skipped": Max(self.policy_guard.num_skipped + self.critic_guard.num_skipped)})
+        return merge_all([own, self.source.step_facts(), *(e.step_facts() for e in self.extensions)])
+
+    def evaluate_if_due(self, done: int) -> Metrics:
+        """``eval/reward`` (the greedy mean reward over the evaluation rows, reduced over ranks) after ``done`` steps
+        when ``trainer.eval_every`` says so (collective)."""
+        every = self.cfg.trainer.eval_every
+        if not (self.can_evaluate() and (done % every == 0 or done == self.num_steps)):
+            return Metrics()
+        return Metrics({"eval/reward": Mean(self.evaluate(), 1)})
+
+    def can_evaluate(self) -> bool:
+        return self.cfg.trainer.eval_every > 0 and self.source.can_evaluate()
+
+    def evaluate(self) -> float:
+        return self.source.eval_reward(self.models, rank=self.info.rank, world_size=self.info.world_size,
+                                       device=self.device)
 
     def step_flops(self, rollouts: list[Rollout]) -> float:
-        """This rank's model FLOPs of the step (docs/performance.md), by the passes the step ran (the drafter's
-        refresh passes each add a policy forward over the batch; the drafter's own FLOPs are not counted)."""
+        """This rank's model FLOPs of the step (docs/performance.md), by the passes the step ran (an extension's
+        extra policy forwards included; its own model's FLOPs are not counted)."""
         cfg, models = self.cfg, self.models
         epochs = cfg.algorithm.ppo_epochs
-        refresh_forwards = epochs * self.drafter.refresh_passes if self.drafter is not None else 0
+        extra_forwards = sum(e.extra_policy_forwards(epochs) for e in self.extensions)
         critic_pass = models.critic is not None and (cfg.algorithm.adv_estimator == "gae"
                                                      or not self.skip_old_passes)
         return step_flops(models.policy.config, [len(r.prompt_ids) for r in rollouts],
-                          [len(r.response_ids) for r in rollouts], generated=isinstance(self.source, PromptSource),
+                          [len(r.response_ids) for r in rollouts], generated=self.source.generates,
                           policy_forwards=(int(not self.skip_old_passes) + int(models.reference is not None)
-                                           + refresh_forwards),
+                                           + extra_forwards),
                           critic_forwards=int(critic_pass), policy_updates=epochs,
                           critic_updates=epochs if models.critic is not None else 0)
 
-    def run_step(self, step: int) -> dict[str, float]:
-        """One training step on every rank; returns the finalised metrics (the same on every rank)."""
-        with StepTimer() as timer:
-            rollouts, filter_metrics = self.step_rollouts(step)
-            if world.agree_max_int(len(rollouts)) == 0:
-                raise RuntimeError(f"step {step}: no prompt group with a reward signal after "
-                                   f"{self.cfg.algorithm.filter_groups_max_rounds} round(s) of dynamic sampling: "
-                                   "raise algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
-            if self.cfg.drafter.enabled and self.drafter is None:
-                self.count_draft_vocab(step, rollouts)
-            with phase("experience"):
-                targets, facts = self.make_experience(rollouts)
-            batches = self.minibatches(rollouts, targets)
-            with phase("update"):
-                update_metrics, update_facts = self.update(batches, facts["on_policy"])
-            for scheduler in (self.models.policy_scheduler, self.models.critic_scheduler, self.drafter_scheduler):
-                if scheduler is not None:
-                    scheduler.step()
-            experience = merge_all([filter_metrics, facts["metrics"]])
-            experience = reduce_metrics(experience) if experience else experience  # names fixed by the config
-            metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience,
-                                 update_metrics])
-        result = {"step": step, **finalize(metrics), **update_facts}
-        perf = merge_all([timer.metrics(), throughput(
-            timer.timings(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
-            step_flops_local=self.step_flops(rollouts), peak=self.peak_tflops, device=self.device,
-            world_size=self.info.world_size)])
-        result.update(finalize(perf))
-        self.kinds.update((name, metric.kind.value) for group in (metrics, perf) for name, metric in group.items())
-        result["actor/lr"] = self.models.policy_optimizer.param_groups[0]["lr"]
-        result["loss/loss_scale_factor"] = self.loss_scale_factor
-        result["train/nonfinite_skipped"] = self.policy_guard.num_skipped + self.critic_guard.num_skipped
-        if isinstance(self.source, PromptSource):
-            result["data/epoch"] = self.source.epoch_progress()
-            result["data/num_long_prompts_skipped"] = self.source.dropped["train"]
-        if self.drafter is not None:
-            result["drafter/lr"] = self.drafter.optimizer.param_groups[0]["lr"]
-            result["drafter/nonfinite_skipped"] = self.drafter.guard.num_skipped
-        return result
+    # -- state -------------------------------------------------------------------------------------------------------
+
+    def checkpointed(self) -> Checkpointed:
+        """Every stateful part of the run, by name, for the checkpointer (docs/checkpointing.md)."""
+        m = self.models
+        parts = Checkpointed(models={"policy": m.policy}, optimizers={"policy": m.policy_optimizer},
+                             schedulers={"policy": m.policy_scheduler},
+                             states={"policy_guard": self.policy_guard, "critic_guard": self.critic_guard,
+                                     "policy_watch": self.policy_watch, "critic_watch": self.critic_watch,
+                                     "source": self.source})
+        if m.critic is not None:
+            parts.models["critic"], parts.optimizers["critic"] = m.critic, m.critic_optimizer
+            parts.schedulers["critic"] = m.critic_scheduler
+        for extension in self.extensions:
+            models, optimizers, schedulers = extension.parts()
+            parts.models.update(models)
+            parts.optimizers.update(optimizers)
+            parts.schedulers.update(schedulers)
+            parts.states[extension.name] = extension
+        return parts
+
+    def prepare_to_load(self, saved_models: list[str]) -> None:
+        for extension in self.extensions:
+            extension.prepare_to_load(saved_models)
+
+    def export(self, run_dir: Path) -> None:
+        """The final models as Hugging Face folders, and each extension's export (collective)."""
+        export_hf_models(run_dir, policy=self.models.policy, critic=self.models.critic, tokenizer=self.tokenizer)
+        for extension in self.extensions:
+            extension.export(run_dir)
 
 
-def skips_old_passes(cfg: DictConfig) -> bool:
-    """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
-    skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
-    experience; no behaviour log-probs from data; no KL-in-reward (it reads the old log-probs before the update); and
-    no rollout correction: its weights exp(old - behaviour) need the old log-probs before the update. On-policy the
-    behaviour log-probs are the old ones, so the kept pass gives weights of exactly 1 (exp(0)) and the logged
-    ``experience/rollout_is_*`` (docs/algorithms.md)."""
-    return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
-            and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
-            and cfg.algorithm.kl_in_reward_coef == 0 and cfg.algorithm.rollout_correction == "none")
+def on_policy_deviation(values: dict[str, float]) -> Metrics:
+    """``actor/on_policy_max_ratio_dev``: max |ratio - 1| over the first on-policy mini-batch (the ratios must be 1
+    there: a check of the experience pass); absent when the ratio extrema are."""
+    deviations = [abs(values[k] - 1.0) for k in ("probs_ratio_min", "probs_ratio_max") if k in values]
+    return Metrics({"actor/on_policy_max_ratio_dev": Max(max(deviations))}) if deviations else Metrics()
 
 
 # ---- the run --------------------------------------------------------------------------------------------------------
@@ -315,7 +381,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
 
 def _run(trainer: Trainer, stop: StopRequest) -> int:
     cfg, info, run_path, num_steps = trainer.cfg, trainer.info, trainer.run_dir, trainer.num_steps
-    start = resume(trainer, run_path)
+    start = resume(trainer.checkpointed, run_path, cfg=cfg, num_steps=num_steps, prepare=trainer.prepare_to_load)
     metrics_path, samples_path = run_path / "metrics.jsonl", run_path / "samples.jsonl"
     kinds_path = run_path / METRIC_KINDS_FILE
     logged_kinds = read_metric_kinds(kinds_path) if start > 0 else {}
@@ -324,12 +390,13 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
         write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
         keep_metrics_before(metrics_path, start)
         keep_metrics_before(samples_path, start)
-    print_start_report(trainer)
+    print_start_report(cfg, world_size=info.world_size, device=trainer.device, mesh_shape=tuple(trainer.mesh.shape),
+                       backend=trainer.models.backend, policy=trainer.models.policy, dp_size=trainer.dp_size,
+                       loss_scale_factor=trainer.loss_scale_factor, max_len=max_response_length(cfg),
+                       source_line=trainer.source.describe(num_steps))
     eval_rewards: dict[int, float] = {}
-    evaluate = cfg.trainer.eval_every > 0 and bool(getattr(trainer.source, "eval_rows", None))
-    eval_args = dict(rank=info.rank, world_size=info.world_size, device=trainer.device)
-    if evaluate and start == 0:
-        eval_rewards[0] = trainer.source.eval_reward(trainer.models, **eval_args)
+    if trainer.can_evaluate() and start == 0:
+        eval_rewards[0] = trainer.evaluate()
     history = []
     trackers = Trackers(cfg, run_path, is_main=info.is_main)
     show = info.is_main and cfg.logging.progress
@@ -341,11 +408,8 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
             for step in range(start, num_steps):
                 result = trainer.run_step(step)
                 done = step + 1
-                if evaluate and (done % cfg.trainer.eval_every == 0 or done == num_steps):
-                    eval_rewards[done] = trainer.source.eval_reward(trainer.models, **eval_args)
-                    result["eval/reward"] = eval_rewards[done]
-                if isinstance(trainer.source, OfflineSource):
-                    result["data/skipped_rows"] = trainer.source.num_skipped
+                if "eval/reward" in result:
+                    eval_rewards[done] = result["eval/reward"]
                 history.append(result)
                 every = cfg.logging.samples_every
                 if info.is_main:
@@ -363,7 +427,7 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
                 stopping = world.any_flag(stop.requested)
                 every = cfg.checkpoint.every
                 if stopping or (every > 0 and done % every == 0 and done < num_steps):
-                    path = save(trainer, run_path, done)
+                    path = save(trainer.checkpointed(), run_path, done, cfg=cfg)
                 if stopping:
                     where = (f"trainer.run_dir={run_path}" if cfg.trainer.run_dir is not None else
                              f"trainer.run_name={run_path.name}")
@@ -373,8 +437,8 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
     finally:
         trackers.close()
     if cfg.checkpoint.every > 0 and start < num_steps:  # else the resumed checkpoint is this one
-        save(trainer, run_path, num_steps)
-    export(trainer, run_path)
+        save(trainer.checkpointed(), run_path, num_steps, cfg=cfg)
+    trainer.export(run_path)
     if info.is_main and history:
         print_summary(history, eval_rewards)
     log(f"run directory: {run_path} (metrics.jsonl, export/)")

@@ -7,6 +7,7 @@ exclusion, as verl does); the warmup's first step already uses lr / warmup_steps
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 import warnings
 from collections.abc import Iterable
 
@@ -17,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fsdptrain.config.schema import LR_SCHEDULES
 from fsdptrain.distributed.world import any_flag
+from fsdptrain.train.console import log
 
 
 def build_optimizer(
@@ -153,3 +155,37 @@ class NonFiniteGuard:
             )
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return True
+
+    def state_dict(self) -> dict:
+        return {"num_skipped": self.num_skipped, "num_in_a_row": self.num_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_skipped, self.num_in_a_row = int(state["num_skipped"]), int(state["num_in_a_row"])
+
+
+GRAD_NORM_WARN_STEPS = 5
+
+
+@dataclass
+class GradNormWatch:
+    """Warns when the pre-clip grad norm stays above ``factor x clip`` for several steps in a row."""
+
+    factor: float
+    clip: float
+    name: str
+    in_a_row: int = 0
+
+    def observe(self, grad_norm: float) -> None:
+        if self.clip <= 0:
+            return
+        self.in_a_row = self.in_a_row + 1 if grad_norm > self.factor * self.clip else 0
+        if self.in_a_row == GRAD_NORM_WARN_STEPS:
+            log(f"warning: {self.name} pre-clip grad norm has been above {self.factor:g} x grad_clip "
+                f"({self.factor * self.clip:g}) for {GRAD_NORM_WARN_STEPS} steps (now {grad_norm:.4g}): clipping "
+                f"dominates the update; lower the learning rate or use a mode whose scale is near 1")
+
+    def state_dict(self) -> dict:
+        return {"in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.in_a_row = int(state["in_a_row"])

@@ -23,8 +23,6 @@ from typing import Optional
 import torch
 
 from fsdptrain.distributed import world
-from fsdptrain.distributed.gather import gathered_weights, should_gather
-from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.metrics import Diagnostic, Max, Metrics
 
 PHASES = ("generate", "reward", "experience", "update")
@@ -99,22 +97,6 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         timer._pop()
-
-
-@contextlib.contextmanager
-def generation(model, cfg, device: torch.device) -> Iterator[None]:
-    """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
-    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), and compiled
-    layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would recompile every token)."""
-    from fsdptrain.train.setup import DTYPES
-
-    with phase("generate"):
-        gather = should_gather(model, mode=cfg.rollout.gather_weights, max_share=cfg.rollout.gather_weights_max_share,
-                               param_dtype=DTYPES[cfg.parallel.param_dtype], device=device)
-        with generation_attention(model), gathered_weights(
-                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
-                torch.compiler.set_stance("force_eager"):
-            yield
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from fsdptrain.train.progress import log
+from fsdptrain.train.console import log
 
 
 class StopRequest:

@@ -5,36 +5,38 @@ This is where the contracts of docs/architecture.md (the data path) and docs/los
 1. the number of micro-batches is agreed world-wide (max over ranks) and this rank's packs are planned with it, so
    every rank runs the same forwards and FSDP's collectives line up (a rank with less work runs empty packs);
 2. the mini-batch's global token and sequence counts are all-reduced once, before any forward;
-3. each micro-batch runs one packed forward and the fused loss with those global counts (``agg_loss`` applies the
-   dp-size factor), then backward; micro-batch losses are summed by backward, never averaged by their count;
+3. each micro-batch runs one packed forward of the model (here) and the fused loss of its outputs
+   (fsdptrain/rl/packed_loss.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
+   micro-batch losses are summed by backward, never averaged by their count;
 4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step;
-5. metrics merge by their kinds over micro-batches and then over ranks (:func:`reduce_metrics`).
+5. metrics merge by their kinds over micro-batches and then over ranks (``reduce_metrics``).
+
+The policy's update takes an optional :class:`AuxiliaryLoss`: the hook through which an extension trains a loss on
+the policy's forward (docs/architecture.md, "Extensions").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from fsdptrain.config import ConfigError
-from fsdptrain.data.packing import PackPlan, pack_sequences, plan_packs
+from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import reshard_all
+from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
+from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metric_buffers import Schema, describe, flatten, unflatten
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
-from fsdptrain.train.cotrain import (
-    CoTrainSettings,
-    DraftLossSettings,
-    global_normalizers_with_draft,
-    local_draft_counts,
-    packed_draft_refresh_loss,
-    packed_policy_and_draft_loss,
+from fsdptrain.rl.packed_loss import (
+    PolicyLossSettings,
+    SeqTargets,
+    ValueLossSettings,
+    policy_loss_of_hidden,
+    token_logprobs_entropy,
+    value_loss_of_values,
 )
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.train.packed_loss import SeqTargets, packed_policy_loss
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -55,22 +57,29 @@ class MiniBatch:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
 
 
-def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
-    """This rank's packs under the budget, with as many packs as the busiest rank needs (collective: one all-reduce).
+def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
+                         compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One forward of the policy over the packed row, then `token_logprobs_entropy` of its hidden states."""
+    head = model.get_output_embeddings()
+    return token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
+                                  temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
 
-    A sequence longer than the budget is the user's setting to fix: every rank learns of it through the same
-    all-reduce and raises the same ConfigError, so the run ends with one line and exit 2, not a hang.
-    """
-    longest = max(lengths, default=0)
-    plan = plan_packs(lengths, token_budget) if longest <= token_budget else None
-    agreed = world.all_reduce_max(torch.tensor([longest, plan.num_packs if plan else 0], dtype=torch.float64))
-    global_longest, num_packs = int(agreed[0]), int(agreed[1])
-    if global_longest > token_budget:
-        raise ConfigError(f"trainer.token_budget={token_budget} is smaller than a sequence of {global_longest} tokens "
-                          f"(prompt + response): raise trainer.token_budget to at least {global_longest}")
-    if num_packs != plan.num_packs:
-        plan = plan_packs(lengths, token_budget, min_packs=num_packs)
-    return plan
+
+def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                       settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None
+                       ) -> tuple[torch.Tensor, Metrics]:
+    """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
+    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`)."""
+    if hidden_TH is None:
+        hidden_TH = final_hidden_states(model, packed)
+    head = model.get_output_embeddings()
+    return policy_loss_of_hidden(hidden_TH, head.weight, head.bias, packed, targets, norms=norms, settings=settings)
+
+
+def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                      settings: ValueLossSettings) -> tuple[torch.Tensor, Metrics]:
+    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`)."""
+    return value_loss_of_values(value_token_outputs(model, packed), packed, targets, norms=norms, settings=settings)
 
 
 def local_counts(batch: MiniBatch) -> tuple[int, int]:
@@ -80,37 +89,16 @@ def local_counts(batch: MiniBatch) -> tuple[int, int]:
 
 def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float]) -> LossNormalizers:
     """The mini-batch's global counts (collective): response tokens and sequences with at least one such token."""
-    total = world.all_reduce_sum(torch.tensor(local_counts(batch), dtype=torch.float64))
-    return LossNormalizers(global_num_tokens=int(total[0]), global_num_seqs=int(total[1]), dp_size=dp_size,
-                           loss_scale_factor=loss_scale_factor)
+    (norms,) = normalizers_of(local_counts(batch), dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    return norms
 
 
-def reduce_metrics(metrics: Metrics) -> Metrics:
-    """Merge metrics over all ranks by their kinds (collective): SUM/MEAN/LOSS/DERIVED add, MIN/MAX take extrema.
-
-    The buffers are reduced by position, so every rank must hold the same metric names of the same kinds in the same
-    order: one small all-reduce of the schema's fingerprint checks that first, and a mismatch is an error naming the
-    metrics that differ (never numbers silently mixed).
-    """
-    schema = Schema.of(metrics)
-    check_same_schema(schema)
-    buffers = flatten(metrics, schema)
-    reduced = type(buffers)(world.all_reduce_sum(buffers.sum), world.all_reduce_min(buffers.min),
-                            world.all_reduce_max(buffers.max))
-    return unflatten(reduced, schema)
-
-
-def check_same_schema(schema: Schema) -> None:
-    """Raise on every rank when the ranks' metric schemas differ (collective), naming the differing metrics."""
-    fingerprint = float(schema.fingerprint())
-    extremes = world.all_reduce_min(torch.tensor([fingerprint, -fingerprint], dtype=torch.float64))
-    if extremes[0] == -extremes[1]:
-        return
-    described = world.all_gather_object({name: describe(m) for name, m in schema.items()})
-    every = set().union(*described)
-    differing = sorted(n for n in every if len({d.get(n) for d in described}) > 1)
-    raise RuntimeError(f"the ranks hold different metrics, so reducing them by position would mix numbers: "
-                       f"{', '.join(differing)} differ (present or of another kind) across the {len(described)} ranks")
+def normalizers_of(*local: tuple[int, int], dp_size: int, loss_scale_factor: Optional[float]
+                   ) -> tuple[LossNormalizers, ...]:
+    """Global normalisers from each loss's (tokens, sequences) on this rank, all in ONE all-reduce (collective)."""
+    total = world.all_reduce_sum(torch.tensor([c for counts in local for c in counts], dtype=torch.float64))
+    return tuple(LossNormalizers(global_num_tokens=int(total[2 * i]), global_num_seqs=int(total[2 * i + 1]),
+                                 dp_size=dp_size, loss_scale_factor=loss_scale_factor) for i in range(len(local)))
 
 
 @dataclass
@@ -148,26 +136,57 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
 
 @dataclass
 class StepOutcome:
-    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, and the normalisers used
-    (with a co-trained drafter, `drafter` is the drafter's own step)."""
+    """What an optimizer step did: the pre-clip global grad norm, whether it was skipped, the normalisers used, and
+    the typed per-step facts of an auxiliary loss's own step (empty without one)."""
 
     grad_norm: float
     skipped: bool
     norms: Optional[LossNormalizers] = None
-    drafter: Optional["StepOutcome"] = None
+    auxiliary: Metrics = field(default_factory=Metrics)
 
 
-@dataclass
-class DrafterUpdate:
-    """A drafter co-trained with the policy: its sharded module, its own optimizer, clip and guard, its loss, and
-    how many refresh passes follow each policy step (docs/drafter.md)."""
+class AuxiliaryLoss(Protocol):
+    """The hook for an auxiliary loss on the policy's forward (docs/architecture.md, "Extensions").
 
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    grad_clip: float
-    guard: NonFiniteGuard
-    loss: DraftLossSettings
-    refresh_passes: int = 0
+    The policy's update runs :meth:`forward` instead of its plain forward, once per pack: it returns what it captured
+    (``final_hidden_TH`` among it, which the policy loss uses). The auxiliary loss of the same pack is added to the
+    policy loss, so one backward trains both; it must reach the policy only through detached captures, so the
+    policy's gradients stay those of the policy loss. It has its own global normalisers, counted on this rank by
+    :meth:`local_counts` and all-reduced in the same call as the policy's. After the policy's optimizer step,
+    :meth:`after_policy_step` takes its own optimizer's step (and any extra passes) and returns typed facts.
+    """
+
+    def forward(self, model, packed: PackedBatch): ...
+
+    def local_counts(self, batch: MiniBatch, plan: PackPlan) -> tuple[int, int]: ...
+
+    def loss_of(self, model, captured, packed: PackedBatch, *, norms: LossNormalizers,
+             policy: PolicyLossSettings) -> tuple[torch.Tensor, Metrics]: ...
+
+    def after_policy_step(self, model, batch: MiniBatch, plan: PackPlan, *, norms: LossNormalizers,
+                          policy: PolicyLossSettings, token_budget: int, device: torch.device) -> Metrics: ...
+
+
+@dataclass(frozen=True)
+class WithAuxiliary:
+    """The settings of :func:`policy_and_auxiliary_loss`: the policy loss's, the auxiliary loss and its global
+    normalisers."""
+
+    policy: PolicyLossSettings
+    auxiliary: AuxiliaryLoss
+    norms: LossNormalizers
+
+
+def policy_and_auxiliary_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                              settings: WithAuxiliary) -> tuple[torch.Tensor, Metrics]:
+    """policy_loss + auxiliary loss of one pack, from ONE forward of the policy (the auxiliary's capturing one); the
+    metrics of both."""
+    auxiliary = settings.auxiliary
+    captured = auxiliary.forward(model, packed)
+    loss, metrics = packed_policy_loss(model, packed, targets, norms=norms, settings=settings.policy,
+                                       hidden_TH=captured.final_hidden_TH)
+    aux_loss, aux_metrics = auxiliary.loss_of(model, captured, packed, norms=settings.norms, policy=settings.policy)
+    return loss + aux_loss, metrics.merge(aux_metrics)
 
 
 def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
@@ -182,48 +201,30 @@ def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard)
 
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
-                        guard: NonFiniteGuard, device: torch.device, drafter: Optional[DrafterUpdate] = None
+                        guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None
                         ) -> tuple[Metrics, StepOutcome]:
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
 
-    With ``drafter`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
-    train the drafter too (`packed_policy_and_draft_loss`), and the drafter then takes its own clipped step; then
-    come its refresh passes against the updated policy (:func:`refresh_drafter`). The metrics are the joint pass's:
-    the drafter is scored before it learns from this mini-batch.
+    With ``auxiliary`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
+    train the auxiliary loss too (:func:`policy_and_auxiliary_loss`), and after the policy's step comes the
+    auxiliary's own (:meth:`AuxiliaryLoss.after_policy_step`). The metrics are the joint pass's.
     """
-    if drafter is None:
+    if auxiliary is None:
         norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device)
         outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
         outcome.norms = norms
         return reduce_metrics(accumulated.metrics), outcome
-    assert loss_fn is packed_policy_loss, "a drafter co-trains with the policy loss only"
+    assert loss_fn is packed_policy_loss, "an auxiliary loss trains with the policy loss only"
     plan = plan_agreed(batch.lengths(), token_budget)
-    draft_counts = local_draft_counts(batch.prompts, batch.responses, plan, on=drafter.loss.on)
-    norms, draft_norms = global_normalizers_with_draft(local_counts(batch), draft_counts, dp_size=dp_size,
-                                                       loss_scale_factor=loss_scale_factor)
-    joint = CoTrainSettings(policy=settings, drafter=drafter.module, draft=drafter.loss, draft_norms=draft_norms)
-    accumulated = accumulate_gradients(model, batch, loss_fn=packed_policy_and_draft_loss, settings=joint,
+    norms, aux_norms = normalizers_of(local_counts(batch), auxiliary.local_counts(batch, plan), dp_size=dp_size,
+                                      loss_scale_factor=loss_scale_factor)
+    joint = WithAuxiliary(policy=settings, auxiliary=auxiliary, norms=aux_norms)
+    accumulated = accumulate_gradients(model, batch, loss_fn=policy_and_auxiliary_loss, settings=joint,
                                        norms=norms, token_budget=token_budget, device=device, plan=plan)
     outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
     outcome.norms = norms
-    outcome.drafter = optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip,
-                                     guard=drafter.guard)
-    outcome.drafter.norms = draft_norms
-    refresh_drafter(model, batch, drafter, settings=joint, plan=plan, token_budget=token_budget, device=device)
+    outcome.auxiliary = auxiliary.after_policy_step(model, batch, plan, norms=aux_norms, policy=settings,
+                                                    token_budget=token_budget, device=device)
     return reduce_metrics(accumulated.metrics), outcome
-
-
-def refresh_drafter(model, batch: MiniBatch, drafter: DrafterUpdate, *, settings: CoTrainSettings, plan: PackPlan,
-                    token_budget: int, device: torch.device) -> None:
-    """`drafter.refresh_passes` drafter-only passes over the mini-batch, each a clipped step of the drafter, with the
-    policy (already stepped) forward under no_grad as the teacher: the drafter catches up with the policy that
-    generates the next rollouts. The policy's weights and gradients are not touched; its units are resharded after
-    (`reshard_all`). Collective, on the joint pass's agreed plan."""
-    for _ in range(drafter.refresh_passes):
-        accumulate_gradients(model, batch, loss_fn=packed_draft_refresh_loss, settings=settings,
-                             norms=settings.draft_norms, token_budget=token_budget, device=device, plan=plan)
-        optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip, guard=drafter.guard)
-    if drafter.refresh_passes:
-        reshard_all(model)

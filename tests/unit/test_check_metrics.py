@@ -282,7 +282,7 @@ def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
 
 
 def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
-    from fsdptrain.train import packed_loss
+    from fsdptrain.rl import packed_loss
 
     original = packed_loss.chunked_logprobs_entropy
     monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",
@@ -294,11 +294,12 @@ def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
 
 def _buggy_accumulate(scale):
     from fsdptrain.data.packing import pack_sequences
+    from fsdptrain.distributed.collectives import plan_agreed
     from fsdptrain.rl.metrics import merge_all
     from fsdptrain.train import step
 
     def accumulate(model, batch, *, loss_fn, settings, norms, token_budget, device, plan=None):
-        plan = plan if plan is not None else step.plan_agreed(batch.lengths(), token_budget)
+        plan = plan if plan is not None else plan_agreed(batch.lengths(), token_budget)
         total, collected = 0.0, []
         for pack in plan.packs:
             packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)

@@ -31,14 +31,9 @@ from fsdptrain.rl.draft_loss import draft_loss, draft_mask, expected_accept_len
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.rl.policy import policy_loss
-from fsdptrain.train.packed_loss import (
-    PolicyLossSettings,
-    SeqTargets,
-    count_draft_tokens_and_seqs,
-    packed_draft_mask,
-    packed_policy_loss,
-    scatter_responses,
-)
+from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, packed_draft_mask
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, scatter_responses
+from fsdptrain.train.step import packed_policy_loss
 from tests.backend_calls import call_counts, reset_call_counts
 
 VOCAB = 32

@@ -17,10 +17,11 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize
-from fsdptrain.train.cotrain import DraftLossSettings
+from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, count_draft_tokens_and_seqs, packed_policy_loss
-from fsdptrain.train.step import DrafterUpdate, MiniBatch, update_on_minibatch
+from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
 
 VOCAB = 32
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]
@@ -74,8 +75,8 @@ def _run(refresh_passes: int):
     metrics, outcome = update_on_minibatch(
         policy, torch.optim.AdamW(policy.parameters(), lr=3e-2), _batch(), loss_fn=packed_policy_loss,
         settings=SETTINGS, dp_size=1, loss_scale_factor=None, token_budget=TOKEN_BUDGET, grad_clip=1.0,
-        guard=NonFiniteGuard(3), device=torch.device("cpu"), drafter=update)
-    assert outcome.drafter.norms.global_num_tokens == _draft_norms().global_num_tokens
+        guard=NonFiniteGuard(3), device=torch.device("cpu"), auxiliary=update)
+    assert finalize(outcome.auxiliary)["drafter/global_num_tokens"] == _draft_norms().global_num_tokens
     return policy, drafter, finalize(metrics)
 
 

@@ -12,14 +12,9 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.train.packed_loss import (
-    PolicyLossSettings,
-    SeqTargets,
-    ValueLossSettings,
-    packed_policy_loss,
-    packed_value_loss,
-    scatter_responses,
-)
+from fsdptrain.registry.names import AGG_MODES
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, scatter_responses
+from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 from tests.backend_calls import call_counts, reset_call_counts
 
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]

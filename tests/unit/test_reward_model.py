@@ -287,7 +287,7 @@ def test_the_offload_setting_reaches_the_reward_model_from_the_config(folders, m
     offload policy exactly when the config asks (on a GPU that keeps its shards on the CPU between scorings)."""
     from fsdptrain.compose import compose_config
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
-    from fsdptrain.train.setup import build_models
+    from fsdptrain.train.build import build_models
 
     cfg = compose_config(["algorithm=grpo", f"reward.models=[{folders['llama']}]",
                           f"reward.model_offload={str(offload).lower()}"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsdptrain.compose import compose_config
-from fsdptrain.train.loop import skips_old_passes
+from fsdptrain.train.build import skips_old_passes
 
 
 def test_the_default_on_policy_step_skips_the_pass():

@@ -33,22 +33,17 @@ from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.train.cotrain import (
     CoTrainSettings,
     DraftLossSettings,
+    DrafterUpdate,
     global_normalizers_with_draft,
     local_draft_counts,
     packed_policy_and_draft_loss,
-)
-from fsdptrain.train.drafter_setup import plain_drafter
-from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.train.packed_loss import PolicyLossSettings, SeqTargets, packed_policy_loss
-from fsdptrain.train.step import (
-    DrafterUpdate,
-    MiniBatch,
-    accumulate_gradients,
-    local_counts,
-    optimizer_step,
-    plan_agreed,
     refresh_drafter,
 )
+from fsdptrain.distributed.collectives import plan_agreed
+from fsdptrain.train.drafter_setup import plain_drafter
+from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, local_counts, optimizer_step, packed_policy_loss
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 

@@ -26,8 +26,7 @@ from fsdptrain.model.drafter_export import load_drafter
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.train.loop import Trainer
-from fsdptrain.train.packed_loss import packed_policy_loss
-from fsdptrain.train.step import update_on_minibatch
+from fsdptrain.train.step import packed_policy_loss, update_on_minibatch
 from tests.dist.workers.report import report_and_exit
 
 
@@ -37,7 +36,7 @@ def check(overrides: list[str], info, mesh) -> dict:
     torch.manual_seed(cfg.trainer.seed)
     trainer = Trainer(cfg, Path(tempfile.mkdtemp()), info, mesh)
     saved = load_drafter(cfg.drafter.path).float()
-    state = gather_full_state_dict(trainer.drafter.module)
+    state = gather_full_state_dict(trainer.auxiliary_loss().module)
     want = saved.state_dict()
     same = set(state) == set(want) and all(torch.equal(state[k].cpu(), want[k]) for k in want)
     rollouts, _ = trainer.step_rollouts(0)
@@ -54,10 +53,10 @@ def check(overrides: list[str], info, mesh) -> dict:
     metrics, _ = update_on_minibatch(
         trainer.models.policy, trainer.models.policy_optimizer, batch, loss_fn=packed_policy_loss, settings=settings,
         dp_size=1, loss_scale_factor=trainer.loss_scale_factor, token_budget=cfg.trainer.token_budget,
-        grad_clip=cfg.trainer.grad_clip, guard=trainer.policy_guard, device=trainer.device, drafter=trainer.drafter)
+        grad_clip=cfg.trainer.grad_clip, guard=trainer.policy_guard, device=trainer.device, auxiliary=trainer.auxiliary_loss())
     got = {k: v for k, v in finalize(metrics).items() if k.startswith("drafter/")}
     return {"weights_equal": same, "num_weights": len(want), "train_step": got, "oracle": finalize(oracle),
-            "num_layers": trainer.drafter.module.config.num_hidden_layers}
+            "num_layers": trainer.auxiliary_loss().module.config.num_hidden_layers}
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Worker: sharded reward models against the plain transformers model in this process (each rank builds it).
 
 Run under torchrun (any world size) or as a plain process. Rank r scores its own share of SEQUENCES in packs agreed
-world-wide (`train_step.plan_agreed`: a rank with less work runs an empty pack), with the reward model FSDP2-sharded
+world-wide (`fsdptrain.distributed.collectives.plan_agreed`: a rank with less work runs an empty pack), with the reward model FSDP2-sharded
 over every rank; the scores are all-gathered and compared with the plain model scoring each sequence alone. Also the
 critic started from a reward model, and rank 0's architecture error reaching every rank. Writes <out>/rank<r>.json.
 """
@@ -24,7 +24,7 @@ from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, score_sequences
 from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.train.step import plan_agreed
+from fsdptrain.distributed.collectives import plan_agreed
 
 SEQUENCES = [[1, 7, 9, 11, 30], [1, 5, 6, 7, 8, 9, 10, 12, 40], [1, 22, 23], [1, 14, 15, 16, 17, 18, 19],
              [1, 8, 8, 9]]

@@ -24,7 +24,7 @@ from fsdptrain.model.reward_model import load_reward_model_spec
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.train.reward_scoring import score_with_reward_models
-from fsdptrain.train.step import reduce_metrics
+from fsdptrain.distributed.collectives import reduce_metrics
 
 STEPS = [
     [("repeat 3 =", " 3 3"), ("copy 12 =", " 1 2"), ("sort 31 =", " 1 3 7"), ("reverse 45 =", ""),

@@ -10,7 +10,7 @@ import torch
 
 from fsdptrain.distributed import world
 from fsdptrain.rl.metrics import Mean, Metrics, Sum
-from fsdptrain.train.step import reduce_metrics
+from fsdptrain.distributed.collectives import reduce_metrics
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
-"""The fused packed loss: per-token log-probs, entropy and values over a whole packed row, then the loss.
+"""The fused loss over a packed row's hidden states: per-token log-probs, entropy and values, then the loss.
 
 Legend: `_T` per-token tensors of one packed row (length T, aligned with the input: position t scores token t+1 of
-the same sequence), `_R` one sequence's response tokens.
+the same sequence), `_R` one sequence's response tokens, `_TH` `[T, H]`, `_VH` `[V, H]`.
 
-One forward of the packed row `[1, T]` gives the final hidden states; the output projection is applied chunk by chunk
+The caller runs the model's forward once over the packed row `[1, T]` (fsdptrain/train/step.py: `rl/` imports no
+model) and hands its final hidden states here; the output projection is applied chunk by chunk
 (:func:`chunked_logprobs_entropy`), so neither the `[T, V]` logits nor their gradient exist at once. The loss is then
 computed once over the row by the layout-aware policy and value losses with `cu_seqlens`: there is no Python loop
 over the sequences of a pack. The per-sequence oracle that tests and check-metrics compare against is
@@ -13,20 +14,30 @@ fsdptrain/check/per_sequence.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model.forward import final_hidden_states, value_token_outputs
-from fsdptrain.rl.aggregate import LossNormalizers, count_tokens_and_seqs
-from fsdptrain.rl.draft_loss import draft_mask
+from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.rl.metrics import Metrics
 from fsdptrain.rl.pg_losses import vanilla_policy_loss
 from fsdptrain.rl.policy import KL_CLAMP, policy_loss
 from fsdptrain.rl.value import value_loss
+
+
+class PackedRow(Protocol):
+    """What the losses read of a packed row (`fsdptrain.data.packing.PackedBatch` is one; docs/packing.md)."""
+
+    input_ids: Tensor
+    labels: Tensor
+    label_mask: Tensor
+    response_mask: Tensor
+    cu_seqlens: Tensor
+
+    @property
+    def total_len(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,7 @@ class SeqTargets:
     """Rollout-correction importance weights (detached), with `algorithm.rollout_correction`."""
 
 
-def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedBatch, *, device=None) -> Tensor:
+def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedRow, *, device=None) -> Tensor:
     """Place each sequence's response-aligned values at the row positions that score them; 0 elsewhere. `[T]`.
 
     The inverse of :func:`fsdptrain.data.packing.unpack_responses`: the response positions of a pack, in row order, are
@@ -96,7 +107,7 @@ def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedBatch, *, devic
     return out_T
 
 
-def old_or_current(old_R: Sequence[Optional[Tensor]], current_T: Tensor, packed: PackedBatch) -> Tensor:
+def old_or_current(old_R: Sequence[Optional[Tensor]], current_T: Tensor, packed: PackedRow) -> Tensor:
     """The old values of a pack `[T]`: scattered from the targets, or the current ones detached when the experience
     pass was skipped (every target of a run then has None; an empty pack has no targets and is all masked)."""
     if old_R and old_R[0] is None:
@@ -105,36 +116,34 @@ def old_or_current(old_R: Sequence[Optional[Tensor]], current_T: Tensor, packed:
     return scatter_responses(list(old_R), packed, device=current_T.device)
 
 
-def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
-                         compute_entropy: bool = True, hidden_TH: Optional[Tensor] = None
-                         ) -> tuple[Tensor, Optional[Tensor]]:
-    """Per-token log-prob of the next token and the policy's entropy over the packed row: `([T], [T] or None)`.
+def token_logprobs_entropy(hidden_TH: Tensor, head_weight_VH: Tensor, head_bias_V: Optional[Tensor],
+                           packed: PackedRow, *, temperature: float, chunk_size: int, compute_entropy: bool = True
+                           ) -> tuple[Tensor, Optional[Tensor]]:
+    """Per-token log-prob of the next token and the policy's entropy over the packed row: `([T], [T] or None)`, from
+    the final hidden states and the output head.
 
     Positions with no next token (each sequence's last, the padding tail) get target id 0; the losses mask them.
-    `hidden_TH`: the final hidden states of a forward the caller already ran (the co-trained drafter's capture);
-    None runs the forward here.
     """
-    if hidden_TH is None:
-        hidden_TH = final_hidden_states(model, packed)
-    head = model.get_output_embeddings()
     targets_T = torch.where(packed.label_mask[0], packed.labels[0], torch.zeros_like(packed.labels[0]))
     return chunked_logprobs_entropy(
-        hidden_TH, head.weight, targets_T.to(hidden_TH.device), temperature=temperature, chunk_size=chunk_size,
-        bias_V=head.bias, compute_entropy=compute_entropy,
+        hidden_TH, head_weight_VH, targets_T.to(hidden_TH.device), temperature=temperature, chunk_size=chunk_size,
+        bias_V=head_bias_V, compute_entropy=compute_entropy,
     )
 
 
-def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                       settings: PolicyLossSettings, hidden_TH: Optional[Tensor] = None) -> tuple[Tensor, Metrics]:
-    """The policy loss of one pack (one micro-batch) with the mini-batch's global normalisers, and its metrics.
+def policy_loss_of_hidden(hidden_TH: Tensor, head_weight_VH: Tensor, head_bias_V: Optional[Tensor],
+                          packed: PackedRow, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                          settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
+    """The policy loss of one pack (one micro-batch) from its final hidden states, with the mini-batch's global
+    normalisers, and its metrics.
 
     `targets[i]` belongs to the pack's i-th sequence. The loss is this micro-batch's share of the mini-batch scalar
     (times dp_size, applied inside `agg_loss`): summing it over micro-batches and FSDP's mean over ranks give the
-    whole mini-batch's loss. `hidden_TH` as in `policy_token_outputs`.
+    whole mini-batch's loss.
     """
     device = packed.input_ids.device
-    logprobs_T, entropy_T = policy_token_outputs(model, packed, temperature=settings.temperature,
-                                                 chunk_size=settings.chunk_size, hidden_TH=hidden_TH)
+    logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head_weight_VH, head_bias_V, packed,
+                                                   temperature=settings.temperature, chunk_size=settings.chunk_size)
     mask_T = packed.response_mask[0]
     ref_T = None
     if settings.use_reference:
@@ -164,11 +173,11 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
     )
 
 
-def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                      settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
-    """The clipped value loss of one pack with the mini-batch's global normalisers, and its metrics."""
+def value_loss_of_values(values_T: Tensor, packed: PackedRow, targets: Sequence[SeqTargets], *,
+                         norms: LossNormalizers, settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
+    """The clipped value loss of one pack from its per-token values `[T]`, with the mini-batch's global normalisers,
+    and its metrics."""
     device = packed.input_ids.device
-    values_T = value_token_outputs(model, packed)
     return value_loss(
         values_T,
         old_or_current([t.old_values for t in targets], values_T, packed),
@@ -179,17 +188,3 @@ def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets],
         cliprange_value=settings.cliprange_value,
         cu_seqlens=packed.cu_seqlens,
     )
-
-
-# ---- the per-sequence reference --------------------------------------------------------------------------------
-
-
-def packed_draft_mask(packed: PackedBatch, *, on: str) -> Tensor:
-    """`draft_mask` of a pack's row, `[T]`."""
-    return draft_mask(packed.label_mask[0], packed.response_mask[0], on=on)
-
-
-def count_draft_tokens_and_seqs(packed: PackedBatch, *, on: str) -> tuple[int, int]:
-    """(scored draft positions, sequences with at least one) of one pack: what the train step all-reduces into the
-    draft loss's own `LossNormalizers` (never the policy's: the masks differ)."""
-    return count_tokens_and_seqs(packed_draft_mask(packed, on=on), packed.cu_seqlens)

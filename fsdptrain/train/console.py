@@ -1,25 +1,14 @@
-"""What a run tells its user: rank-0 printing, the start report, the progress bar, metrics.jsonl, the summary."""
+"""What a run prints: rank-0 lines, the start report, the first step's samples, the progress bar, the summary."""
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Optional
 
 from fsdptrain.distributed import world
-from fsdptrain.distributed.files import append_line, write_atomic
 from fsdptrain.model.build import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
-from fsdptrain.train.setup import max_response_length
-
-if TYPE_CHECKING:
-    from fsdptrain.train.loop import Trainer
-
-
-GRAD_NORM_WARN_STEPS = 5
 
 
 def log(message: str) -> None:
@@ -28,83 +17,22 @@ def log(message: str) -> None:
         print(message, flush=True)
 
 
-@dataclass
-class GradNormWatch:
-    """Warns when the pre-clip grad norm stays above ``factor x clip`` for several steps in a row."""
-
-    factor: float
-    clip: float
-    name: str
-    in_a_row: int = 0
-
-    def observe(self, grad_norm: float) -> None:
-        if self.clip <= 0:
-            return
-        self.in_a_row = self.in_a_row + 1 if grad_norm > self.factor * self.clip else 0
-        if self.in_a_row == GRAD_NORM_WARN_STEPS:
-            log(f"warning: {self.name} pre-clip grad norm has been above {self.factor:g} x grad_clip "
-                f"({self.factor * self.clip:g}) for {GRAD_NORM_WARN_STEPS} steps (now {grad_norm:.4g}): clipping "
-                f"dominates the update; lower the learning rate or use a mode whose scale is near 1")
-
-
-def print_start_report(trainer: "Trainer") -> None:
-    """Model sizes, the backend, and the gradient scale of the configured mode with its normalisation in words."""
-    cfg = trainer.cfg
-    log(f"fsdptrain: {trainer.info.world_size} rank(s) on {trainer.device.type}, mesh {tuple(trainer.mesh.shape)}, "
-        f"packed attention: {trainer.models.backend}")
-    source = trainer.source
-    if hasattr(source, "train_rows"):
-        dropped = source.dropped
-        log(f"prompts: {len(source.train_rows)} training rows, {len(source.eval_rows)} evaluation rows"
-            + (f"; skipped {dropped['train']} + {dropped['eval']} longer than data.max_prompt_length"
-               if dropped["train"] or dropped["eval"] else "")
-            + f"; {trainer.num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
-            f"{trainer.num_steps * cfg.rollout.prompts_per_step / len(source.train_rows):.3g} epochs; rewards: "
-            + ", ".join([f"{f.name} x {f.weight:g}" for f in source.functions] + _reward_model_names(cfg)))
-    log("policy: " + describe_model_memory(trainer.models.policy, num_shards=trainer.dp_size))
+def print_start_report(cfg, *, world_size: int, device, mesh_shape: tuple, backend: str, policy, dp_size: int,
+                       loss_scale_factor: float, max_len: int, source_line: Optional[str]) -> None:
+    """Model sizes, the backend, the source's line, and the gradient scale of the configured mode with its
+    normalisation in words."""
+    log(f"fsdptrain: {world_size} rank(s) on {device.type}, mesh {mesh_shape}, packed attention: {backend}")
+    if source_line is not None:
+        log(source_line)
+    log("policy: " + describe_model_memory(policy, num_shards=dp_size))
     seqs = cfg.rollout.prompts_per_step // cfg.trainer.mini_batches_per_step * (
         cfg.rollout.n if cfg.data.source != "jsonl" else 1)
-    max_len = max_response_length(cfg)
     if cfg.loss.loss_scale_factor is None and cfg.loss.agg_mode == "seq-mean-token-sum-norm":
         log(f"loss.loss_scale_factor is null: using the configured maximum response length {max_len}")
     report = grad_scale_report(cfg.loss.agg_mode, num_tokens=seqs * max_len, num_seqs=seqs,
-                               seq_lengths=[max_len] * seqs, dp_size=trainer.dp_size,
-                               loss_scale_factor=trainer.loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
+                               seq_lengths=[max_len] * seqs, dp_size=dp_size,
+                               loss_scale_factor=loss_scale_factor, grad_clip=cfg.trainer.grad_clip)
     log(f"normalisation (a mini-batch of {seqs} sequences at the maximum length {max_len}): " + report.describe())
-
-
-METRIC_KINDS_FILE = "metric_kinds.json"
-FACT = "fact"
-"""The kind recorded for a logged number that is no typed metric: the loop's own fact (a grad norm, the lr, ...)."""
-
-
-def metric_kinds(result: dict, typed: dict[str, str]) -> dict[str, str]:
-    """The kind of every number of a metrics line but ``step``: the typed metric's kind, else ``fact``."""
-    return {name: typed.get(name, FACT) for name in result if name != "step"}
-
-
-def write_metric_kinds(path: Path, kinds: dict[str, str]) -> None:
-    """``metric_kinds.json``: name -> kind of every number metrics.jsonl has held (docs/metrics.md), replaced
-    atomically whenever a new name appears."""
-    write_atomic(path, json.dumps(dict(sorted(kinds.items())), indent=1) + "\n")
-
-
-def read_metric_kinds(path: Path) -> dict[str, str]:
-    """What :func:`write_metric_kinds` wrote, or nothing when the file is absent."""
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def write_metrics_line(path: Path, result: dict) -> None:
-    """One line per step, in one write: a crash leaves at most a partial last line, which resume drops."""
-    append_line(path, json.dumps(result))
-
-
-def write_samples(path: Path, step: int, samples: list[dict]) -> None:
-    """Append a step's shown samples to samples.jsonl: one line per sample with the step, prompt, completion and
-    each reward function's score (null where it did not apply)."""
-    with path.open("a") as handle:
-        for sample in samples:
-            handle.write(json.dumps({"step": step, **sample}) + "\n")
 
 
 def print_samples(console, step: int, samples: list[dict]) -> None:
@@ -135,11 +63,6 @@ def stats_line(result: dict) -> str:
         if key in result:
             parts.append(f"{label} {result[key]:.3g}")
     return "  ".join(parts)
-
-
-def _reward_model_names(cfg) -> list[str]:
-    weights = cfg.reward.model_weights or [1.0] * len(cfg.reward.models)
-    return [f"reward_model/{m} ({path}) x {w:g}" for m, (path, w) in enumerate(zip(cfg.reward.models, weights))]
 
 
 def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:

@@ -1,25 +1,30 @@
-"""The prompts experience source: rows of a prompt dataset, sampled ``n`` times each, scored by reward functions.
+"""Where a step's rollouts come from: one interface (:class:`RolloutSource`) and its two sources.
 
-One path for the bundled digit tasks and for a user's files (docs/your-task.md): ``data=task`` feeds the rows of
-:func:`fsdptrain.data.prompt_tasks.digit_task_rows` with the ``word_match`` reward, ``data=prompts`` the rows of
-``data.path`` with ``reward.functions``; from there on the code is the same.
+- :class:`PromptSource`: rows of a prompt dataset, sampled ``n`` times each by the policy, scored by reward functions
+  (and reward models). One path for the bundled digit tasks and for a user's files (docs/your-task.md): ``data=task``
+  feeds the rows of :func:`fsdptrain.data.prompt_tasks.digit_task_rows` with the ``word_match`` reward,
+  ``data=prompts`` the rows of ``data.path`` with ``reward.functions``; from there on the code is the same. Each step
+  takes the next ``rollout.prompts_per_step`` positions of the seeded epoch order (the same on every rank); group
+  ``i`` of the step is training row ``positions[i]``. The order's state goes into checkpoints, so a resumed run sees
+  exactly the prompts an uninterrupted one would, at any world size.
+- :class:`OfflineSource`: each step's rollouts read from a JSONL file, cycling over its groups.
 
-Each step takes the next ``rollout.prompts_per_step`` positions of the seeded epoch order (the same on every rank);
-group ``i`` of the step is training row ``positions[i]`` and is owned by rank ``i % world_size``
-(docs/architecture.md, rank ownership). The order's state goes into checkpoints, so a resumed run sees exactly the
-prompts an uninterrupted one would, at any world size.
+Either way group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md, rank ownership).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Optional
+from collections.abc import Iterator
+from typing import Optional, Protocol
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import DEFAULT_STEPS, ConfigError, reward_specs
+from fsdptrain.data.offline import load_jsonl_rollouts
 from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.prompts import (
     EpochOrder,
@@ -31,15 +36,81 @@ from fsdptrain.data.prompts import (
 )
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.distributed.gather import gathered_weights, should_gather
+from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
-from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.rl.metrics import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
-from fsdptrain.train.perf import generation, phase
+from fsdptrain.train.perf import phase
+from fsdptrain.train.console import log
 from fsdptrain.train.reward_scoring import ModelScores, score_with_reward_models
-from fsdptrain.train.setup import Models
+from fsdptrain.train.build import DTYPES, Models
+
+
+class RolloutSource(Protocol):
+    """What the train step asks of a source of experience (docs/architecture.md, "Rollout sources").
+
+    A source owns its position in the data and whatever it keeps across steps (the prompt order, the reward models'
+    running moments): :meth:`state_dict` / :meth:`load_state_dict` save and restore it with the checkpoint. The
+    rollouts it returns are this rank's groups of the step (group ``i`` on rank ``i % world_size``); the step packs
+    each one's prompt and response ids and trains on every response token. A multi-turn source (tool calls,
+    environments) implements the same methods; its rollouts' responses then also hold tokens the policy did not
+    sample (tool results, separators), which needs a per-token mask of the sampled tokens carried from the rollout to
+    the loss (not there yet).
+    """
+
+    generates: bool
+    """The policy samples the rollouts (generation's FLOPs count in ``perf/*``)."""
+    num_train_rows: Optional[int]
+    """Training rows behind ``trainer.epochs`` (None: the source has no epochs)."""
+    max_response_length: int
+    step_metrics: Optional[Metrics]
+    """The reward metrics of the last :meth:`rollouts` (they hold ``reward/mean``); None: plain rewards."""
+    samples: list[dict]
+    """A few of rank 0's samples of the last :meth:`rollouts`, for samples.jsonl."""
+
+    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+                 round_index: int = 0) -> list[Rollout]: ...
+
+    def step_facts(self) -> Metrics:
+        """Typed metrics of the source's position (``data/*``), the same on every rank."""
+
+    def describe(self, num_steps: int) -> Optional[str]:
+        """One line for the start report, or None."""
+
+    def can_evaluate(self) -> bool: ...
+
+    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
+    """The source ``data.source`` names."""
+    return OfflineSource(cfg, tokenizer) if cfg.data.source == "jsonl" else PromptSource(cfg, tokenizer)
+
+
+@contextlib.contextmanager
+def generation(model, cfg, device: torch.device) -> Iterator[None]:
+    """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
+    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), and compiled
+    layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would recompile every token)."""
+    with phase("generate"):
+        gather = should_gather(model, mode=cfg.rollout.gather_weights, max_share=cfg.rollout.gather_weights_max_share,
+                               param_dtype=DTYPES[cfg.parallel.param_dtype], device=device)
+        with generation_attention(model), gathered_weights(
+                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
+                torch.compiler.set_stance("force_eager"):
+            yield
+
+
 
 NUM_SAMPLES_SHOWN = 4
 """Samples of rank 0 kept for samples.jsonl and the first step's printout."""
@@ -93,9 +164,12 @@ def resolve_steps(cfg: DictConfig, num_train_rows: Optional[int]) -> int:
 class PromptSource:
     """Prompt rows in epoch order, ``n`` samples each, scored by the reward functions; see the module docstring."""
 
+    generates = True
+
     def __init__(self, cfg: DictConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
+        self.num_train_rows = len(self.train_rows)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
         columns = sorted({name for row in self.train_rows[:1] for name in row.columns})
         specs = reward_specs(cfg)
@@ -125,6 +199,43 @@ class PromptSource:
     def epoch_progress(self) -> float:
         """Epochs of the training rows visited so far (fractional)."""
         return self.order.epoch + self.order.position / self.order.num_rows
+
+    def step_facts(self) -> Metrics:
+        """``data/epoch`` (epochs visited so far) and ``data/num_long_prompts_skipped`` (training rows dropped as
+        too long at start): the same on every rank, so MAX over ranks is the value."""
+        return Metrics({"data/epoch": Max(self.epoch_progress()),
+                        "data/num_long_prompts_skipped": Max(self.dropped["train"])})
+
+    def describe(self, num_steps: int) -> str:
+        cfg, dropped = self.cfg, self.dropped
+        weights = cfg.reward.model_weights or [1.0] * len(cfg.reward.models)
+        models = [f"reward_model/{m} ({path}) x {w:g}" for m, (path, w) in enumerate(zip(cfg.reward.models, weights))]
+        return (f"prompts: {len(self.train_rows)} training rows, {len(self.eval_rows)} evaluation rows"
+                + (f"; skipped {dropped['train']} + {dropped['eval']} longer than data.max_prompt_length"
+                   if dropped["train"] or dropped["eval"] else "")
+                + f"; {num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
+                f"{num_steps * cfg.rollout.prompts_per_step / len(self.train_rows):.3g} epochs; rewards: "
+                + ", ".join([f"{f.name} x {f.weight:g}" for f in self.functions] + models))
+
+    def can_evaluate(self) -> bool:
+        return bool(self.eval_rows)
+
+    def state_dict(self) -> dict:
+        """The prompt order's position and the reward models' running moments."""
+        return {"prompt_order": self.order.state_dict(),
+                "reward_model_moments": [m.state_dict() for m in self.reward_moments]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; one saved by another data.source, or for other reward models, is a
+        ConfigError."""
+        if "prompt_order" not in state:
+            raise ConfigError("the checkpoint holds no prompt order (it was saved by a run with another data.source)")
+        self.order.load_state_dict(state["prompt_order"])
+        saved = state["reward_model_moments"]
+        if len(saved) != len(self.reward_moments):
+            raise ConfigError(f"the checkpoint holds running moments of {len(saved)} reward models, but reward.models "
+                              f"lists {len(self.reward_moments)}: resume with the run's own reward.models")
+        self.reward_moments = [RunningMoments.from_state_dict(m) for m in saved]
 
     def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device):
         ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
@@ -213,3 +324,63 @@ class PromptSource:
                                    training=False)
         sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
         return float(sums[0] / sums[1])
+
+
+class OfflineSource:
+    """Offline JSONL rollouts: each step takes the next ``prompts_per_step`` groups, cycling over the file (the step
+    alone fixes which, so the source keeps no state)."""
+
+    generates = False
+    num_train_rows = None
+
+    def __init__(self, cfg: DictConfig, tokenizer):
+        self.cfg = cfg
+        rollouts, self.num_skipped = load_jsonl_rollouts(cfg.data.path, tokenizer,
+                                                         max_response_length=cfg.rollout.max_new_tokens,
+                                                         skip_bad_rows=cfg.data.skip_bad_rows)
+        if self.num_skipped:
+            log(f"warning: data.skip_bad_rows=true skipped {self.num_skipped} bad row(s) of {cfg.data.path} "
+                f"(logged as data/skipped_rows)")
+        self.groups: dict[int, list[Rollout]] = {}
+        for r in rollouts:
+            self.groups.setdefault(r.group, []).append(r)
+        self.max_response_length = cfg.rollout.max_new_tokens
+        self.step_metrics = None  # the rewards come with the file: no reward-function metrics
+        self.samples: list[dict] = []
+
+    def close(self) -> None:
+        pass
+
+    def step_facts(self) -> Metrics:
+        """``data/skipped_rows``: bad rows of the file skipped at start (data.skip_bad_rows), the same on every
+        rank."""
+        return Metrics({"data/skipped_rows": Max(self.num_skipped)})
+
+    def describe(self, num_steps: int) -> None:
+        return None
+
+    def can_evaluate(self) -> bool:
+        return False
+
+    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
+        raise AssertionError("offline rollouts have no evaluation rows")
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+                 round_index: int = 0) -> list[Rollout]:
+        per_step = self.cfg.rollout.prompts_per_step
+        out = []
+        for index in range(per_step):
+            if index % world_size != rank:
+                continue
+            source_group = (step * per_step + index) % len(self.groups)
+            for r in self.groups[source_group]:
+                out.append(Rollout(prompt_ids=r.prompt_ids, response_ids=r.response_ids, reward=r.reward,
+                                   group=index, truncated=r.truncated, behaviour_logprobs=r.behaviour_logprobs,
+                                   prompt_text=r.prompt_text, response_text=r.response_text))
+        return out

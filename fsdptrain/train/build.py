@@ -1,4 +1,5 @@
-"""Set-up of one run from its config: the tokenizer, the sharded models and their optimizers, the loss settings.
+"""Building one run from its config: the tokenizer, the sharded models and their optimizers, the loss settings,
+the dtypes by config name.
 
 Every rank runs these collectively, in the same order (docs/architecture.md).
 """
@@ -19,7 +20,7 @@ from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
-from fsdptrain.train.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept."""
@@ -168,3 +169,15 @@ def resolve_device_type(cfg: DictConfig) -> str:
     if cfg.trainer.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return cfg.trainer.device
+
+
+def skips_old_passes(cfg: DictConfig) -> bool:
+    """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
+    skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
+    experience; no behaviour log-probs from data; no KL-in-reward (it reads the old log-probs before the update); and
+    no rollout correction: its weights exp(old - behaviour) need the old log-probs before the update. On-policy the
+    behaviour log-probs are the old ones, so the kept pass gives weights of exactly 1 (exp(0)) and the logged
+    ``experience/rollout_is_*`` (docs/algorithms.md)."""
+    return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
+            and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
+            and cfg.algorithm.kl_in_reward_coef == 0 and cfg.algorithm.rollout_correction == "none")

@@ -1,0 +1,42 @@
+"""What a run writes to its directory besides checkpoints: metrics.jsonl, metric_kinds.json, samples.jsonl
+(docs/metrics.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdptrain.distributed.files import append_line, write_atomic
+
+METRIC_KINDS_FILE = "metric_kinds.json"
+FACT = "fact"
+"""The kind recorded for a logged number that is no typed metric: the loop's own fact (a grad norm, the lr, ...)."""
+
+
+def metric_kinds(result: dict, typed: dict[str, str]) -> dict[str, str]:
+    """The kind of every number of a metrics line but ``step``: the typed metric's kind, else ``fact``."""
+    return {name: typed.get(name, FACT) for name in result if name != "step"}
+
+
+def write_metric_kinds(path: Path, kinds: dict[str, str]) -> None:
+    """``metric_kinds.json``: name -> kind of every number metrics.jsonl has held (docs/metrics.md), replaced
+    atomically whenever a new name appears."""
+    write_atomic(path, json.dumps(dict(sorted(kinds.items())), indent=1) + "\n")
+
+
+def read_metric_kinds(path: Path) -> dict[str, str]:
+    """What :func:`write_metric_kinds` wrote, or nothing when the file is absent."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_metrics_line(path: Path, result: dict) -> None:
+    """One line per step, in one write: a crash leaves at most a partial last line, which resume drops."""
+    append_line(path, json.dumps(result))
+
+
+def write_samples(path: Path, step: int, samples: list[dict]) -> None:
+    """Append a step's shown samples to samples.jsonl: one line per sample with the step, prompt, completion and
+    each reward function's score (null where it did not apply)."""
+    with path.open("a") as handle:
+        for sample in samples:
+            handle.write(json.dumps({"step": step, **sample}) + "\n")

@@ -1,0 +1,19 @@
+"""The extension boundary (docs/architecture.md, "Extensions"): the recipe names an optional feature only where it
+registers it, and the checkpointer names none (each part saves itself)."""
+
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[2] / "fsdptrain" / "train"
+
+
+def test_the_recipe_names_the_drafter_only_in_its_registration():
+    lines = [line.strip() for line in (TRAIN / "loop.py").read_text().splitlines() if "drafter" in line.lower()]
+    assert lines == ["from fsdptrain.train.drafter_setup import DrafterExtension",
+                     "if cfg.drafter.enabled:",
+                     "extensions.append(DrafterExtension(cfg, models.policy, mesh=mesh, device=device, "
+                     "backend=models.backend,"]
+
+
+def test_the_checkpointer_and_the_update_name_no_extension():
+    for name in ("run_dir.py", "step.py"):
+        assert "drafter" not in (TRAIN / name).read_text().lower(), name
