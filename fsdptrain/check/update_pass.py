@@ -160,16 +160,16 @@ def trainer_update(session: CheckSession, shape: UpdateShape) -> Outcome:
     shaped = OmegaConf.create(OmegaConf.to_container(tr.cfg, resolve=True))
     shaped.trainer.mini_batches_per_step = shape.mini_batches
     shaped.algorithm.ppo_epochs = shape.epochs
-    saved_cfg, saved_drafter = tr.cfg, tr.drafter
-    tr.cfg, tr.drafter = shaped, None
+    saved_cfg, saved_extensions = tr.cfg, tr.extensions
+    tr.cfg, tr.extensions = shaped, []  # the policy and critic alone: an auxiliary loss is checked on its own
     try:
         batches = tr.minibatches(batch.rollouts, batch.local.targets[:real])
         merged, facts = tr.update(batches, batch.on_policy)
     finally:
-        tr.cfg, tr.drafter = saved_cfg, saved_drafter
+        tr.cfg, tr.extensions = saved_cfg, saved_extensions
     kinds = comparable(merged)
     values = {name: v for name, v in finalize(merged).items() if name in kinds}
-    values.update({name: v for name, v in facts.items() if not name.startswith("drafter/")})
+    values.update({name: v for name, v in finalize(facts).items() if not name.startswith("drafter/")})
     for name in SKIPPED:
         values.pop(name, None)
     return Outcome(shape.layout, values, kinds, covers=("actor/", "critic/", "loss/"))
