@@ -215,15 +215,16 @@ def _vanilla(logp: Tensor, old: Tensor, adv: Tensor, settings: PolicyLossSetting
 
 def kl_direct(logp: Tensor, ref: Tensor, estimator: str, clamp: Optional[float]) -> Tensor:
     """The KL estimators from their definitions (docs/algorithms.md), d = logp - ref: k1 d; k2 = mse d^2/2; abs |d|;
-    k3 exp(-d) + d - 1 (d clamped to +-20 inside, the value to +-clamp); k1+, k3+ the value of k1, k3 with k2's
-    gradient."""
+    k3 exp(-d) + d - 1 (d clamped to +-20 inside, the value to +-clamp); k1+, k3+, abs+ the value of k1, k3, abs
+    with k2's gradient."""
     d = logp - ref
     k2 = 0.5 * d * d
     k3 = torch.exp(-d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) + d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) - 1
     if clamp is not None:
         k3 = k3.clamp(-clamp, clamp)
     values = {"k1": d, "k2": k2, "mse": k2, "abs": d.abs(), "k3": k3,
-              "k1+": d.detach() + k2 - k2.detach(), "k3+": k3.detach() + k2 - k2.detach()}
+              "k1+": d.detach() + k2 - k2.detach(), "k3+": k3.detach() + k2 - k2.detach(),
+              "abs+": d.abs().detach() + k2 - k2.detach()}
     return values[estimator]
 
 

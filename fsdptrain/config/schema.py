@@ -99,7 +99,7 @@ class AlgorithmConfig:
     kl_loss_coef: float = bounded(0.001, ge=0)
     """Weight of the KL loss term."""
     kl_estimator: str = choice("k3", names.KL_ESTIMATORS)
-    """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+ or k3+ (straight-through; docs/algorithms.md)."""
+    """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+, k3+ or abs+ (straight-through; docs/algorithms.md)."""
     kl_clamp: Optional[float] = bounded(KL_CLAMP, gt=0)
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
     policy_loss: str = choice("vanilla", names.POLICY_LOSSES, user_function=True)

@@ -55,6 +55,7 @@ _KL = {
     "mse": _k2,
     "k1+": _straight_through_k2(_k1),
     "k3+": _straight_through_k2(_k3),
+    "abs+": _straight_through_k2(_abs),
 }
 
 
@@ -65,7 +66,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, *, kl_cla
         k3 = clamp(exp(-d) + d - 1, -kl_clamp, kl_clamp): unbiased, low variance, >= 0; d is clamped to +-20
              inside exp, and the value to kl_clamp (zero gradient outside; verl clamps its "low_var_kl" at 10);
              kl_clamp None: no clamp;
-        k1+, k3+: straight-through, value k1 (k3, clamped as above), gradient k2's (d * grad logp):
+        k1+, k3+, abs+: straight-through, value k1 (k3, clamped as above; abs), gradient k2's (d * grad logp):
              sg[k] + k2 - sg[k2].
     k1 and k3 estimate the KL's value without bias but not its gradient; the gradient of k2 is the KL's gradient in
     expectation over samples of pi, hence the "+" forms (verl's estimators with a "+" suffix).

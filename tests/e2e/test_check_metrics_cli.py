@@ -130,7 +130,7 @@ def test_new_losses_and_estimators_are_exact_across_layouts(cli, overrides):
 @pytest.mark.parametrize("nproc", ["1", "2"])
 @pytest.mark.parametrize("loss", ["vanilla", "cispo", "gmpo", "dro"])
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "mse", "k1+", "k3+"])
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "mse", "k1+", "k3+", "abs+"])
 def test_breadth_matrix(cli, nproc, loss, estimator, kl):
     result = cli("check-metrics", "--nproc", nproc, "algorithm=grpo", f"algorithm.policy_loss={loss}",
                  f"algorithm.adv_estimator={estimator}", "algorithm.use_kl_loss=true", f"algorithm.kl_estimator={kl}",
