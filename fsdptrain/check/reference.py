@@ -78,14 +78,14 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
 
     Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[R]``. Sequence level:
     w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token. tis: w' = min(w, C);
-    mis: w' = w if w <= C else 0. No clamp, no log-space decision: the definitions, not the product's
+    mis: w' = w if L <= w <= C else 0 (L = 0 without a lower bound). No clamp, no log-space decision: the definitions, not the product's
     ``rollout_correction_weights``.
     """
     ratios = [math.exp(o - b) for o, b in zip(old_R.double().tolist(), behaviour_R.double().tolist())]
     ratios_R = torch.tensor(ratios, dtype=torch.float64)
     raw = ratios_R if correction.level == "token" else torch.prod(ratios_R).reshape(1)
     cap = torch.tensor(correction.cap, dtype=torch.float64)
-    applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(raw <= cap, raw, 0.0)
+    applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(_outside(raw, correction), 0.0, raw)
     return (applied if correction.level == "token" else applied.expand(len(ratios))), raw
 
 
@@ -93,7 +93,7 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
                          correction: IsCorrection) -> dict[str, float]:
     """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (tokens at token
     level, sequences with a response token at sequence level): the plain mean and max of the applied weights, the
-    max of the raw ones and the share of raw weights above C."""
+    max of the raw ones and the share of raw weights outside [L, C]."""
     raw_U, applied_U = [], []
     for old_R, behaviour_R in zip(olds, behaviours):
         if old_R.numel() == 0:
@@ -105,7 +105,13 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
     return {"experience/rollout_is_mean": float(applied.sum() / applied.numel()),
             "experience/rollout_is_max": float(applied.max()),
             "experience/rollout_is_ratio_max": float(raw.max()),
-            "experience/rollout_is_capped_frac": float((raw > correction.cap).sum() / raw.numel())}
+            "experience/rollout_is_capped_frac": float(_outside(raw, correction).sum() / raw.numel())}
+
+
+def _outside(raw: Tensor, correction: IsCorrection) -> Tensor:
+    """Which raw weights lie outside [L, C] (above C without L)."""
+    low = correction.low if correction.low is not None else 0.0
+    return (raw > correction.cap) | (raw < low)
 
 
 def _stats(values_A: Tensor, prefix: str, *, mean: bool = True, extrema: bool = False) -> dict[str, float]:

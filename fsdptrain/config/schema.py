@@ -112,6 +112,8 @@ class AlgorithmConfig:
     """Importance weights per token or per sequence (product of the token ratios)."""
     rollout_correction_cap: float = bounded(2.0, gt=0)
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
+    rollout_correction_low: Optional[float] = bounded(None, gt=0)
+    """Lower bound L of the importance weights, mis only: a weight below L is zeroed too (IcePop); null: none."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
     filter_groups_max_rounds: int = bounded(3, ge=1)

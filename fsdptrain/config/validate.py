@@ -193,6 +193,17 @@ def _check_cross_fields(cfg: DictConfig) -> None:
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
 
 
+def _check_loss_settings(alg: DictConfig) -> None:
+    """The algorithm fields that only mean something together with another one (docs/algorithms.md)."""
+    low = alg.rollout_correction_low
+    if low is not None and alg.rollout_correction != "mis":
+        raise ConfigError(f"algorithm.rollout_correction_low={low} zeroes weights below it, which only "
+                          f"rollout_correction=mis does (got {alg.rollout_correction!r}): set it to mis or the low to null")
+    if low is not None and not low < alg.rollout_correction_cap:
+        raise ConfigError(f"algorithm.rollout_correction_low={low} must be below "
+                          f"algorithm.rollout_correction_cap={alg.rollout_correction_cap}")
+
+
 EXTENSION_RULES = (check_drafter,)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
@@ -202,6 +213,7 @@ def validate(cfg: DictConfig) -> None:
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_cross_fields(cfg)
+    _check_loss_settings(cfg.algorithm)
     _check_steps_and_logging(cfg)
     _check_reward_models(cfg)
     for rule in EXTENSION_RULES:

@@ -218,6 +218,6 @@ def test_three_planted_bugs_fail_with_clean_rows(cli, tmp_path, nproc):
 @pytest.mark.parametrize("nproc", ["2", pytest.param("1", marks=pytest.mark.slow)])
 def test_several_mini_batches_epochs_and_rollout_correction_pass(cli, nproc):
     result = cli("check-metrics", "--nproc", nproc, "trainer.mini_batches_per_step=2", "algorithm.ppo_epochs=2",
-                 "algorithm.rollout_correction=mis", env=_env(), timeout=400)
+                 "algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=0.9", env=_env(), timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "update/actor/pg_loss" in result.stdout and "experience/rollout_is_mean" in result.stdout

@@ -132,3 +132,54 @@ def test_dynamic_sampling_does_not_depend_on_order_or_world_size():
     parts = [groups_with_signal(DS_SCORES[r], DS_GROUPS[r]) for r in (rank0, rank1)]
     assert torch.cat([p[0] for p in parts]).tolist() == keep.tolist()
     assert finalize(merge(parts[0][2], parts[1][2])) == finalize(metrics)
+
+
+# IcePop: mis with a lower bound L zeroes w outside [L, C]. Token weights [1, 2, 4, 0.5] with L = 0.75, C = 3:
+# [1, 2, 0 (above C), 0 (below L)]; mean 3/4, max 2, share outside 2/4.
+def test_mis_lower_bound_by_hand():
+    w, metrics = rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="mis", level="token", cap=3.0, low=0.75)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.0, 0.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+    out = finalize(metrics)
+    assert out["rollout_is_mean"] == pytest.approx(3.0 / 4, abs=1e-12)
+    assert out["rollout_is_max"] == pytest.approx(2.0, abs=1e-12)
+    assert out["rollout_is_capped_frac"] == 0.5
+    # L exactly on a weight keeps it (the interval is closed): L = 0.5 keeps the 0.5
+    w, _ = rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="mis", level="token", cap=3.0, low=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.0, 0.5, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_mis_lower_bound_at_sequence_level_by_hand():
+    # seq 0: w = 4, seq 1: w = 0.5; L = 1, C = 5 keeps seq 0 and zeroes seq 1; mean over 2 sequences = 4 / 2
+    w, metrics = rollout_correction_weights(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK, mode="mis", level="sequence", cap=5.0,
+                                            low=1.0)
+    torch.testing.assert_close(w, torch.tensor([[4.0, 4.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64),
+                               rtol=0, atol=1e-12)
+    out = finalize(metrics)
+    assert out["rollout_is_mean"] == pytest.approx(2.0, abs=1e-12)
+    assert out["rollout_is_capped_frac"] == 0.5
+
+
+def test_a_tiny_ratio_is_masked_in_log_space():
+    # log w = -100: exp of the clamped log-ratio is e^-20 > 0, but the decision log w < log L zeroes it
+    w, _ = rollout_correction_weights(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), mode="mis",
+                                      level="token", cap=2.0, low=1e-9)
+    assert w.item() == 0.0
+
+
+def test_lower_bound_bad_arguments():
+    with pytest.raises(ValueError, match="applies to mode 'mis' only, not 'tis'"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="tis", level="token", cap=2.0, low=0.5)
+    with pytest.raises(ValueError, match=r"must be in \(0, cap=2.0\), got 2.0"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="mis", level="token", cap=2.0, low=2.0)
+
+
+def test_check_metrics_reference_weights_take_the_lower_bound():
+    """check-metrics' definition-side weights (`fsdptrain.check.reference`) zero what lies outside [L, C] too."""
+    from fsdptrain.check.batch import IsCorrection
+    from fsdptrain.check.reference import reference_is_metrics, reference_is_weights
+
+    old, behaviour = OLD[0, :4], BEHAVIOUR[0, :4]
+    applied, raw = reference_is_weights(old, behaviour, IsCorrection("mis", "token", 3.0, 0.75))
+    torch.testing.assert_close(applied, torch.tensor([1.0, 2.0, 0.0, 0.0], dtype=F64), rtol=0, atol=1e-12)
+    metrics = reference_is_metrics([old], [behaviour], IsCorrection("mis", "token", 3.0, 0.75))
+    assert metrics["experience/rollout_is_capped_frac"] == 0.5
