@@ -139,7 +139,7 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
     the tolerance scale of each loss (the same aggregation of the per-token magnitudes, see :func:`_loss_scales`).
 
     With ``settings.use_is_weights`` the pg term is weighted by :func:`reference_is_weights` of each sequence's old
-    and ``behaviour`` log-probs under ``correction`` (never the targets' own ``is_weights``, which the product made).
+    and ``behaviour`` log-probs under ``correction`` (GMPO: by their geometric mean over the sequence) (never the targets' own ``is_weights``, which the product made).
     The gradient accumulates in ``model``. Sequences without a response token add nothing and run no forward.
     """
     if settings.use_is_weights and (behaviour is None or correction is None):
@@ -163,7 +163,10 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             pg = pg[0]
             other.append(pg_metrics)
         if settings.use_is_weights:
-            pg = pg * reference_is_weights(target.old_logprobs, behaviour[i], correction)[0].to(logp)
+            weights = reference_is_weights(target.old_logprobs, behaviour[i], correction)[0]
+            if settings.policy_loss == "gmpo":  # GMPO takes the geometric mean of its sequence's weights
+                weights = torch.prod(weights).pow(1.0 / weights.numel()).expand(weights.numel())
+            pg = pg * weights.to(logp)
         loss = seq_share(pg, mode, counts)
         if settings.use_reference:
             kl = kl_direct(logp, target.ref_logprobs.to(logp), settings.kl_estimator, settings.kl_clamp)

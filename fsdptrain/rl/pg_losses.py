@@ -177,6 +177,35 @@ def dro_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settin
     return pg, _metrics(ratio, none, none, log_ratio, valid)
 
 
+def sequence_geometric_mean(weights: Tensor, valid: Tensor, *, layout: SeqLayout) -> Tensor:
+    """Per sequence i, on each of its tokens: (prod_t w_t)^(1/c_i) = exp(mean_t log w_t) over its c_i valid tokens.
+
+    A zero weight (a token `mis` masked) makes its sequence's mean 0; a sequence without valid tokens gets 1 (its
+    tokens count nowhere). Detached weights in, detached out.
+    """
+    log_w = torch.where(valid, torch.log(weights), torch.zeros((), dtype=weights.dtype, device=weights.device))
+    seq_len_N = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
+    return layout.broadcast(torch.exp(layout.seq_sum(log_w) / seq_len_N))
+
+
+def weigh_by_rollout_is(pg: Tensor, weights: Tensor, valid: Tensor, *, layout: SeqLayout,
+                        pg_loss_fn: PolicyLossFn) -> Tensor:
+    """The per-token pg term times the rollout-correction weights w_t (detached).
+
+    Every term takes w_t on its own token, except GMPO (`GEOMETRIC_IS_TERMS`), whose sequence loss is a geometric
+    mean of ratios: it takes the geometric mean of its sequence's weights, `sequence_geometric_mean`, so the weighted
+    loss is -A_i * geomean_t(r_t w_t) (verl's "geo_mean" likewise). Example: w = [0.5, 2], r = 1, A = 1: -1.0 (the
+    arithmetic mean of the per-token weights would give -1.25).
+    """
+    if pg_loss_fn in GEOMETRIC_IS_TERMS:
+        return pg * sequence_geometric_mean(weights, valid, layout=layout)
+    return pg * weights
+
+
+GEOMETRIC_IS_TERMS = frozenset({gmpo_policy_loss})
+"""The pg terms that take a sequence's geometric mean of the rollout-correction weights (`weigh_by_rollout_is`)."""
+
+
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
     "vanilla": vanilla_policy_loss,
     "cispo": cispo_policy_loss,

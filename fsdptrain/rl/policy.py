@@ -17,7 +17,7 @@ from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.rl.metrics import Loss, Mean, Metrics
-from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss
+from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss, weigh_by_rollout_is
 
 
 def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
@@ -115,7 +115,8 @@ def policy_loss(
     `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
     `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
     kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
-    term before it is aggregated (not the KL or entropy terms). Only `logprobs` (and `entropy`) carry gradients;
+    term before it is aggregated (not the KL or entropy terms); GMPO takes their geometric mean per sequence
+    (`fsdptrain.rl.pg_losses.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
     masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
@@ -147,7 +148,8 @@ def policy_loss(
     if reserved:
         raise ValueError(f"the policy-loss function returned metric {sorted(reserved)[0]!r}, a name policy_loss sets")
     if rollout_is_weights is not None:
-        pg = pg * masked(rollout_is_weights, valid).detach()
+        pg = weigh_by_rollout_is(pg, masked(rollout_is_weights, valid).detach(), valid, layout=layout,
+                                 pg_loss_fn=pg_loss_fn)
     pg_loss = agg_loss_with(pg, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
     loss = pg_loss
     metrics = {"pg_loss": Loss(pg_loss / norms.dp_size), **pg_metrics}

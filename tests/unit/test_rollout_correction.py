@@ -183,3 +183,39 @@ def test_check_metrics_reference_weights_take_the_lower_bound():
     torch.testing.assert_close(applied, torch.tensor([1.0, 2.0, 0.0, 0.0], dtype=F64), rtol=0, atol=1e-12)
     metrics = reference_is_metrics([old], [behaviour], IsCorrection("mis", "token", 3.0, 0.75))
     assert metrics["experience/rollout_is_capped_frac"] == 0.5
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
+    """issue 29's example: on-policy r = 1, A = 1, token weights [0.5, 2] -> geomean sqrt(0.5 * 2) = 1, loss -1.0
+    (the arithmetic mean 1.25 gave -1.25); gradient -A R w_geo / c = -1/2 per token under seq-mean-token-mean. A third,
+    masked token with weight 9 changes nothing."""
+    from fsdptrain.rl.pg_losses import gmpo_policy_loss
+
+    old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
+    weights = torch.tensor([[0.5, 2.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0]])
+    cu = None
+    if layout == "packed":
+        old, weights, mask, cu = old[0], weights[0], torch.tensor([1, 1, 1]), torch.tensor([0, 2])
+    logp = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, torch.ones_like(old), mask, norms=LossNormalizers(2, 1),
+                          agg_mode="seq-mean-token-mean", clip_ratio_low=0.4, clip_ratio_high=0.4,
+                          pg_loss_fn=gmpo_policy_loss, rollout_is_weights=weights, cu_seqlens=cu)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0, abs=1e-12)
+    torch.testing.assert_close(logp.grad.reshape(-1)[:2], torch.tensor([-0.5, -0.5], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_gmpo_weights_by_hand_zero_and_unequal():
+    """w = [0.25, 1] -> geomean 0.5 on both tokens; a mis-zeroed token zeroes its sequence; vanilla keeps w_t."""
+    from fsdptrain.rl.aggregate import SeqLayout
+    from fsdptrain.rl.pg_losses import gmpo_policy_loss, vanilla_policy_loss, weigh_by_rollout_is
+
+    layout = SeqLayout((2, 2), None, torch.device("cpu"))
+    valid = torch.ones(2, 2, dtype=torch.bool)
+    pg = torch.ones(2, 2, dtype=F64)
+    w = torch.tensor([[0.25, 1.0], [0.0, 4.0]], dtype=F64)
+    geo = weigh_by_rollout_is(pg, w, valid, layout=layout, pg_loss_fn=gmpo_policy_loss)
+    torch.testing.assert_close(geo, torch.tensor([[0.5, 0.5], [0.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+    assert torch.equal(weigh_by_rollout_is(pg, w, valid, layout=layout, pg_loss_fn=vanilla_policy_loss), w)
