@@ -104,8 +104,8 @@ class AlgorithmConfig:
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
     policy_loss: str = choice("vanilla", names.POLICY_LOSSES, user_function=True)
     """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""
-    dro_beta: float = bounded(1.0, gt=0)
-    """DRO's quadratic penalty weight (policy_loss=dro; > 0)."""
+    dro_beta: Optional[float] = bounded(None, gt=0)
+    """DRO's quadratic penalty weight (> 0); required with policy_loss=dro, which has no default (as verl)."""
     rollout_correction: str = choice("none", ("none", *names.ROLLOUT_CORRECTION_MODES))
     """Off-policy correction from behaviour log-probs: none, tis (truncated) or mis (masked importance weights)."""
     rollout_correction_level: str = choice("token", names.ROLLOUT_CORRECTION_LEVELS)

@@ -195,6 +195,9 @@ def _check_cross_fields(cfg: DictConfig) -> None:
 
 def _check_loss_settings(alg: DictConfig) -> None:
     """The algorithm fields that only mean something together with another one (docs/algorithms.md)."""
+    if alg.policy_loss == "dro" and alg.dro_beta is None:
+        raise ConfigError("algorithm.policy_loss=dro needs algorithm.dro_beta=<its penalty weight, > 0>; it has no "
+                          "default (docs/algorithms.md)")
     low = alg.rollout_correction_low
     if low is not None and alg.rollout_correction != "mis":
         raise ConfigError(f"algorithm.rollout_correction_low={low} zeroes weights below it, which only "

@@ -44,21 +44,22 @@ class PgTermSettings:
 
     `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the
     log-ratio [-low, high] (GMPO); `clip_ratio_c`: dual-clip bound (> 1; None off; vanilla only);
-    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0).
+    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0; required by DRO, which has no
+    default, as in verl; None for every other term).
     """
 
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = None
     seq_level_ratio: bool = False
-    dro_beta: float = 1.0
+    dro_beta: float | None = None
 
     def __post_init__(self):
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
             raise ValueError(f"clip ratios must be >= 0, got low={self.clip_ratio_low}, high={self.clip_ratio_high}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {self.clip_ratio_c}; use None to turn it off")
-        if not self.dro_beta > 0:
+        if self.dro_beta is not None and not self.dro_beta > 0:
             raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
 
 
@@ -167,9 +168,12 @@ def dro_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settin
     Source: "Offline Regularised Reinforcement Learning for LLM Alignment" (Richemond et al., arXiv 2405.19107)
     and Kimi k1.5 (arXiv 2501.12599), as the per-token loss of Thinking Machines' Tinker `dro` loss; old_logp plays
     the sampling distribution q. The penalty keeps the policy near the one that sampled. Departure: Tinker sums
-    tokens; here the term is aggregated by `loss.agg_mode`. No clipping (pg_clipfrac 0); ratio = exp(logp - old_logp).
+    tokens; here the term is aggregated by `loss.agg_mode`; dro_beta has no default (verl refuses DRO without
+    one). No clipping (pg_clipfrac 0); ratio = exp(logp - old_logp).
     """
     _no_seq_ratio(settings, "dro")
+    if settings.dro_beta is None:
+        raise ValueError("the dro loss needs dro_beta (its penalty weight, > 0); it has no default")
     log_ratio = logprobs - old_logprobs
     pg = -(advantages * logprobs - 0.5 * settings.dro_beta * log_ratio.square())
     ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))

@@ -106,7 +106,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     pg_loss_fn: PolicyLossFn = vanilla_policy_loss,
-    dro_beta: float = 1.0,
+    dro_beta: float | None = None,
     rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.

@@ -78,6 +78,8 @@ def test_configuration_doc_matches_the_schema():
         (["algorithm.rollout_correction=tis", "algorithm.rollout_correction_low=0.5"],
          "algorithm.rollout_correction_low=0.5 zeroes weights below it, which only rollout_correction=mis does"),
         (["algorithm.rollout_correction_low=0.5"], "(got 'none')"),
+        (["algorithm.policy_loss=dro"], "algorithm.policy_loss=dro needs algorithm.dro_beta=<its penalty weight"),
+        (["algorithm.policy_loss=dro", "algorithm.dro_beta=0"], "algorithm.dro_beta=0.0 must be a finite number > 0"),
         (["algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=2"],
          "algorithm.rollout_correction_low=2.0 must be below algorithm.rollout_correction_cap=2.0"),
         (["algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=0"],
