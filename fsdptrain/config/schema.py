@@ -104,6 +104,9 @@ class AlgorithmConfig:
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
     policy_loss: str = choice("vanilla", names.POLICY_LOSSES, user_function=True)
     """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules (dotted names or path.py files) imported at start, in the CLI and on every rank, whose
+    @fsdptrain.register_adv_estimator / register_policy_loss names adv_estimator and policy_loss may then take."""
     dro_beta: Optional[float] = bounded(None, gt=0)
     """DRO's quadratic penalty weight (> 0); required with policy_loss=dro, which has no default (as verl)."""
     rollout_correction: str = choice("none", ("none", *names.ROLLOUT_CORRECTION_MODES))

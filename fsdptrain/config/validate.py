@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.registry.errors import ConfigError
+from fsdptrain.registry.plugins import import_plugins, registered
 from fsdptrain.config.fields import Range, field_choices, field_range
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
@@ -60,13 +61,15 @@ def _choices_message(key: str, value: Any, choices: tuple[str, ...], user_functi
     valid = ", ".join(choices)
     if user_function:
         return (f"{key}={value!r} is not a valid choice; choose one of: {valid}, "
-                "or a function as module:function or path/to/file.py:function")
+                "a name registered by algorithm.plugins, or a function as module:function or path/to/file.py:function")
     return f"{key}={value!r} is not a valid choice; choose one of: {valid}"
 
 
 def _check_choices(cfg: DictConfig) -> None:
     """Every field declared with ``choice``/``each_of``; a user_function field also takes ``module:function`` (loaded
-    and its signature checked by the CLI, `fsdptrain/registry/user_functions.py`)."""
+    and its signature checked by the CLI, `fsdptrain/registry/user_functions.py`) or a name registered by one of
+    ``algorithm.plugins`` (imported here, `fsdptrain/registry/plugins.py`)."""
+    import_plugins(list(cfg.algorithm.plugins))
     for key, f, _ in _schema_items():
         choices = field_choices(f)
         if choices is None:
@@ -78,7 +81,7 @@ def _check_choices(cfg: DictConfig) -> None:
                     raise ConfigError(f"{key}: {item!r} is not a valid choice; choose from: {', '.join(choices)}")
             continue
         user_function = f.metadata["user_function"]
-        if value not in choices and not (user_function and ":" in str(value)):
+        if value not in choices and not (user_function and (":" in str(value) or value in registered(key))):
             raise ConfigError(_choices_message(key, value, choices, user_function))
 
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.registry.names import POLICY_LOSS_ARGS
+from fsdptrain.registry.plugins import registered
 from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
@@ -220,7 +221,8 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
 
 def resolve_policy_loss(name_or_spec: str, *, what: str = "algorithm.policy_loss") -> PolicyLossFn:
     """A built-in by name (`POLICY_LOSSES`), or a user's `module:function` / `path.py:function` whose signature takes
-    `POLICY_LOSS_ARGS` by keyword. Raises ConfigError (one line) for an unknown name or a function that does not fit.
+    `POLICY_LOSS_ARGS` by keyword, or a name registered with `fsdptrain.register_policy_loss`. Raises ConfigError (one line) for an unknown name or a function that does not fit.
     """
-    return resolve_function(name_or_spec, POLICY_LOSS_REGISTRY, what=what, required=POLICY_LOSS_ARGS)
+    return resolve_function(name_or_spec, POLICY_LOSS_REGISTRY, what=what, required=POLICY_LOSS_ARGS,
+                            plugged=registered("algorithm.policy_loss"))
 
