@@ -103,8 +103,8 @@ def resolve_function(name_or_spec: str, registry: dict, *, what: str, required: 
         check_signature(fn, spec=name_or_spec, what=what, required=required)
         return fn
     if ":" not in name_or_spec:
-        names = ", ".join([*registry, *plugged])
-        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in or registered name ({names}) "
+        registered = f", nor a registered name ({', '.join(plugged)})" if plugged else ""
+        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(registry)}){registered} "
                           "nor of the form module:function or path/to/file.py:function")
     fn = load_callable(name_or_spec, what=what)
     check_signature(fn, spec=name_or_spec, what=what, required=required)

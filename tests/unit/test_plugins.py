@@ -65,7 +65,7 @@ def test_a_bad_name_is_refused(name):
 
 def test_the_two_fields_have_their_own_names():
     fsdptrain.register_policy_loss("mine")(my_loss)
-    with pytest.raises(ConfigError, match="is not a built-in or registered name"):
+    with pytest.raises(ConfigError, match=r"'mine' is not a built-in \(gae, grpo"):
         resolve_adv_estimator("mine")
 
 
