@@ -91,3 +91,48 @@ def rollout_correction_weights(
         if level == "sequence":
             applied = layout.broadcast(applied)
         return masked(applied, valid), metrics
+
+
+OUTSIDE_BAND = (0.5, 2.0)
+"""The ratio band of `off_policy_diagnostics`' `ratio_outside_frac`: w outside [1/2, 2]."""
+
+
+def off_policy_diagnostics(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    cu_seqlens: Tensor | None = None,
+) -> Metrics:
+    """How far the behaviour policy (the sampler's log-probs) is from the old one (the trainer's), from the sampled
+    tokens. With d_t = behaviour_logp_t - old_logp_t (the tokens were drawn from the behaviour policy):
+
+        kl_k1 (MEAN over valid tokens): d_t, an unbiased estimate of KL(behaviour || old);
+        kl_k3 (MEAN over valid tokens): exp(-d_t) + d_t - 1 >= 0, unbiased too and of lower variance (d clamped to
+            +-20 inside exp);
+        log_ppl_diff (MEAN over sequences with a valid token): mean_t(-old_logp) - mean_t(-behaviour_logp) per
+            sequence, the gap in log-perplexity (> 0: the trainer finds the samples less likely than the sampler);
+        ratio_outside_frac (MEAN over valid tokens): share of tokens whose w_t = exp(-d_t) lies outside [1/2, 2]
+            (decided in log space).
+    Detached; exact under any split over ranks and micro-batches. Source: verl's rollout_corr/ metrics (`kl`,
+    `k3_kl`, `log_ppl_diff`); the band share is this project's.
+    """
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        old = masked(old_logprobs.detach(), valid)
+        behaviour = masked(behaviour_logprobs.detach(), valid)
+        d = behaviour - old
+        d_clamped = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = torch.exp(-d_clamped) + d_clamped - 1.0
+        num_tokens_N = layout.seq_sum(valid.to(torch.int64))
+        seq_valid_N = num_tokens_N > 0
+        gap_N = layout.seq_sum(behaviour - old) / num_tokens_N.clamp(min=1)
+        low, high = OUTSIDE_BAND
+        outside = (d > -math.log(low)) | (d < -math.log(high))
+        return Metrics({
+            "kl_k1": Mean.of(d, valid),
+            "kl_k3": Mean.of(k3, valid),
+            "log_ppl_diff": Mean.of(gap_N, seq_valid_N),
+            "ratio_outside_frac": Mean.of(outside.to(d.dtype), valid),
+        })

@@ -219,3 +219,33 @@ def test_gmpo_weights_by_hand_zero_and_unequal():
     geo = weigh_by_rollout_is(pg, w, valid, layout=layout, pg_loss_fn=gmpo_policy_loss)
     torch.testing.assert_close(geo, torch.tensor([[0.5, 0.5], [0.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
     assert torch.equal(weigh_by_rollout_is(pg, w, valid, layout=layout, pg_loss_fn=vanilla_policy_loss), w)
+
+
+def test_off_policy_diagnostics_by_hand():
+    """SEQ_*: d = behaviour - old = [-ln2, -ln2] (seq 0), [ln2, 0, 0] (seq 1), seq 2 masked.
+    k1: (-2 ln2 + ln2) / 5; k3 = e^-d + d - 1: 2 (1 - ln2) + (ln2 - 1/2) + 0 + 0 = 3/2 - ln2, / 5;
+    log-ppl gap per sequence: -ln2 and ln2 / 3, mean -ln2 / 3; ratios w = e^-d = [2, 2], [1/2, 1, 1]: all inside the
+    closed band [1/2, 2]."""
+    from fsdptrain.rl.rollout_correction import off_policy_diagnostics
+
+    metrics = off_policy_diagnostics(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK)
+    out = finalize(metrics)
+    assert out["kl_k1"] == pytest.approx(-LN2 / 5, abs=1e-12)
+    assert out["kl_k3"] == pytest.approx((1.5 - LN2) / 5, abs=1e-12)
+    assert out["log_ppl_diff"] == pytest.approx(-LN2 / 3, abs=1e-12)
+    assert out["ratio_outside_frac"] == 0.0
+    assert all(metrics[k].kind is Kind.MEAN for k in metrics)
+    # w = 4 (d = -2 ln2) is outside, w = e^-0.1 inside: 1/2
+    out = finalize(off_policy_diagnostics(torch.zeros(1, 2, dtype=F64), torch.tensor([[-2 * LN2, 0.1]], dtype=F64),
+                                          torch.ones(1, 2)))
+    assert out["ratio_outside_frac"] == 0.5
+
+
+def test_off_policy_diagnostics_packed_equals_padded():
+    from fsdptrain.rl.rollout_correction import off_policy_diagnostics
+
+    padded = finalize(off_policy_diagnostics(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK))
+    flat_b = torch.tensor([-LN2, -LN2, 7.0, LN2, 0.0, 0.0, 5.0], dtype=F64)
+    packed = finalize(off_policy_diagnostics(torch.zeros(7, dtype=F64), flat_b, torch.tensor([1, 1, 0, 1, 1, 1, 1]),
+                                             cu_seqlens=torch.tensor([0, 3, 6])))
+    assert packed == pytest.approx(padded, abs=1e-12)
