@@ -62,12 +62,15 @@ def _check_user_functions(cfg: DictConfig) -> None:
     """Load every user function the config names (an advantage estimator, a policy loss) and check its signature,
     here in the parent, so a typo or a function that does not fit is one line and exit 2."""
     from fsdptrain.registry.names import USER_FUNCTION_FIELDS
+    from fsdptrain.registry.plugins import registered
     from fsdptrain.registry.user_functions import check_signature, load_callable
 
     for key, required in USER_FUNCTION_FIELDS.items():
         spec = str(OmegaConf.select(cfg, key))
         if ":" in spec:
             check_signature(load_callable(spec, what=key), spec=spec, what=key, required=required)
+        elif spec in registered(key):  # a name a plugin registered (validation imported algorithm.plugins)
+            check_signature(registered(key)[spec], spec=spec, what=key, required=required)
 
 
 def _preflight(cfg: DictConfig) -> None:

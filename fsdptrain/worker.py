@@ -35,6 +35,9 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
     rank = env_rank()
     assert command in COMMANDS, command
     try:
+        from fsdptrain.registry.plugins import import_plugins
+
+        import_plugins(list(cfg.algorithm.plugins))  # their registered names, before anything resolves one
         if command == "train":
             from fsdptrain.train.loop import train
 

@@ -49,9 +49,9 @@ def plant_sequence_weight_from_mean_log_ratio(set_attr=setattr) -> None:
     ratios), not their sum (the product)."""
     weights = experience.rollout_correction_weights
 
-    def mean_not_sum(old, behaviour, mask, *, mode, level, cap, cu_seqlens=None):
+    def mean_not_sum(old, behaviour, mask, *, mode, level, cap, low=None, cu_seqlens=None):
         num_tokens = mask.sum(-1, keepdim=True).clamp(min=1)
-        return weights(old, old - (old - behaviour) / num_tokens, mask, mode=mode, level=level, cap=cap,
+        return weights(old, old - (old - behaviour) / num_tokens, mask, mode=mode, level=level, cap=cap, low=low,
                        cu_seqlens=cu_seqlens)
 
     set_attr(experience, "rollout_correction_weights", mean_not_sum)

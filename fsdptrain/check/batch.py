@@ -55,11 +55,13 @@ class RolloutFacts:
 
 @dataclass(frozen=True)
 class IsCorrection:
-    """The rollout correction the checked batch's importance weights follow: mode (tis, mis), level, cap C."""
+    """The rollout correction the checked batch's importance weights follow: mode (tis, mis), level, cap C and
+    lower bound L (mis only; None: none)."""
 
     mode: str
     level: str
     cap: float
+    low: Optional[float] = None
 
 
 @dataclass
@@ -204,8 +206,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     trainer.skip_old_passes = False  # the oracle compares against recomputed old log-probs and values
     targets, facts = trainer.make_experience(rollouts)
     alg = trainer.cfg.algorithm
-    correction = (IsCorrection(alg.rollout_correction, alg.rollout_correction_level, alg.rollout_correction_cap)
-                  if alg.rollout_correction != "none" else None)
+    correction = (IsCorrection(alg.rollout_correction, alg.rollout_correction_level, alg.rollout_correction_cap,
+                               alg.rollout_correction_low) if alg.rollout_correction != "none" else None)
     planted = correction is not None and all(r.behaviour_logprobs is None for r in rollouts)
     if planted:  # weights of exactly 1 would prove nothing: a behaviour policy off by seeded noise, and again
         rollouts = with_behaviour(rollouts, [t.old_logprobs for t in targets], seed=BEHAVIOUR_SEED + info.rank)

@@ -39,7 +39,8 @@ def _noise(gen: torch.Generator, like: torch.Tensor, spread: float) -> torch.Ten
     return (torch.rand(like.shape, generator=gen, dtype=torch.float64) * 2 - 1).to(like.dtype) * spread
 
 
-def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: float) -> CheckBatch:
+def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: float,
+                     low: Optional[float] = None) -> CheckBatch:
     """The batch with seeded perturbations of every sequence's targets (the same on every rank: drawn in ``full``'s
     order) and rollout-correction weights made by the product's ``rollout_correction_weights`` (what the layouts
     use); the behaviour log-probs ride along, for the reference to make its own weights from their definitions."""
@@ -50,13 +51,13 @@ def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: flo
         ref = (t.ref_logprobs if t.ref_logprobs is not None else t.old_logprobs) + _noise(gen, old, REF_SPREAD)
         behaviour = old + _noise(gen, old, BEHAVIOUR_SPREAD)
         weights, _ = rollout_correction_weights(old[None], behaviour[None], torch.ones_like(old, dtype=torch.bool)[None],
-                                                mode=correction, level=level, cap=cap)
+                                                mode=correction, level=level, cap=cap, low=low)
         values = None if t.old_values is None else t.old_values + _noise(gen, t.old_values, VALUE_SPREAD)
         targets.append(dataclasses.replace(t, old_logprobs=old, ref_logprobs=ref, old_values=values,
                                            is_weights=weights[0]))
         behaviours.append(behaviour)
     return dataclasses.replace(batch.with_targets(targets), behaviour=behaviours,
-                               correction=IsCorrection(correction, level, cap))
+                               correction=IsCorrection(correction, level, cap, low))
 
 
 def off_policy_settings(policy: PolicyLossSettings) -> PolicyLossSettings:

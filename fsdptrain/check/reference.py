@@ -78,14 +78,14 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
 
     Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[R]``. Sequence level:
     w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token. tis: w' = min(w, C);
-    mis: w' = w if w <= C else 0. No clamp, no log-space decision: the definitions, not the product's
+    mis: w' = w if L <= w <= C else 0 (L = 0 without a lower bound). No clamp, no log-space decision: the definitions, not the product's
     ``rollout_correction_weights``.
     """
     ratios = [math.exp(o - b) for o, b in zip(old_R.double().tolist(), behaviour_R.double().tolist())]
     ratios_R = torch.tensor(ratios, dtype=torch.float64)
     raw = ratios_R if correction.level == "token" else torch.prod(ratios_R).reshape(1)
     cap = torch.tensor(correction.cap, dtype=torch.float64)
-    applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(raw <= cap, raw, 0.0)
+    applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(_outside(raw, correction), 0.0, raw)
     return (applied if correction.level == "token" else applied.expand(len(ratios))), raw
 
 
@@ -93,7 +93,7 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
                          correction: IsCorrection) -> dict[str, float]:
     """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (tokens at token
     level, sequences with a response token at sequence level): the plain mean and max of the applied weights, the
-    max of the raw ones and the share of raw weights above C."""
+    max of the raw ones and the share of raw weights outside [L, C]."""
     raw_U, applied_U = [], []
     for old_R, behaviour_R in zip(olds, behaviours):
         if old_R.numel() == 0:
@@ -105,7 +105,13 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
     return {"experience/rollout_is_mean": float(applied.sum() / applied.numel()),
             "experience/rollout_is_max": float(applied.max()),
             "experience/rollout_is_ratio_max": float(raw.max()),
-            "experience/rollout_is_capped_frac": float((raw > correction.cap).sum() / raw.numel())}
+            "experience/rollout_is_capped_frac": float(_outside(raw, correction).sum() / raw.numel())}
+
+
+def _outside(raw: Tensor, correction: IsCorrection) -> Tensor:
+    """Which raw weights lie outside [L, C] (above C without L)."""
+    low = correction.low if correction.low is not None else 0.0
+    return (raw > correction.cap) | (raw < low)
 
 
 def _stats(values_A: Tensor, prefix: str, *, mean: bool = True, extrema: bool = False) -> dict[str, float]:
@@ -133,7 +139,7 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
     the tolerance scale of each loss (the same aggregation of the per-token magnitudes, see :func:`_loss_scales`).
 
     With ``settings.use_is_weights`` the pg term is weighted by :func:`reference_is_weights` of each sequence's old
-    and ``behaviour`` log-probs under ``correction`` (never the targets' own ``is_weights``, which the product made).
+    and ``behaviour`` log-probs under ``correction`` (GMPO: by their geometric mean over the sequence) (never the targets' own ``is_weights``, which the product made).
     The gradient accumulates in ``model``. Sequences without a response token add nothing and run no forward.
     """
     if settings.use_is_weights and (behaviour is None or correction is None):
@@ -157,7 +163,10 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             pg = pg[0]
             other.append(pg_metrics)
         if settings.use_is_weights:
-            pg = pg * reference_is_weights(target.old_logprobs, behaviour[i], correction)[0].to(logp)
+            weights = reference_is_weights(target.old_logprobs, behaviour[i], correction)[0]
+            if settings.policy_loss == "gmpo":  # GMPO takes the geometric mean of its sequence's weights
+                weights = torch.prod(weights).pow(1.0 / weights.numel()).expand(weights.numel())
+            pg = pg * weights.to(logp)
         loss = seq_share(pg, mode, counts)
         if settings.use_reference:
             kl = kl_direct(logp, target.ref_logprobs.to(logp), settings.kl_estimator, settings.kl_clamp)
@@ -215,15 +224,16 @@ def _vanilla(logp: Tensor, old: Tensor, adv: Tensor, settings: PolicyLossSetting
 
 def kl_direct(logp: Tensor, ref: Tensor, estimator: str, clamp: Optional[float]) -> Tensor:
     """The KL estimators from their definitions (docs/algorithms.md), d = logp - ref: k1 d; k2 = mse d^2/2; abs |d|;
-    k3 exp(-d) + d - 1 (d clamped to +-20 inside, the value to +-clamp); k1+, k3+ the value of k1, k3 with k2's
-    gradient."""
+    k3 exp(-d) + d - 1 (d clamped to +-20 inside, the value to +-clamp); k1+, k3+, abs+ the value of k1, k3, abs
+    with k2's gradient."""
     d = logp - ref
     k2 = 0.5 * d * d
     k3 = torch.exp(-d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)) + d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) - 1
     if clamp is not None:
         k3 = k3.clamp(-clamp, clamp)
     values = {"k1": d, "k2": k2, "mse": k2, "abs": d.abs(), "k3": k3,
-              "k1+": d.detach() + k2 - k2.detach(), "k3+": k3.detach() + k2 - k2.detach()}
+              "k1+": d.detach() + k2 - k2.detach(), "k3+": k3.detach() + k2 - k2.detach(),
+              "abs+": d.abs().detach() + k2 - k2.detach()}
     return values[estimator]
 
 

@@ -240,7 +240,8 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
     alg = cfg.algorithm
     correction = alg.rollout_correction if alg.rollout_correction != "none" else "tis"
     level = alg.rollout_correction_level if alg.rollout_correction != "none" else "token"
-    off_batch = off_policy_batch(session.batch, correction=correction, level=level, cap=alg.rollout_correction_cap)
+    off_batch = off_policy_batch(session.batch, correction=correction, level=level, cap=alg.rollout_correction_cap,
+                                 low=alg.rollout_correction_low)
     off = dataclasses.replace(session, batch=off_batch)
     parts = [dataclasses.replace(p, settings=off_policy_settings(p.settings) if p.prefix == "actor/" else
                                  off_policy_value_settings(p.settings))

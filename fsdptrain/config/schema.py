@@ -99,19 +99,24 @@ class AlgorithmConfig:
     kl_loss_coef: float = bounded(0.001, ge=0)
     """Weight of the KL loss term."""
     kl_estimator: str = choice("k3", names.KL_ESTIMATORS)
-    """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+ or k3+ (straight-through; docs/algorithms.md)."""
+    """KL estimator: k1, k2, k3 (low variance), abs, mse, k1+, k3+ or abs+ (straight-through; docs/algorithms.md)."""
     kl_clamp: Optional[float] = bounded(KL_CLAMP, gt=0)
     """Bound on the value of the k3 and k3+ estimators (verl's 10); null for no clamp."""
     policy_loss: str = choice("vanilla", names.POLICY_LOSSES, user_function=True)
     """Policy-gradient term: vanilla (PPO clip), cispo, gmpo, dro, or a user's module:function / path.py:function."""
-    dro_beta: float = bounded(1.0, gt=0)
-    """DRO's quadratic penalty weight (policy_loss=dro; > 0)."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules (dotted names or path.py files) imported at start, in the CLI and on every rank, whose
+    @fsdptrain.register_adv_estimator / register_policy_loss names adv_estimator and policy_loss may then take."""
+    dro_beta: Optional[float] = bounded(None, gt=0)
+    """DRO's quadratic penalty weight (> 0); required with policy_loss=dro, which has no default (as verl)."""
     rollout_correction: str = choice("none", ("none", *names.ROLLOUT_CORRECTION_MODES))
     """Off-policy correction from behaviour log-probs: none, tis (truncated) or mis (masked importance weights)."""
     rollout_correction_level: str = choice("token", names.ROLLOUT_CORRECTION_LEVELS)
     """Importance weights per token or per sequence (product of the token ratios)."""
     rollout_correction_cap: float = bounded(2.0, gt=0)
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
+    rollout_correction_low: Optional[float] = bounded(None, gt=0)
+    """Lower bound L of the importance weights, mis only: a weight below L is zeroed too (IcePop); null: none."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
     filter_groups_max_rounds: int = bounded(3, ge=1)

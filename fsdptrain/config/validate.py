@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.registry.errors import ConfigError
+from fsdptrain.registry.plugins import import_plugins, registered
 from fsdptrain.config.fields import Range, field_choices, field_range
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
@@ -60,13 +61,15 @@ def _choices_message(key: str, value: Any, choices: tuple[str, ...], user_functi
     valid = ", ".join(choices)
     if user_function:
         return (f"{key}={value!r} is not a valid choice; choose one of: {valid}, "
-                "or a function as module:function or path/to/file.py:function")
+                "a name registered by algorithm.plugins, or a function as module:function or path/to/file.py:function")
     return f"{key}={value!r} is not a valid choice; choose one of: {valid}"
 
 
 def _check_choices(cfg: DictConfig) -> None:
     """Every field declared with ``choice``/``each_of``; a user_function field also takes ``module:function`` (loaded
-    and its signature checked by the CLI, `fsdptrain/registry/user_functions.py`)."""
+    and its signature checked by the CLI, `fsdptrain/registry/user_functions.py`) or a name registered by one of
+    ``algorithm.plugins`` (imported here, `fsdptrain/registry/plugins.py`)."""
+    import_plugins(list(cfg.algorithm.plugins))
     for key, f, _ in _schema_items():
         choices = field_choices(f)
         if choices is None:
@@ -78,7 +81,7 @@ def _check_choices(cfg: DictConfig) -> None:
                     raise ConfigError(f"{key}: {item!r} is not a valid choice; choose from: {', '.join(choices)}")
             continue
         user_function = f.metadata["user_function"]
-        if value not in choices and not (user_function and ":" in str(value)):
+        if value not in choices and not (user_function and (":" in str(value) or value in registered(key))):
             raise ConfigError(_choices_message(key, value, choices, user_function))
 
 
@@ -193,6 +196,20 @@ def _check_cross_fields(cfg: DictConfig) -> None:
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
 
 
+def _check_loss_settings(alg: DictConfig) -> None:
+    """The algorithm fields that only mean something together with another one (docs/algorithms.md)."""
+    if alg.policy_loss == "dro" and alg.dro_beta is None:
+        raise ConfigError("algorithm.policy_loss=dro needs algorithm.dro_beta=<its penalty weight, > 0>; it has no "
+                          "default (docs/algorithms.md)")
+    low = alg.rollout_correction_low
+    if low is not None and alg.rollout_correction != "mis":
+        raise ConfigError(f"algorithm.rollout_correction_low={low} zeroes weights below it, which only "
+                          f"rollout_correction=mis does (got {alg.rollout_correction!r}): set it to mis or the low to null")
+    if low is not None and not low < alg.rollout_correction_cap:
+        raise ConfigError(f"algorithm.rollout_correction_low={low} must be below "
+                          f"algorithm.rollout_correction_cap={alg.rollout_correction_cap}")
+
+
 EXTENSION_RULES = (check_drafter,)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
@@ -202,6 +219,7 @@ def validate(cfg: DictConfig) -> None:
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_cross_fields(cfg)
+    _check_loss_settings(cfg.algorithm)
     _check_steps_and_logging(cfg)
     _check_reward_models(cfg)
     for rule in EXTENSION_RULES:

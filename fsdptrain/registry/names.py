@@ -8,7 +8,7 @@ equal).
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 """`loss.agg_mode`: how per-token losses become one mini-batch scalar (docs/loss.md)."""
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse", "k1+", "k3+")
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "mse", "k1+", "k3+", "abs+")
 """`algorithm.kl_estimator`: per-token estimators of KL(pi || pi_ref) (docs/algorithms.md)."""
 
 POLICY_LOSSES = ("vanilla", "cispo", "gmpo", "dro")

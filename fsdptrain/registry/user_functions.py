@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from fsdptrain.registry.errors import ConfigError
 
@@ -29,7 +29,7 @@ def load_callable(spec: str, *, what: str) -> Callable:
     if not sep or not module_part or not name:
         raise ConfigError(f"{what}: {spec!r} is not of the form module:function or path/to/file.py:function")
     if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
-        module = _load_file(Path(module_part), spec=spec, what=what)
+        module = load_file(Path(module_part), spec=spec, what=what)
     else:
         try:
             module = importlib.import_module(module_part)
@@ -43,7 +43,8 @@ def load_callable(spec: str, *, what: str) -> Callable:
     return fn
 
 
-def _load_file(path: Path, *, spec: str, what: str):
+def load_file(path: Path, *, spec: str, what: str):
+    """The module of the Python file at ``path``, executed once per process (cached under a private name)."""
     if not path.is_file():
         raise ConfigError(f"{what}: file {str(path)!r} not found (from {spec!r})")
     resolved = path.resolve()
@@ -88,14 +89,22 @@ def check_signature(fn: Callable, *, spec: str, what: str, required: Sequence[st
         raise ConfigError(f"{what}: {spec!r} must accept ({expected}); add **kwargs to receive the dataset's columns")
 
 
-def resolve_function(name_or_spec: str, registry: dict, *, what: str, required: Sequence[str]) -> Callable:
-    """``registry[name_or_spec]`` for a built-in, else the user's ``module:function`` / ``path.py:function``, loaded
-    and checked to take ``required`` by keyword. ConfigError (one line) for an unknown name or a function that does
-    not fit."""
+def resolve_function(name_or_spec: str, registry: dict, *, what: str, required: Sequence[str],
+                     plugged: Optional[dict] = None) -> Callable:
+    """``registry[name_or_spec]`` for a built-in, else ``plugged[name_or_spec]`` (the names plugins registered for
+    the field ``what``, `fsdptrain.registry.plugins.registered`), else the user's ``module:function`` / ``path.py:function``, loaded; a user's function is
+    checked to take ``required`` by keyword. ConfigError (one line) for an unknown name or a function that does not
+    fit."""
+    plugged = plugged or {}
     if name_or_spec in registry:
         return registry[name_or_spec]
+    if name_or_spec in plugged:
+        fn = plugged[name_or_spec]
+        check_signature(fn, spec=name_or_spec, what=what, required=required)
+        return fn
     if ":" not in name_or_spec:
-        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(registry)}) "
+        registered = f", nor a registered name ({', '.join(plugged)})" if plugged else ""
+        raise ConfigError(f"{what}={name_or_spec!r} is not a built-in ({', '.join(registry)}){registered} "
                           "nor of the form module:function or path/to/file.py:function")
     fn = load_callable(name_or_spec, what=what)
     check_signature(fn, spec=name_or_spec, what=what, required=required)

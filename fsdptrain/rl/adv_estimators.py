@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from fsdptrain.registry.names import ADV_ESTIMATOR_ARGS
+from fsdptrain.registry.plugins import registered
 from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.advantages import gae, grpo_advantages, mean_var, moment_stats, rloo_advantages, whiten
 
@@ -131,6 +132,7 @@ ADV_ESTIMATOR_REGISTRY: dict[str, AdvEstimatorFn] = {
 
 def resolve_adv_estimator(name_or_spec: str, *, what: str = "algorithm.adv_estimator") -> AdvEstimatorFn:
     """A built-in by name (`ADV_ESTIMATORS`), or a user's `module:function` / `path.py:function` whose signature takes
-    `ADV_ESTIMATOR_ARGS` by keyword. Raises ConfigError (one line) for an unknown name or a function that does not fit.
+    `ADV_ESTIMATOR_ARGS` by keyword, or a name registered with `fsdptrain.register_adv_estimator`. Raises ConfigError (one line) for an unknown name or a function that does not fit.
     """
-    return resolve_function(name_or_spec, ADV_ESTIMATOR_REGISTRY, what=what, required=ADV_ESTIMATOR_ARGS)
+    return resolve_function(name_or_spec, ADV_ESTIMATOR_REGISTRY, what=what, required=ADV_ESTIMATOR_ARGS,
+                            plugged=registered("algorithm.adv_estimator"))

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.registry.names import POLICY_LOSS_ARGS
+from fsdptrain.registry.plugins import registered
 from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
@@ -44,21 +45,22 @@ class PgTermSettings:
 
     `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the
     log-ratio [-low, high] (GMPO); `clip_ratio_c`: dual-clip bound (> 1; None off; vanilla only);
-    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0).
+    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0; required by DRO, which has no
+    default, as in verl; None for every other term).
     """
 
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float | None = None
     seq_level_ratio: bool = False
-    dro_beta: float = 1.0
+    dro_beta: float | None = None
 
     def __post_init__(self):
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
             raise ValueError(f"clip ratios must be >= 0, got low={self.clip_ratio_low}, high={self.clip_ratio_high}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {self.clip_ratio_c}; use None to turn it off")
-        if not self.dro_beta > 0:
+        if self.dro_beta is not None and not self.dro_beta > 0:
             raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
 
 
@@ -167,14 +169,46 @@ def dro_policy_loss(logprobs, old_logprobs, advantages, valid, *, layout, settin
     Source: "Offline Regularised Reinforcement Learning for LLM Alignment" (Richemond et al., arXiv 2405.19107)
     and Kimi k1.5 (arXiv 2501.12599), as the per-token loss of Thinking Machines' Tinker `dro` loss; old_logp plays
     the sampling distribution q. The penalty keeps the policy near the one that sampled. Departure: Tinker sums
-    tokens; here the term is aggregated by `loss.agg_mode`. No clipping (pg_clipfrac 0); ratio = exp(logp - old_logp).
+    tokens; here the term is aggregated by `loss.agg_mode`; dro_beta has no default (verl refuses DRO without
+    one). No clipping (pg_clipfrac 0); ratio = exp(logp - old_logp).
     """
     _no_seq_ratio(settings, "dro")
+    if settings.dro_beta is None:
+        raise ValueError("the dro loss needs dro_beta (its penalty weight, > 0); it has no default")
     log_ratio = logprobs - old_logprobs
     pg = -(advantages * logprobs - 0.5 * settings.dro_beta * log_ratio.square())
     ratio = torch.exp(log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     none = torch.zeros_like(valid)
     return pg, _metrics(ratio, none, none, log_ratio, valid)
+
+
+def sequence_geometric_mean(weights: Tensor, valid: Tensor, *, layout: SeqLayout) -> Tensor:
+    """Per sequence i, on each of its tokens: (prod_t w_t)^(1/c_i) = exp(mean_t log w_t) over its c_i valid tokens.
+
+    A zero weight (a token `mis` masked) makes its sequence's mean 0; a sequence without valid tokens gets 1 (its
+    tokens count nowhere). Detached weights in, detached out.
+    """
+    log_w = torch.where(valid, torch.log(weights), torch.zeros((), dtype=weights.dtype, device=weights.device))
+    seq_len_N = layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
+    return layout.broadcast(torch.exp(layout.seq_sum(log_w) / seq_len_N))
+
+
+def weigh_by_rollout_is(pg: Tensor, weights: Tensor, valid: Tensor, *, layout: SeqLayout,
+                        pg_loss_fn: PolicyLossFn) -> Tensor:
+    """The per-token pg term times the rollout-correction weights w_t (detached).
+
+    Every term takes w_t on its own token, except GMPO (`GEOMETRIC_IS_TERMS`), whose sequence loss is a geometric
+    mean of ratios: it takes the geometric mean of its sequence's weights, `sequence_geometric_mean`, so the weighted
+    loss is -A_i * geomean_t(r_t w_t) (verl's "geo_mean" likewise). Example: w = [0.5, 2], r = 1, A = 1: -1.0 (the
+    arithmetic mean of the per-token weights would give -1.25).
+    """
+    if pg_loss_fn in GEOMETRIC_IS_TERMS:
+        return pg * sequence_geometric_mean(weights, valid, layout=layout)
+    return pg * weights
+
+
+GEOMETRIC_IS_TERMS = frozenset({gmpo_policy_loss})
+"""The pg terms that take a sequence's geometric mean of the rollout-correction weights (`weigh_by_rollout_is`)."""
 
 
 POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
@@ -187,7 +221,8 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
 
 def resolve_policy_loss(name_or_spec: str, *, what: str = "algorithm.policy_loss") -> PolicyLossFn:
     """A built-in by name (`POLICY_LOSSES`), or a user's `module:function` / `path.py:function` whose signature takes
-    `POLICY_LOSS_ARGS` by keyword. Raises ConfigError (one line) for an unknown name or a function that does not fit.
+    `POLICY_LOSS_ARGS` by keyword, or a name registered with `fsdptrain.register_policy_loss`. Raises ConfigError (one line) for an unknown name or a function that does not fit.
     """
-    return resolve_function(name_or_spec, POLICY_LOSS_REGISTRY, what=what, required=POLICY_LOSS_ARGS)
+    return resolve_function(name_or_spec, POLICY_LOSS_REGISTRY, what=what, required=POLICY_LOSS_ARGS,
+                            plugged=registered("algorithm.policy_loss"))
 

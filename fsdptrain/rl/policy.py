@@ -17,7 +17,7 @@ from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.rl.metrics import Loss, Mean, Metrics
-from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss
+from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss, weigh_by_rollout_is
 
 
 def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
@@ -55,6 +55,7 @@ _KL = {
     "mse": _k2,
     "k1+": _straight_through_k2(_k1),
     "k3+": _straight_through_k2(_k3),
+    "abs+": _straight_through_k2(_abs),
 }
 
 
@@ -65,7 +66,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, *, kl_cla
         k3 = clamp(exp(-d) + d - 1, -kl_clamp, kl_clamp): unbiased, low variance, >= 0; d is clamped to +-20
              inside exp, and the value to kl_clamp (zero gradient outside; verl clamps its "low_var_kl" at 10);
              kl_clamp None: no clamp;
-        k1+, k3+: straight-through, value k1 (k3, clamped as above), gradient k2's (d * grad logp):
+        k1+, k3+, abs+: straight-through, value k1 (k3, clamped as above; abs), gradient k2's (d * grad logp):
              sg[k] + k2 - sg[k2].
     k1 and k3 estimate the KL's value without bias but not its gradient; the gradient of k2 is the KL's gradient in
     expectation over samples of pi, hence the "+" forms (verl's estimators with a "+" suffix).
@@ -105,7 +106,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     pg_loss_fn: PolicyLossFn = vanilla_policy_loss,
-    dro_beta: float = 1.0,
+    dro_beta: float | None = None,
     rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
@@ -114,7 +115,8 @@ def policy_loss(
     `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
     `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
     kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
-    term before it is aggregated (not the KL or entropy terms). Only `logprobs` (and `entropy`) carry gradients;
+    term before it is aggregated (not the KL or entropy terms); GMPO takes their geometric mean per sequence
+    (`fsdptrain.rl.pg_losses.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
     masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
@@ -146,7 +148,8 @@ def policy_loss(
     if reserved:
         raise ValueError(f"the policy-loss function returned metric {sorted(reserved)[0]!r}, a name policy_loss sets")
     if rollout_is_weights is not None:
-        pg = pg * masked(rollout_is_weights, valid).detach()
+        pg = weigh_by_rollout_is(pg, masked(rollout_is_weights, valid).detach(), valid, layout=layout,
+                                 pg_loss_fn=pg_loss_fn)
     pg_loss = agg_loss_with(pg, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
     loss = pg_loss
     metrics = {"pg_loss": Loss(pg_loss / norms.dp_size), **pg_metrics}

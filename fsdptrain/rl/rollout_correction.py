@@ -6,8 +6,9 @@ weights correct for the sampler's drift and multiply the per-token policy-gradie
 rollout_is_weights=)`). They are detached: no gradient flows through them.
 
 Legend: `_N` one value per sequence; unsuffixed tensors are per token, padded `[B, T]` or packed `[T]`/`[1, T]` with
-`cu_seqlens`. Departures from verl's rollout correction: one upper cap, no lower threshold; a weight of 0 (MIS)
-keeps its token in the loss's normalizers (verl's rejection sampling removes it from the mask instead).
+`cu_seqlens`. Departures from verl's rollout correction: the lower threshold (IcePop's, verl's
+`rollout_is_threshold_lower`) applies to mis only, and has no default (verl's is 1/C); a weight of 0 (MIS) keeps its
+token in the loss's normalizers (verl's rejection sampling removes it from the mask instead).
 """
 
 from __future__ import annotations
@@ -31,22 +32,26 @@ def rollout_correction_weights(
     mode: str,
     level: str,
     cap: float,
+    low: float | None = None,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """Detached importance weights w (0 at invalid positions) and their metrics.
 
     Token level: log w_t = old_logp_t - behaviour_logp_t. Sequence level: every valid token of sequence i has
     log w_i = sum over i's valid tokens of (old_logp - behaviour_logp), the log of the product of its token ratios.
-    With cap C:
-        tis (truncated IS): w' = min(w, C);      mis (masked IS): w' = w if w <= C else 0.
-    Decisions are taken in log space (log w > log C), so a ratio too large for exp is still capped exactly; the
-    weights themselves use exp of the log-ratio clamped to +-20.
+    With cap C and lower bound L (mis only; None: no lower bound):
+        tis (truncated IS): w' = min(w, C);      mis (masked IS): w' = w if L <= w <= C else 0.
+    mis with L is IcePop's masking (Ling team, "IcePop", 2025; verl's `rollout_is_threshold_lower`). tis takes no L:
+    raising small weights to L would up-weight tokens the behaviour policy over-sampled (ValueError).
+    Decisions are taken in log space (log w > log C, log w < log L), so a ratio too large (or small) for exp is still
+    capped exactly; the weights themselves use exp of the log-ratio clamped to +-20.
 
     Metrics (token level: token-weighted over valid tokens; sequence level: sequence-weighted over sequences with a
     valid token), all exact under any split over ranks and micro-batches:
         rollout_is_mean (MEAN), rollout_is_max (MAX): the weights w' applied;
         rollout_is_ratio_max (MAX): the raw w before the cap;
-        rollout_is_capped_frac (MEAN): share with w > C (truncated by tis, zeroed by mis).
+        rollout_is_capped_frac (MEAN): share with w outside [L, C] (w > C without L): truncated by tis, zeroed by
+            mis.
     """
     if mode not in ROLLOUT_CORRECTION_MODES:
         raise ValueError(
@@ -58,6 +63,10 @@ def rollout_correction_weights(
         )
     if not cap > 0:
         raise ValueError(f"the rollout correction cap must be > 0, got {cap}")
+    if low is not None and mode != "mis":
+        raise ValueError(f"a rollout correction lower bound ({low}) applies to mode 'mis' only, not {mode!r}")
+    if low is not None and not 0 < low < cap:
+        raise ValueError(f"the rollout correction lower bound must be in (0, cap={cap}), got {low}")
     layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
     valid = layout.valid(mask)
     with torch.no_grad():
@@ -68,6 +77,8 @@ def rollout_correction_weights(
         else:
             unit_valid = valid
         over = log_w > math.log(cap)
+        if low is not None:
+            over = over | (log_w < math.log(low))
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         capped = torch.full_like(w, cap) if mode == "tis" else torch.zeros_like(w)
         applied = torch.where(over, capped, w)
@@ -80,3 +91,48 @@ def rollout_correction_weights(
         if level == "sequence":
             applied = layout.broadcast(applied)
         return masked(applied, valid), metrics
+
+
+OUTSIDE_BAND = (0.5, 2.0)
+"""The ratio band of `off_policy_diagnostics`' `ratio_outside_frac`: w outside [1/2, 2]."""
+
+
+def off_policy_diagnostics(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    cu_seqlens: Tensor | None = None,
+) -> Metrics:
+    """How far the behaviour policy (the sampler's log-probs) is from the old one (the trainer's), from the sampled
+    tokens. With d_t = behaviour_logp_t - old_logp_t (the tokens were drawn from the behaviour policy):
+
+        kl_k1 (MEAN over valid tokens): d_t, an unbiased estimate of KL(behaviour || old);
+        kl_k3 (MEAN over valid tokens): exp(-d_t) + d_t - 1 >= 0, unbiased too and of lower variance (d clamped to
+            +-20 inside exp);
+        log_ppl_diff (MEAN over sequences with a valid token): mean_t(-old_logp) - mean_t(-behaviour_logp) per
+            sequence, the gap in log-perplexity (> 0: the trainer finds the samples less likely than the sampler);
+        ratio_outside_frac (MEAN over valid tokens): share of tokens whose w_t = exp(-d_t) lies outside [1/2, 2]
+            (decided in log space).
+    Detached; exact under any split over ranks and micro-batches. Source: verl's rollout_corr/ metrics (`kl`,
+    `k3_kl`, `log_ppl_diff`); the band share is this project's.
+    """
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        old = masked(old_logprobs.detach(), valid)
+        behaviour = masked(behaviour_logprobs.detach(), valid)
+        d = behaviour - old
+        d_clamped = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = torch.exp(-d_clamped) + d_clamped - 1.0
+        num_tokens_N = layout.seq_sum(valid.to(torch.int64))
+        seq_valid_N = num_tokens_N > 0
+        gap_N = layout.seq_sum(behaviour - old) / num_tokens_N.clamp(min=1)
+        low, high = OUTSIDE_BAND
+        outside = (d > -math.log(low)) | (d < -math.log(high))
+        return Metrics({
+            "kl_k1": Mean.of(d, valid),
+            "kl_k3": Mean.of(k3, valid),
+            "log_ppl_diff": Mean.of(gap_N, seq_valid_N),
+            "ratio_outside_frac": Mean.of(outside.to(d.dtype), valid),
+        })

@@ -122,6 +122,7 @@ class ExperienceSettings:
     rollout_correction: str = "none"
     rollout_correction_level: str = "token"
     rollout_correction_cap: float = 2.0
+    rollout_correction_low: Optional[float] = None
 
 
 def experience_settings(cfg) -> ExperienceSettings:
@@ -134,7 +135,7 @@ def experience_settings(cfg) -> ExperienceSettings:
         kl_in_reward_coef=alg.kl_in_reward_coef, temperature=cfg.rollout.temperature,
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
-        rollout_correction_cap=alg.rollout_correction_cap)
+        rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low)
 
 
 def _sum_over_ranks(stats: Tensor) -> Tensor:
@@ -184,12 +185,13 @@ def _check_result(result, mask_BR: Tensor) -> None:
 
 
 def correction_weights(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], *, mode: str, level: str,
-                       cap: float) -> tuple[list[Tensor], Metrics]:
+                       cap: float, low: Optional[float] = None) -> tuple[list[Tensor], Metrics]:
     """Rollout-correction importance weights per sequence (`rollout_correction_weights`) and their metrics (this
     rank's; the caller reduces them with the step's)."""
     old_BR, mask_BR = _pad(old_R)
     behaviour_BR, _ = _pad(behaviour_R)
-    weights_BR, metrics = rollout_correction_weights(old_BR, behaviour_BR, mask_BR, mode=mode, level=level, cap=cap)
+    weights_BR, metrics = rollout_correction_weights(old_BR, behaviour_BR, mask_BR, mode=mode, level=level, cap=cap,
+                                                         low=low)
     return _unpad(weights_BR, old_R), metrics.prefixed("experience/")
 
 
@@ -217,7 +219,8 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
         weights, metrics = correction_weights(old, [b if b is not None else o for b, o in zip(behaviour, old)],
                                               mode=settings.rollout_correction,
                                               level=settings.rollout_correction_level,
-                                              cap=settings.rollout_correction_cap)
+                                              cap=settings.rollout_correction_cap,
+                                              low=settings.rollout_correction_low)
     else:  # without a correction the behaviour log-probs are the old policy's
         old = [b if b is not None else o for b, o in zip(behaviour, old)]
     ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None

@@ -112,7 +112,7 @@ BREADTH = [
      "loss.agg_mode=token-sum"),
     ("algorithm=grpo", "algorithm.policy_loss=gmpo", "algorithm.adv_estimator=reinforce_plus_plus_baseline",
      "loss.agg_mode=seq-mean-token-mean", "algorithm.use_kl_loss=true", "algorithm.kl_estimator=k3+"),
-    ("algorithm=grpo", "algorithm.policy_loss=dro", "algorithm.adv_estimator=rloo",
+    ("algorithm=grpo", "algorithm.policy_loss=dro", "algorithm.dro_beta=1.0", "algorithm.adv_estimator=rloo",
      "loss.agg_mode=seq-mean-token-sum-norm", "algorithm.use_kl_loss=true", "algorithm.kl_estimator=mse"),
 ]
 # Not `abs`: |log r| has no gradient at r = 1, so on the on-policy pass its gradient is the sign of a rounding error
@@ -130,10 +130,10 @@ def test_new_losses_and_estimators_are_exact_across_layouts(cli, overrides):
 @pytest.mark.parametrize("nproc", ["1", "2"])
 @pytest.mark.parametrize("loss", ["vanilla", "cispo", "gmpo", "dro"])
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
-@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "mse", "k1+", "k3+"])
+@pytest.mark.parametrize("kl", ["k1", "k2", "k3", "mse", "k1+", "k3+", "abs+"])
 def test_breadth_matrix(cli, nproc, loss, estimator, kl):
     result = cli("check-metrics", "--nproc", nproc, "algorithm=grpo", f"algorithm.policy_loss={loss}",
-                 f"algorithm.adv_estimator={estimator}", "algorithm.use_kl_loss=true", f"algorithm.kl_estimator={kl}",
+                 "algorithm.dro_beta=1.0", f"algorithm.adv_estimator={estimator}", "algorithm.use_kl_loss=true", f"algorithm.kl_estimator={kl}",
                  env=_env(), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -218,6 +218,6 @@ def test_three_planted_bugs_fail_with_clean_rows(cli, tmp_path, nproc):
 @pytest.mark.parametrize("nproc", ["2", pytest.param("1", marks=pytest.mark.slow)])
 def test_several_mini_batches_epochs_and_rollout_correction_pass(cli, nproc):
     result = cli("check-metrics", "--nproc", nproc, "trainer.mini_batches_per_step=2", "algorithm.ppo_epochs=2",
-                 "algorithm.rollout_correction=mis", env=_env(), timeout=400)
+                 "algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=0.9", env=_env(), timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "update/actor/pg_loss" in result.stdout and "experience/rollout_is_mean" in result.stdout

@@ -58,3 +58,25 @@ def test_a_function_that_does_not_fit_is_exit_2(cli, tmp_path):
                  "trainer.eval_every=0", "logging.progress=false", env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert shaped.returncode == 2, shaped.stdout + shaped.stderr
     assert "returned advantages_BT of shape" in shaped.stderr and "Traceback" not in shaped.stderr
+
+
+PLUGIN = textwrap.dedent("""\
+    import fsdptrain
+    from fsdptrain.rl.metrics import Mean, Metrics
+
+    @fsdptrain.register_policy_loss("my_reinforce")
+    def reinforce(logprobs, old_logprobs, advantages, valid, *, layout, settings):
+        return -advantages * logprobs, Metrics({"plugin_logp": Mean.of(logprobs.detach(), valid)})
+    """)
+
+
+def test_a_plugin_registers_a_policy_loss_by_name(cli, tmp_path):
+    (tmp_path / "mine.py").write_text(PLUGIN)
+    result = cli("train", "algorithm=grpo", "algorithm.plugins=[mine.py]", "algorithm.policy_loss=my_reinforce",
+                 "trainer.steps=1", "trainer.run_dir=run", "trainer.eval_every=0", "logging.progress=false",
+                 env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "actor/plugin_logp" in line and line["actor/grad_norm"] > 0
+    unknown = cli("train", "algorithm.policy_loss=my_reinforce")  # without the plugin the name is unknown
+    assert unknown.returncode == 2 and "'my_reinforce' is not a valid choice" in unknown.stderr

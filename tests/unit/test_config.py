@@ -75,6 +75,15 @@ def test_configuration_doc_matches_the_schema():
         (["algorithm.recompute_old_logprobs=never"], "algorithm.recompute_old_logprobs='never' is not a valid"),
         (["perf.peak_tflops=0"], "perf.peak_tflops=0.0 must be a finite number > 0"),
         (["parallel.compile_backend=cudagraphs"], "parallel.compile_backend='cudagraphs' is not a valid choice"),
+        (["algorithm.rollout_correction=tis", "algorithm.rollout_correction_low=0.5"],
+         "algorithm.rollout_correction_low=0.5 zeroes weights below it, which only rollout_correction=mis does"),
+        (["algorithm.rollout_correction_low=0.5"], "(got 'none')"),
+        (["algorithm.policy_loss=dro"], "algorithm.policy_loss=dro needs algorithm.dro_beta=<its penalty weight"),
+        (["algorithm.policy_loss=dro", "algorithm.dro_beta=0"], "algorithm.dro_beta=0.0 must be a finite number > 0"),
+        (["algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=2"],
+         "algorithm.rollout_correction_low=2.0 must be below algorithm.rollout_correction_cap=2.0"),
+        (["algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=0"],
+         "algorithm.rollout_correction_low=0.0 must be a finite number > 0"),
     ],
 )
 def test_validation_names_the_bad_value(overrides, message):

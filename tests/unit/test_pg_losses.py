@@ -24,6 +24,7 @@ LOG = math.log
 
 
 def _run(fn, logp_rows, old_rows, adv_rows, mask_rows, mode, n_tok, n_seq, cu_seqlens=None, **kw):
+    kw.setdefault("dro_beta", 1.0)  # DRO has no default; the other terms ignore it
     logp = torch.tensor(logp_rows, dtype=F64, requires_grad=True)
     loss, metrics = policy_loss(logp, torch.tensor(old_rows, dtype=F64), torch.tensor(adv_rows, dtype=F64),
                                 torch.tensor(mask_rows), norms=LossNormalizers(n_tok, n_seq), agg_mode=mode,
@@ -88,6 +89,11 @@ def test_gmpo_packed_equals_padded():
     assert packed[0] == pytest.approx(padded[0], abs=1e-12)
     torch.testing.assert_close(packed[2][0, :5], torch.cat([padded[2][0], padded[2][1, :2]]), rtol=0, atol=1e-12)
     assert packed[1] == pytest.approx(padded[1])
+
+
+def test_dro_needs_a_beta():
+    with pytest.raises(ValueError, match="the dro loss needs dro_beta"):
+        _run(dro_policy_loss, [[-1.0]], [[-1.0]], [[1.0]], [[1]], "token-mean", 1, 1, dro_beta=None)
 
 
 def test_dro_by_hand():

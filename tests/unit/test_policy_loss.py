@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from fsdptrain.registry import names
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Kind, close_minibatch, finalize, merge_all
@@ -138,6 +139,10 @@ def _kl_value_and_grad(estimator, d, kl_clamp=10.0):
     ("k1+", -1.0, -1.0, -1.0),
     ("k3+", -1.0, math.e - 2.0, -1.0),
     ("k3+", 0.5, math.exp(-0.5) - 0.5, 0.5),
+    # abs+: value |d|, gradient d (not sign(d)): d = -1 -> 1, -1; d = 0.5 -> 0.5, 0.5; d = 2 -> 2, 2
+    ("abs+", -1.0, 1.0, -1.0),
+    ("abs+", 0.5, 0.5, 0.5),
+    ("abs+", 2.0, 2.0, 2.0),
 ])
 def test_kl_estimator_values_and_gradients(estimator, d, value, grad):
     got_value, got_grad = _kl_value_and_grad(estimator, d)
@@ -352,3 +357,22 @@ def test_dual_clip_must_exceed_one():
     with pytest.raises(ValueError, match="clip_ratio_c"):
         policy_loss(z, z, z, torch.ones(1, 1), norms=_norms(), agg_mode="token-mean", clip_ratio_low=0.2,
                     clip_ratio_high=0.2, clip_ratio_c=0.9)
+
+
+@pytest.mark.parametrize("estimator", names.KL_ESTIMATORS)
+def test_check_metrics_reference_kl_matches_kl_penalty(estimator):
+    """check-metrics' own KL (`fsdptrain.check.reference.kl_direct`) agrees with `kl_penalty` for every name, in value
+    and gradient, on both sides of 0 and past the clamp."""
+    from fsdptrain.check.reference import kl_direct
+
+    ref = torch.tensor([-1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    grads = []
+    values = []
+    for fn in (lambda lp: kl_penalty(lp, ref, estimator, kl_clamp=10.0), lambda lp: kl_direct(lp, ref, estimator, 10.0)):
+        logp = (ref + torch.tensor([-6.0, -1.0, 0.5, 2.0], dtype=torch.float64)).requires_grad_()
+        kl = fn(logp)
+        kl.sum().backward()
+        values.append(kl.detach())
+        grads.append(logp.grad)
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)

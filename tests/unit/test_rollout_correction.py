@@ -132,3 +132,120 @@ def test_dynamic_sampling_does_not_depend_on_order_or_world_size():
     parts = [groups_with_signal(DS_SCORES[r], DS_GROUPS[r]) for r in (rank0, rank1)]
     assert torch.cat([p[0] for p in parts]).tolist() == keep.tolist()
     assert finalize(merge(parts[0][2], parts[1][2])) == finalize(metrics)
+
+
+# IcePop: mis with a lower bound L zeroes w outside [L, C]. Token weights [1, 2, 4, 0.5] with L = 0.75, C = 3:
+# [1, 2, 0 (above C), 0 (below L)]; mean 3/4, max 2, share outside 2/4.
+def test_mis_lower_bound_by_hand():
+    w, metrics = rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="mis", level="token", cap=3.0, low=0.75)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.0, 0.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+    out = finalize(metrics)
+    assert out["rollout_is_mean"] == pytest.approx(3.0 / 4, abs=1e-12)
+    assert out["rollout_is_max"] == pytest.approx(2.0, abs=1e-12)
+    assert out["rollout_is_capped_frac"] == 0.5
+    # L exactly on a weight keeps it (the interval is closed): L = 0.5 keeps the 0.5
+    w, _ = rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="mis", level="token", cap=3.0, low=0.5)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.0, 0.5, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_mis_lower_bound_at_sequence_level_by_hand():
+    # seq 0: w = 4, seq 1: w = 0.5; L = 1, C = 5 keeps seq 0 and zeroes seq 1; mean over 2 sequences = 4 / 2
+    w, metrics = rollout_correction_weights(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK, mode="mis", level="sequence", cap=5.0,
+                                            low=1.0)
+    torch.testing.assert_close(w, torch.tensor([[4.0, 4.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64),
+                               rtol=0, atol=1e-12)
+    out = finalize(metrics)
+    assert out["rollout_is_mean"] == pytest.approx(2.0, abs=1e-12)
+    assert out["rollout_is_capped_frac"] == 0.5
+
+
+def test_a_tiny_ratio_is_masked_in_log_space():
+    # log w = -100: exp of the clamped log-ratio is e^-20 > 0, but the decision log w < log L zeroes it
+    w, _ = rollout_correction_weights(torch.tensor([[-100.0]]), torch.tensor([[0.0]]), torch.ones(1, 1), mode="mis",
+                                      level="token", cap=2.0, low=1e-9)
+    assert w.item() == 0.0
+
+
+def test_lower_bound_bad_arguments():
+    with pytest.raises(ValueError, match="applies to mode 'mis' only, not 'tis'"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="tis", level="token", cap=2.0, low=0.5)
+    with pytest.raises(ValueError, match=r"must be in \(0, cap=2.0\), got 2.0"):
+        rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode="mis", level="token", cap=2.0, low=2.0)
+
+
+def test_check_metrics_reference_weights_take_the_lower_bound():
+    """check-metrics' definition-side weights (`fsdptrain.check.reference`) zero what lies outside [L, C] too."""
+    from fsdptrain.check.batch import IsCorrection
+    from fsdptrain.check.reference import reference_is_metrics, reference_is_weights
+
+    old, behaviour = OLD[0, :4], BEHAVIOUR[0, :4]
+    applied, raw = reference_is_weights(old, behaviour, IsCorrection("mis", "token", 3.0, 0.75))
+    torch.testing.assert_close(applied, torch.tensor([1.0, 2.0, 0.0, 0.0], dtype=F64), rtol=0, atol=1e-12)
+    metrics = reference_is_metrics([old], [behaviour], IsCorrection("mis", "token", 3.0, 0.75))
+    assert metrics["experience/rollout_is_capped_frac"] == 0.5
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
+    """issue 29's example: on-policy r = 1, A = 1, token weights [0.5, 2] -> geomean sqrt(0.5 * 2) = 1, loss -1.0
+    (the arithmetic mean 1.25 gave -1.25); gradient -A R w_geo / c = -1/2 per token under seq-mean-token-mean. A third,
+    masked token with weight 9 changes nothing."""
+    from fsdptrain.rl.pg_losses import gmpo_policy_loss
+
+    old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
+    weights = torch.tensor([[0.5, 2.0, 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0]])
+    cu = None
+    if layout == "packed":
+        old, weights, mask, cu = old[0], weights[0], torch.tensor([1, 1, 1]), torch.tensor([0, 2])
+    logp = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, torch.ones_like(old), mask, norms=LossNormalizers(2, 1),
+                          agg_mode="seq-mean-token-mean", clip_ratio_low=0.4, clip_ratio_high=0.4,
+                          pg_loss_fn=gmpo_policy_loss, rollout_is_weights=weights, cu_seqlens=cu)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0, abs=1e-12)
+    torch.testing.assert_close(logp.grad.reshape(-1)[:2], torch.tensor([-0.5, -0.5], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_gmpo_weights_by_hand_zero_and_unequal():
+    """w = [0.25, 1] -> geomean 0.5 on both tokens; a mis-zeroed token zeroes its sequence; vanilla keeps w_t."""
+    from fsdptrain.rl.aggregate import SeqLayout
+    from fsdptrain.rl.pg_losses import gmpo_policy_loss, vanilla_policy_loss, weigh_by_rollout_is
+
+    layout = SeqLayout((2, 2), None, torch.device("cpu"))
+    valid = torch.ones(2, 2, dtype=torch.bool)
+    pg = torch.ones(2, 2, dtype=F64)
+    w = torch.tensor([[0.25, 1.0], [0.0, 4.0]], dtype=F64)
+    geo = weigh_by_rollout_is(pg, w, valid, layout=layout, pg_loss_fn=gmpo_policy_loss)
+    torch.testing.assert_close(geo, torch.tensor([[0.5, 0.5], [0.0, 0.0]], dtype=F64), rtol=0, atol=1e-12)
+    assert torch.equal(weigh_by_rollout_is(pg, w, valid, layout=layout, pg_loss_fn=vanilla_policy_loss), w)
+
+
+def test_off_policy_diagnostics_by_hand():
+    """SEQ_*: d = behaviour - old = [-ln2, -ln2] (seq 0), [ln2, 0, 0] (seq 1), seq 2 masked.
+    k1: (-2 ln2 + ln2) / 5; k3 = e^-d + d - 1: 2 (1 - ln2) + (ln2 - 1/2) + 0 + 0 = 3/2 - ln2, / 5;
+    log-ppl gap per sequence: -ln2 and ln2 / 3, mean -ln2 / 3; ratios w = e^-d = [2, 2], [1/2, 1, 1]: all inside the
+    closed band [1/2, 2]."""
+    from fsdptrain.rl.rollout_correction import off_policy_diagnostics
+
+    metrics = off_policy_diagnostics(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK)
+    out = finalize(metrics)
+    assert out["kl_k1"] == pytest.approx(-LN2 / 5, abs=1e-12)
+    assert out["kl_k3"] == pytest.approx((1.5 - LN2) / 5, abs=1e-12)
+    assert out["log_ppl_diff"] == pytest.approx(-LN2 / 3, abs=1e-12)
+    assert out["ratio_outside_frac"] == 0.0
+    assert all(metrics[k].kind is Kind.MEAN for k in metrics)
+    # w = 4 (d = -2 ln2) is outside, w = e^-0.1 inside: 1/2
+    out = finalize(off_policy_diagnostics(torch.zeros(1, 2, dtype=F64), torch.tensor([[-2 * LN2, 0.1]], dtype=F64),
+                                          torch.ones(1, 2)))
+    assert out["ratio_outside_frac"] == 0.5
+
+
+def test_off_policy_diagnostics_packed_equals_padded():
+    from fsdptrain.rl.rollout_correction import off_policy_diagnostics
+
+    padded = finalize(off_policy_diagnostics(SEQ_OLD, SEQ_BEHAVIOUR, SEQ_MASK))
+    flat_b = torch.tensor([-LN2, -LN2, 7.0, LN2, 0.0, 0.0, 5.0], dtype=F64)
+    packed = finalize(off_policy_diagnostics(torch.zeros(7, dtype=F64), flat_b, torch.tensor([1, 1, 0, 1, 1, 1, 1]),
+                                             cu_seqlens=torch.tensor([0, 3, 6])))
+    assert packed == pytest.approx(padded, abs=1e-12)
