@@ -63,7 +63,8 @@ class PolicyLossSettings:
     """The policy-gradient term (`fsdptrain.rl.pg_losses`: a built-in or a user's function)."""
     policy_loss: str = "vanilla"
     """The config name of `pg_loss_fn` (check-metrics' reference writes vanilla PPO out from its definition)."""
-    dro_beta: float = 1.0
+    dro_beta: Optional[float] = None
+    """DRO's penalty weight (policy_loss=dro only; it has no default: docs/algorithms.md)."""
     use_is_weights: bool = False
     """Multiply the pg term by the targets' rollout-correction weights (`SeqTargets.is_weights`)."""
 
