@@ -145,3 +145,32 @@ def test_jsonl_rows_are_typed_strictly(tmp_path, extra, message):
         load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=False)
     rollouts, skipped = load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=True)
     assert (len(rollouts), skipped) == (1, 1)
+
+
+USERS_FILES = {"config.yaml": "lr: 3\n", "samples.jsonl": '{"q": 1}\n', "notes.txt": "mine\n"}
+
+
+@pytest.mark.parametrize("flags", [[], ["trainer.resume=auto"], ["trainer.overwrite=true"]])
+def test_a_folder_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_path, flags):
+    for name, text in USERS_FILES.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=f"trainer.run_dir=X: {tmp_path} holds files fsdptrain did not write "
+                                          r"\(config.yaml, notes.txt, samples.jsonl\)"):
+        claim_run_dir(compose_config(flags), tmp_path, "trainer.run_dir=X")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == USERS_FILES
+
+
+def test_which_folders_are_fsdptrains_own(tmp_path):
+    from fsdptrain.train.run_ownership import foreign_entries
+
+    assert foreign_entries(tmp_path / "missing") == [] and foreign_entries(tmp_path) == []
+    (tmp_path / ".lock").write_text("1\n")
+    assert foreign_entries(tmp_path) == []  # the lock is fsdptrain's
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    assert foreign_entries(tmp_path) == ["config.yaml"]  # a config.yaml alone is no run
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert foreign_entries(tmp_path) == []  # a run written before run.json existed
+    (tmp_path / "notes.txt").write_text("mine")
+    assert foreign_entries(tmp_path) == ["config.yaml", "metrics.jsonl", "notes.txt"]
+    (tmp_path / "run.json").write_text('{"run_id": "a"}\n')
+    assert foreign_entries(tmp_path) == []  # claimed by fsdptrain: the user's notes next to the run are kept
