@@ -174,3 +174,22 @@ def test_which_folders_are_fsdptrains_own(tmp_path):
     assert foreign_entries(tmp_path) == ["config.yaml", "metrics.jsonl", "notes.txt"]
     (tmp_path / "run.json").write_text('{"run_id": "a"}\n')
     assert foreign_entries(tmp_path) == []  # claimed by fsdptrain: the user's notes next to the run are kept
+
+
+@pytest.mark.parametrize("name", ["../escape", "/tmp/abs", "a/b", "..", ".", "a\\b", " "])
+def test_run_name_must_be_a_plain_name(name):
+    with pytest.raises(ConfigError, match=f"trainer.run_name={re.escape(repr(name))} must be a plain name"):
+        compose_config([f"trainer.run_name='{name}'"])
+
+
+def test_unnamed_runs_started_in_the_same_second_get_different_folders():
+    from fsdptrain.cli import _default_run_name
+
+    names = [_default_run_name() for _ in range(20)]
+    assert len(set(names)) == 20 and all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", n) for n in names), names
+
+
+def test_a_yaml_syntax_error_in_the_users_config_names_file_and_line(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  steps: [1\n  lr: 2\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'mine.yaml'))}:6: not valid YAML "):
+        compose_config([], config_dir=str(tmp_path), config_name="mine")
