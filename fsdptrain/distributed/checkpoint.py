@@ -44,7 +44,6 @@ import hashlib
 import io
 import json
 import os
-import pathlib
 import pickle
 import random
 import re
