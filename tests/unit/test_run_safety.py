@@ -193,3 +193,11 @@ def test_a_yaml_syntax_error_in_the_users_config_names_file_and_line(tmp_path):
     (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  steps: [1\n  lr: 2\n")
     with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'mine.yaml'))}:6: not valid YAML "):
         compose_config([], config_dir=str(tmp_path), config_name="mine")
+
+
+def test_unnamed_ranks_under_torchrun_agree_on_the_rendezvous_id(monkeypatch):
+    from fsdptrain.cli import _default_run_name
+
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "ab-12")):
+        monkeypatch.setenv(name, value)
+    assert _default_run_name() == _default_run_name() == "torchrun-ab12"
