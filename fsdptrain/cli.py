@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import List, Optional
@@ -51,11 +52,39 @@ def _fail_usage(message: str) -> None:
     raise typer.Exit(USAGE_ERROR)
 
 
+def _default_run_name() -> str:
+    """A fresh name for an unnamed run: the start time and a random suffix, so two launches in the same second
+    never share a folder. Under torchrun every rank (and a restarted rank) must agree without talking: the name is
+    the rendezvous id torchrun gives all of them (``TORCHELASTIC_RUN_ID``) when it set one."""
+    from fsdptrain.distributed.torchrun import under_torchrun
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    if under_torchrun():
+        shared = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        return stamp if shared in ("", "none") else "torchrun-" + "".join(c for c in shared if c.isalnum())[:16]
+    return f"{stamp}-{uuid.uuid4().hex[:6]}"
+
+
 def _run_dir(cfg: DictConfig) -> Path:
     if cfg.trainer.run_dir is not None:
         return Path(cfg.trainer.run_dir)
-    name = cfg.trainer.run_name or datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / name
+    return Path("runs") / (cfg.trainer.run_name or _default_run_name())
+
+
+UNSUPPORTED_CFG_VALUES = ("job", "hydra", "all")
+"""Values hydra's ``--cfg`` takes; ours is a plain flag."""
+
+
+def _refuse_hydra_flags(overrides: List[str], print_cfg: bool) -> None:
+    """Hydra's own command-line flags (``-m``/``--multirun``, ``--info``, ``--cfg job``...) are not fsdptrain's: one
+    line saying so, instead of an override parse error."""
+    for item in overrides:
+        if item.startswith("-"):
+            _fail_usage(f"{item} is not supported by fsdptrain (hydra's own flags such as -m/--multirun, --info, "
+                        f"--run, -c are not); the options are listed by --help, overrides are key=value")
+        if print_cfg and item in UNSUPPORTED_CFG_VALUES:
+            _fail_usage(f"--cfg {item} is not supported: fsdptrain's --cfg takes no value and prints the resolved "
+                        f"config; drop {item!r}")
 
 
 def _check_user_functions(cfg: DictConfig) -> None:
@@ -108,11 +137,12 @@ def _preflight(cfg: DictConfig) -> None:
 def _claim_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """Check, lock and claim the run directory for this run (rank 0 under torchrun; the parent otherwise)."""
     from fsdptrain.preflight import check_run_dir
-    from fsdptrain.train.run_ownership import claim_run_dir, lock_run_dir
+    from fsdptrain.train.run_ownership import claim_run_dir, lock_run_dir, refuse_foreign_folder
 
+    where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
+    refuse_foreign_folder(run_dir, where)  # before the lock or the probe touch the user's folder
     check_run_dir(run_dir)
     lock_run_dir(run_dir)
-    where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
     claim_run_dir(cfg, run_dir, where)
 
 
@@ -124,6 +154,7 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
 
     if nproc != 1 and under_torchrun():
         _fail_usage(f"--nproc {nproc} was given under torchrun: torchrun already started the ranks; drop --nproc")
+    _refuse_hydra_flags(overrides or [], print_cfg)
     try:
         cfg = compose_config(overrides or [], config_dir=config_dir, config_name=config_name)
         world_size = torchrun_world_size() if under_torchrun() else nproc

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
@@ -53,6 +54,15 @@ def _hydra_message(err: HydraException) -> str:
         lines = [line for line in text.strip().splitlines() if line and not line.startswith("See ")]
         return "; ".join(lines[:2])
     return first_line(text)
+
+
+def _yaml_message(err: "yaml.YAMLError") -> str:
+    """``file:line: not valid YAML (problem)`` for a config file that does not parse."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or getattr(err, "context", None) or first_line(str(err))
+    if mark is None:
+        return f"a config file is not valid YAML ({problem})"
+    return f"{mark.name}:{mark.line + 1}: not valid YAML ({problem}): fix the file"
 
 
 def _check_no_extra_keys(cfg: DictConfig) -> None:
@@ -105,6 +115,8 @@ def compose_config(
         missing = sorted(OmegaConf.missing_keys(cfg))
     except ConfigError:
         raise
+    except yaml.YAMLError as err:  # the user's own config file is not YAML
+        raise ConfigError(_yaml_message(err)) from None
     except HydraException as err:
         raise _own_error(err) or ConfigError(_hydra_message(err)) from None
     except OmegaConfBaseException as err:

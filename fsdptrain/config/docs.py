@@ -89,7 +89,9 @@ def render_configuration_md() -> str:
         "your own config folder with `--config-dir DIR --config-name NAME` (list `config_schema` first in its",
         "defaults). The valid column shows each field's choices or range (declared on the field in the schema); they",
         "are validated right after composition: a bad value exits 2 with one line naming it. Numbers must be finite;",
-        "null is allowed where the default is null.",
+        "null is allowed where the default is null. A config file of yours that is not valid YAML is one line with",
+        "its file and line (exit 2). Hydra's own flags (`-m`/`--multirun`, `--info`, `--cfg job`, `-c`...) are not",
+        "fsdptrain's: each is refused with one line (exit 2); `--help` lists the options there are.",
         "",
     ]
     for group, schema in SCHEMA_GROUPS.items():

@@ -246,9 +246,9 @@ class TrainerConfig:
     eval_every: int = bounded(25, ge=0)
     """Greedy evaluation every this many steps (0 turns it off)."""
     run_name: Optional[str] = None
-    """Run name; null uses a timestamp. Naming it keeps the run directory stable across invocations."""
+    """Run name, a plain folder name under runs/ (no '/' or '..'); null: start time + random suffix. Keeps resumes stable."""
     run_dir: Optional[str] = None
-    """Run directory; null means runs/<run_name> under the current directory."""
+    """Run directory; null means runs/<run_name>. Must be new, empty or fsdptrain's run folder (docs/checkpointing.md)."""
     resume: str = choice("never", RESUME_MODES)
     """Resume: never, or auto (newest intact checkpoint of the run); a used run directory needs auto or overwrite."""
     overwrite: bool = False

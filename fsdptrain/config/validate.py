@@ -163,6 +163,17 @@ def _check_steps_and_logging(cfg: DictConfig) -> None:
                               "or path.py:function) or reward.models=[...]")
 
 
+def _check_run_name(name: Any) -> None:
+    """``trainer.run_name`` names a folder directly under ``runs/``: no path separators, no ``.``/``..``, not empty
+    (a run elsewhere is ``trainer.run_dir``)."""
+    if name is None:
+        return
+    text = str(name)
+    if not text.strip() or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise ConfigError(f"trainer.run_name={text!r} must be a plain name (a folder under runs/, without '/', '..' "
+                          f"or an absolute path): set trainer.run_dir=PATH to write the run elsewhere")
+
+
 def _check_cross_fields(cfg: DictConfig) -> None:
     alg = cfg.algorithm
     if alg.adv_estimator == "gae" and not alg.use_critic:
@@ -189,6 +200,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
                           f"model.hidden_size={cfg.model.hidden_size}")
     if cfg.data.source == "jsonl" and cfg.data.path is None:
         raise ConfigError("data.source=jsonl needs data.path=<file.jsonl>")
+    _check_run_name(cfg.trainer.run_name)
     if cfg.trainer.overwrite and cfg.trainer.resume == "auto":
         raise ConfigError("trainer.overwrite=true deletes what trainer.resume=auto would continue: choose one")
     if cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:

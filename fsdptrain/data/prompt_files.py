@@ -10,10 +10,17 @@ error names the file and the line instead of surfacing as a pyarrow traceback; a
 afterwards is wrapped into one line naming the file. Lines in these messages are 1-based, as editors number them.
 Files are read one by one (so each error names its file), held in memory, and ``datasets``' cache goes to a temporary
 folder that is removed afterwards: nothing is written under the user's home.
+
+Values reach the reward functions as the file wrote them: ``.jsonl``/``.json`` rows are parsed with Python's ``json``
+(an ``answer`` of ``7`` stays the int 7 next to a ``0.5``; no column is cast to one type) and ``.csv`` cells are the
+strings in the file (``007`` stays ``"007"``; an empty cell is ``""``). Parquet files and ``save_to_disk`` folders are
+typed by their own schema and read with ``datasets``.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -35,6 +42,25 @@ class TablePart:
 
     label: str
     table: object  # a datasets.Dataset
+
+
+class RowTable:
+    """Rows parsed by Python's own readers (JSON, CSV): every row has every column (None where a JSON row lacks one,
+    as ``datasets`` would fill it), each value as the file wrote it. Offers what the prompt loader uses of a
+    ``datasets.Dataset``: ``column_names``, ``len`` and iteration over the rows as dicts."""
+
+    def __init__(self, rows: list[dict]):
+        names: dict[str, None] = {}
+        for row in rows:
+            names.update(dict.fromkeys(row))
+        self.column_names = list(names)
+        self._rows = [{name: row.get(name) for name in self.column_names} for row in rows]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self):
+        return iter(self._rows)
 
 
 def read_table(source: str | Sequence[str], *, what: str) -> list[TablePart]:
@@ -109,10 +135,10 @@ def _read_folder(path: Path, datasets, what: str):
 
 def _read_file(path: Path, datasets, cache_dir: str):
     builder = FORMATS[path.suffix.lower()]
-    if builder == "parquet":
-        _check_parquet(path)
-    else:
-        _check_text(path, is_json=builder == "json")
+    if builder != "parquet":
+        text = _check_text(path)
+        return RowTable(_json_rows(path, text) if builder == "json" else _csv_rows(path, text))
+    _check_parquet(path)
     try:
         return datasets.load_dataset(builder, data_files=[str(path)], split="train", keep_in_memory=True,
                                      cache_dir=cache_dir)
@@ -131,7 +157,8 @@ def _check_parquet(path: Path) -> None:
         raise ConfigError(f"{path}: not a Parquet file (no PAR1 magic bytes)")
 
 
-def _check_text(path: Path, *, is_json: bool) -> None:
+def _check_text(path: Path) -> str:
+    """The file's UTF-8 text (a leading byte-order mark dropped), or ConfigError for an empty, binary or other file."""
     data = path.read_bytes()
     if not data.strip():
         raise ConfigError(f"{path}: empty file")
@@ -143,11 +170,33 @@ def _check_text(path: Path, *, is_json: bool) -> None:
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte {data[err.start]:#04x})") from None
-    if is_json:
-        _check_json(path, text)
+    return text.removeprefix("\ufeff")
 
 
-def _check_json(path: Path, text: str) -> None:
+def _csv_rows(path: Path, text: str) -> list[dict]:
+    """The CSV's rows as ``{header: cell string}``: a duplicate header or a row with more cells than the header is an
+    error naming the line."""
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None)
+    if not header:
+        raise ConfigError(f"{path}: no header line")
+    duplicate = sorted({name for name in header if header.count(name) > 1})
+    if duplicate:
+        raise ConfigError(f"{path}: line 1: the header repeats the column {duplicate[0]!r}")
+    rows = []
+    for cells in reader:
+        if not cells:
+            continue
+        if len(cells) > len(header):
+            raise ConfigError(f"{path}: line {reader.line_num}: {len(cells)} cells for {len(header)} columns")
+        rows.append(dict(zip(header, cells + [""] * (len(header) - len(cells)))))
+    if not rows:
+        raise ConfigError(f"{path}: no rows")
+    return rows
+
+
+def _json_rows(path: Path, text: str) -> list[dict]:
+    """The rows of a JSON array of objects, or of a JSON-lines file (blank lines skipped)."""
     if text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -157,7 +206,8 @@ def _check_json(path: Path, text: str) -> None:
             raise ConfigError(f"{path}: empty JSON array")
         if not all(isinstance(r, dict) for r in rows):
             raise ConfigError(f"{path}: expected a JSON array of objects (one per row)")
-        return
+        return rows
+    rows = []
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -167,6 +217,8 @@ def _check_json(path: Path, text: str) -> None:
             raise ConfigError(f"{path}: line {line_no}: invalid JSON ({err.msg})") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{path}: line {line_no}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
 
 
 def _root_cause(err: BaseException) -> str:

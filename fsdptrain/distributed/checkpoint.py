@@ -7,7 +7,8 @@ A checkpoint is the folder `run_dir/checkpoints/step_{step:08d}`:
                               them to any world size on load)
     trainer_state.pt          rank 0: the schedulers' state dicts and `extra` (step, data position, counters, ...)
     rng_rank{r}.pt            rank r: its own RNG states (torch CPU, CUDA when present, python `random`)
-    complete.json             rank 0, written last: {"format", "step", "world_size", "models", "optimizers", ...}
+    complete.json             rank 0, written last: {"format", "step", "world_size", "models", "optimizers", ...,
+                              "files": {name: {"size", "sha256"}} of every other file in the folder}
 
 Atomicity: everything is written into the sibling `.tmp_step_{step:08d}`; after a barrier (every rank has finished
 writing) rank 0 writes `complete.json` and renames the folder into place (a directory rename is atomic on POSIX).
@@ -20,14 +21,19 @@ world size seeds torch (CPU and CUDA) and python `random` with `derived_rng_seed
 8 bytes of sha256(rank 0's saved torch CPU RNG state bytes + b"rank<r>"), masked to 63 bits): deterministic for a
 given checkpoint and different per rank.
 
-Trust: DCP's `.metadata` is a pickle, so loading a checkpoint can run code. Resume only from checkpoints you (or
-your own runs) wrote. `trainer_state.pt` and `rng_rank*.pt` are read with `torch.load(weights_only=True)`, which is
-why `extra` must be plain data (see `save_checkpoint`). Hugging Face exports (fsdptrain.distributed.export) are safetensors.
+Trust: DCP's `.metadata` is a pickle. fsdptrain first reads it with `read_dcp_metadata`, an unpickler that builds
+only DCP's metadata classes (`METADATA_GLOBALS`), so a planted `.metadata` that would run code is a damaged checkpoint
+(resume falls back past it) and `load_checkpoint` refuses it before DCP unpickles it. `trainer_state.pt` and
+`rng_rank*.pt` are read with `torch.load(weights_only=True)`, which is why `extra` must be plain data (see
+`save_checkpoint`). Hugging Face exports (fsdptrain.distributed.export) are safetensors.
 
-Integrity: a complete checkpoint (marker present) can still be damaged afterwards (a file deleted or truncated by hand,
-a disk error). Before resume trusts the newest one, `checkpoint_problem` reads the marker, DCP's metadata (which names
-every data file with the offset and length of each item), the trainer state and rank 0's RNG file, and says what is
+Integrity: a complete checkpoint (marker present) can still be damaged afterwards (a file deleted, truncated or
+overwritten by hand, a disk error). The marker records the size and sha256 of every file rank 0 sees in the folder
+when it is written (each rank's files are on disk by then: a barrier). Before resume trusts the newest one,
+`checkpoint_problem` checks each recorded file's size and digest, reads the marker, DCP's metadata (restricted, as
+above; it names every data file with the offset and length of each item) and the trainer state, and says what is
 wrong without loading any tensor; `newest_intact_checkpoint` falls back past a damaged one with a warning.
+Checkpoints written before the marker held "files" are checked without digests.
 
 Not saved: numpy's global RNG and any generator object the caller owns (pass its state in `extra` as a tensor).
 """
@@ -35,8 +41,10 @@ Not saved: numpy's global RNG and any generator object the caller owns (pass its
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -49,7 +57,6 @@ import torch
 import torch.distributed
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -317,6 +324,7 @@ def save_checkpoint(
             "optimizers": sorted(optimizers),
             "schedulers": sorted(schedulers),
             "run_id": run_id,
+            "files": file_digests(tmp),
         }
         _write_durably(tmp / MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
         _rename_into_place(tmp, final)
@@ -358,6 +366,10 @@ def load_checkpoint(
     path = Path(path)
     info = checkpoint_info(path)
     _check_names(models, optimizers)
+    try:
+        read_dcp_metadata(path)  # DCP unpickles .metadata without restriction: refuse what would run code first
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
+        raise ValueError(f"checkpoint {path}: .metadata is not checkpoint metadata ({err})") from None
     for kind, given in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
         if sorted(given) != info[kind]:
             raise ValueError(
@@ -390,17 +402,90 @@ def load_checkpoint(
 
 
 # Integrity: is a checkpoint whole? What resume checks before it trusts the newest one.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = {
+    _DCP_METADATA: {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+"""What a DCP ``.metadata`` pickle may name (besides torch's dtypes): DCP's metadata classes and the plain values they
+hold. Each only builds data; none runs a command or opens a file."""
+DIGEST_CHUNK = 1 << 20
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not a checkpoint metadata class")
+
+
+def read_dcp_metadata(path: Path):
+    """DCP's ``Metadata`` of the checkpoint folder ``path``, unpickled with only ``METADATA_GLOBALS``; raises
+    pickle.UnpicklingError for a file that names anything else (code), other errors for a damaged file."""
+    with open(Path(path) / ".metadata", "rb") as handle:
+        metadata = _MetadataUnpickler(io.BytesIO(handle.read())).load()
+    if type(metadata).__name__ != "Metadata" or type(metadata).__module__ != _DCP_METADATA:
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"size", "sha256"}}`` of every file in ``folder`` but the marker (what the marker records)."""
+    found = {}
+    for file in sorted(folder.iterdir()):
+        if file.is_file() and file.name != MARKER:
+            digest = hashlib.sha256()
+            with open(file, "rb") as handle:
+                while chunk := handle.read(DIGEST_CHUNK):
+                    digest.update(chunk)
+            found[file.name] = {"size": file.stat().st_size, "sha256": digest.hexdigest()}
+    return found
+
+
+def _recorded_file_problem(path: Path, recorded: dict[str, dict[str, Any]]) -> str | None:
+    """What differs between the files the marker recorded and the folder now (None when every one is as saved)."""
+    for name, want in sorted(recorded.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != want["size"]:
+            return (f"{name} is truncated ({size} of {want['size']} bytes)" if size < want["size"] else
+                    f"{name} has {size} bytes, {want['size']} were saved")
+    now = file_digests(path)
+    for name, want in sorted(recorded.items()):
+        if now[name]["sha256"] != want["sha256"]:
+            return f"{name} changed since it was saved (sha256 differs)"
+    return None
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """A one-line description of what is damaged in the checkpoint folder ``path``, or None when it is whole."""
     try:
-        json.loads((path / MARKER).read_text())
+        marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError) as err:
         return f"{MARKER} is unreadable ({type(err).__name__})"
+    if not isinstance(marker, dict):
+        return f"{MARKER} is not a JSON object"
     for name in (".metadata", TRAINER_STATE, "rng_rank0.pt"):
         if not (path / name).is_file():
             return f"{name} is missing"
+    if isinstance(marker.get("files"), dict):
+        problem = _recorded_file_problem(path, marker["files"])
+        if problem is not None:
+            return problem
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path)
+    except pickle.UnpicklingError as err:
+        return f".metadata is not checkpoint metadata ({err})"
     except Exception as err:  # a pickle that does not load: any exception means damaged
         return f".metadata is unreadable ({type(err).__name__})"
     needed: dict[str, int] = {}

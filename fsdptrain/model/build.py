@@ -49,7 +49,7 @@ def resolve_config(*, path: str | None, config: Mapping[str, Any] | PretrainedCo
     if (path is None) == (config is None):
         raise ValueError("give exactly one of model.path (a local Hugging Face folder) and a model config")
     if path is not None:
-        resolved = AutoConfig.from_pretrained(path)
+        resolved = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never the folder's code (model/checks.py)
     elif isinstance(config, PretrainedConfig):
         resolved = copy.deepcopy(config)
     else:
@@ -113,7 +113,7 @@ def build_full_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if path is not None:
-            model = auto_class.from_pretrained(path, config=resolved, dtype=torch.float32)
+            model = auto_class.from_pretrained(path, config=resolved, dtype=torch.float32, trust_remote_code=False)
         else:
             model = auto_class.from_config(resolved, dtype=torch.float32)
     if backbone_from is not None:

@@ -43,12 +43,32 @@ def check_model_folder(path: str, *, key: str = "model.path") -> None:
         raise ConfigError(f"{key}={path!r}: config.json is not valid JSON ({first_line(err)})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{key}={path!r}: config.json is not a JSON object")
+    check_no_remote_code(folder, where=f"{key}={path!r}")
     _check_causal(config, path, key)
     _check_weights(folder, path, key)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"{key}={path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save it into "
                           f"the folder with tokenizer.save_pretrained(DIR)")
 
+
+
+CODE_MAP_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+"""The files in which a folder can name its own Python code (``auto_map``) for transformers to import."""
+
+
+def check_no_remote_code(folder: Path, *, where: str) -> None:
+    """Refuse a folder that names its own Python code (an ``auto_map`` in ``CODE_MAP_FILES``): fsdptrain never runs
+    code from a model folder, and every load passes ``trust_remote_code=False`` so transformers never asks on stdin."""
+    for name in CODE_MAP_FILES:
+        file = folder / name
+        try:
+            content = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue  # unreadable files are reported by the checks that read them
+        if isinstance(content, dict) and content.get("auto_map"):
+            raise ConfigError(f"{where}: {name} has an auto_map (custom model code in the folder's .py files); "
+                              f"fsdptrain does not run model code from folders: use a model class transformers "
+                              f"implements (docs/your-task.md)")
 
 
 def _check_causal(config: dict, path: str, key: str) -> None:

@@ -36,7 +36,7 @@ from fsdptrain.data.packing import PackedBatch, pack_sequences
 from fsdptrain.model.attention_backends import BACKENDS
 from fsdptrain.model.attention_switch import packed_model_inputs
 from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
-from fsdptrain.model.checks import WEIGHT_FILES
+from fsdptrain.model.checks import WEIGHT_FILES, check_no_remote_code
 from fsdptrain.registry.errors import first_line
 
 HEAD = "score"
@@ -83,6 +83,7 @@ def load_reward_model_spec(path: str | os.PathLike) -> RewardModelSpec:
         raise ConfigError(f"{where} is not a folder; give the folder that holds config.json, weights and tokenizer")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{where} has no config.json; save the model with save_pretrained")
+    check_no_remote_code(folder, where=where)
     config = _load_config(folder, where)
     _check_architecture(config, where)
     _check_head(config, where)
@@ -93,7 +94,7 @@ def load_reward_model_spec(path: str | os.PathLike) -> RewardModelSpec:
 
 def _load_config(folder: Path, where: str) -> PretrainedConfig:
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:  # corrupt JSON, unknown model_type, custom code: all the user's folder
         raise ConfigError(f"{where}: cannot read config.json ({type(err).__name__}: {first_line(err)})") from err
     zero_dropout_in_config(config)
@@ -133,7 +134,7 @@ def _load_tokenizer(folder: Path, where: str):
             f"text with its own tokenizer: save it into the folder with tokenizer.save_pretrained"
         )
     try:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as err:
         raise ConfigError(f"{where}: cannot load its tokenizer ({type(err).__name__}: {first_line(err)})") from err
 
@@ -184,7 +185,8 @@ def load_full_reward_model(spec: RewardModelSpec) -> PreTrainedModel:
     where = f"reward model {spec.path!r}"
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            spec.path, config=spec.config, dtype=torch.float32, local_files_only=True, output_loading_info=True
+            spec.path, config=spec.config, dtype=torch.float32, local_files_only=True, output_loading_info=True,
+            trust_remote_code=False,
         )
     except Exception as err:
         raise ConfigError(f"{where}: cannot load its weights ({type(err).__name__}: {first_line(err)})") from err

@@ -34,7 +34,7 @@ def build_tokenizer(cfg: DictConfig):
         return load_bundled_tokenizer()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

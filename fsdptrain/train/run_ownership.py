@@ -1,7 +1,10 @@
 """Who owns a run directory: one run's lineage, one writer at a time, no silent overwrite (docs/checkpointing.md).
 
 - ``run.json`` holds the run id of the directory's lineage; every checkpoint's marker carries it, and rotation
-  deletes only checkpoints of that id.
+  deletes only checkpoints of that id. It is also the mark that fsdptrain claimed the folder.
+- A run is written only into a missing or empty folder, or into fsdptrain's own run folder: one with ``run.json``,
+  or (a run written before ``run.json`` existed) one holding nothing but what a run writes (``RUN_ENTRIES``). Any
+  other folder holds the user's own files and is refused, before anything is written into it.
 - A directory that holds a run is continued only with ``trainer.resume=auto``; ``trainer.overwrite=true`` clears it
   first; anything else is a usage error naming both.
 - ``.lock`` is held with ``fcntl.flock`` by the process that claimed the directory (the CLI's parent, or rank 0
@@ -32,8 +35,10 @@ STATE_FILE = "run.json"
 LOCK_FILE = ".lock"
 CHANGES_FILE = "config_changes.jsonl"
 RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "export", "config.yaml", STATE_FILE, CHANGES_FILE, "tensorboard",
-               "metrics.png")
+               "metrics.png", "samples.jsonl", "metric_kinds.json")
 """What a run writes into its directory: what ``trainer.overwrite=true`` deletes (nothing else)."""
+TRANSIENT_PREFIXES = (LOCK_FILE, ".write_probe-")
+"""Entries fsdptrain makes while it claims a folder (the lock, the writability probe): not the user's files."""
 GUARDED_KEYS = ("model", "algorithm", "loss.agg_mode")
 """Config a resume may not change without ``trainer.allow_config_change=true``."""
 
@@ -44,6 +49,30 @@ def holds_run(run_dir: Path) -> bool:
     """True when ``run_dir`` has a run's metrics, checkpoints or export in it (a ``run.json`` alone is a start that
     failed before its first step: a new launch may take the directory over)."""
     return any((run_dir / name).exists() for name in ("checkpoints", "metrics.jsonl", "export"))
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """The names in ``run_dir`` that show it is not fsdptrain's run folder (sorted; empty when it may be claimed).
+
+    A missing or empty folder, a folder with ``run.json``, or one that holds a run and nothing but ``RUN_ENTRIES``
+    may be claimed; any other folder's entries (besides the lock and the probe) are the user's own.
+    """
+    if not run_dir.is_dir() or (run_dir / STATE_FILE).is_file():
+        return []
+    names = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(TRANSIENT_PREFIXES))
+    if not names or (holds_run(run_dir) and set(names) <= set(RUN_ENTRIES)):
+        return []
+    return names
+
+
+def refuse_foreign_folder(run_dir: Path, where: str) -> None:
+    """Raise ConfigError when ``run_dir`` holds files fsdptrain did not write (``foreign_entries``)."""
+    names = foreign_entries(run_dir)
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ConfigError(f"{where}: {run_dir} holds files fsdptrain did not write ({shown}); a run is written only "
+                          f"into a new or empty folder or its own run folder: choose another trainer.run_dir or "
+                          f"trainer.run_name (docs/checkpointing.md)")
 
 
 def run_id(run_dir: Path) -> str | None:
@@ -77,6 +106,7 @@ def claim_run_dir(cfg: DictConfig, run_dir: Path, where: str) -> str:
 
     ``where`` is how the user named the directory (``trainer.run_name=x``), for the message.
     """
+    refuse_foreign_folder(run_dir, where)
     trainer = cfg.trainer
     if holds_run(run_dir):
         if trainer.overwrite:

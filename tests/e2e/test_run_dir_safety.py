@@ -217,3 +217,17 @@ def test_torchrun_restarts_a_killed_rank_and_resumes_exactly(tmp_path):
     got, want = read_metrics(run_dir), read_metrics(tmp_path / "ref")
     assert [r["step"] for r in got] == list(range(6))
     assert compared(got, run_dir) == compared(want, tmp_path / "ref")
+
+
+def test_resume_never_runs_a_planted_checkpoint_metadata_and_falls_back(run_copy, tmp_path):
+    newest = run_copy / "checkpoints" / "step_00000002"
+    marker = tmp_path / "code-ran"
+    payload = (b"cposix\nsystem\n(V" + f"echo ran > {marker}".encode() + b"\ntR.")  # pickle of os.system(...)
+    (newest / ".metadata").write_bytes(payload)
+    result = run_cli("train", *TINY, "trainer.steps=2", "checkpoint.every=1", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path)
+    assert not marker.exists(), "the planted .metadata ran its code"
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: skipping damaged")]
+    assert len(warnings) == 1 and f"{newest}: .metadata is truncated" in warnings[0], result.stderr[-3000:]
+    assert "step_00000001 after step 1" in result.stdout

@@ -1,4 +1,5 @@
-"""Prompt datasets: every local format gives the JSONL's rows; every bad input is one ConfigError naming where."""
+"""Prompt datasets: every local format gives the JSONL's rows (CSV cells as the strings the file holds), each value as
+the file wrote it; every bad input is one ConfigError naming where."""
 
 import json
 
@@ -51,7 +52,24 @@ def test_every_format_gives_the_jsonl_rows(tmp_path, tok):
     sources = [str(tmp_path / "t.parquet"), str(tmp_path / "t.csv"), str(tmp_path / "t.json"),
                str(tmp_path / "saved"), [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]]
     for source in sources:
-        assert as_tuples(load_prompts(source, tokenizer=tok)) == EXPECTED, source
+        want = [(i, text, {**cols, "answer": str(cols["answer"])}, chat) for i, text, cols, chat in EXPECTED]
+        assert as_tuples(load_prompts(source, tokenizer=tok)) == (want if str(source).endswith(".csv") else EXPECTED)
+
+
+def test_each_value_reaches_the_reward_as_the_file_wrote_it(tmp_path, tok):
+    from fsdptrain.rewards.builtin import exact_match
+
+    rows = [{"prompt": f"q{i} =", "answer": a} for i, a in enumerate([7, 3, 1, 0.5])]
+    got = [r.columns["answer"] for r in load_prompts(str(write_jsonl(tmp_path / "t.jsonl", rows)), tokenizer=tok)]
+    assert [(v, type(v)) for v in got] == [(7, int), (3, int), (1, int), (0.5, float)]
+    assert exact_match(["q"], ["7"], [[0]], answer=got[:1]) == [1.0]
+    (tmp_path / "t.csv").write_text("prompt,answer\nq0 =,007\nq1 =,042\nq2 =,\n")
+    got = [r.columns["answer"] for r in load_prompts(str(tmp_path / "t.csv"), tokenizer=tok)]
+    assert got == ["007", "042", ""]
+    (tmp_path / "mixed.jsonl").write_text('{"prompt": "a", "answer": 7}\n{"prompt": "b", "answer": "x"}\n'
+                                          '{"prompt": "c"}\n')
+    got = [r.columns for r in load_prompts(str(tmp_path / "mixed.jsonl"), tokenizer=tok)]
+    assert got == [{"answer": 7}, {"answer": "x"}, {"answer": None}]
 
 
 def test_chat_prompts_use_the_chat_template(tmp_path, tok):
@@ -90,7 +108,8 @@ def test_custom_prompt_key(tmp_path, tok):
     ("es.jsonl", b'{"prompt": " "}\n', "es.jsonl: row 0 (0-based), column 'prompt': empty prompt"),
     ("badchat.jsonl", b'{"prompt": [{"role": "user"}]}\n', "badchat.jsonl: row 0 (0-based), column 'prompt'"),
     ("mixed.jsonl", b'{"prompt": "a"}\n{"prompt": 3}\n', "mixed.jsonl: row 1 (0-based), column 'prompt'"),
-    ("ragged.csv", b'prompt,answer\na,1\nb,2,3\n', "ragged.csv: cannot read as a csv table: ParserError"),
+    ("ragged.csv", b'prompt,answer\na,1\nb,2,3\n', "ragged.csv: line 3: 3 cells for 2 columns"),
+    ("twice.csv", b'prompt,answer,answer\na,1,2\n', "twice.csv: line 1: the header repeats the column 'answer'"),
 ])
 def test_each_bad_file_is_one_line_naming_it(tmp_path, tok, name, content, fragment):
     path = tmp_path / name

@@ -145,3 +145,59 @@ def test_jsonl_rows_are_typed_strictly(tmp_path, extra, message):
         load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=False)
     rollouts, skipped = load_jsonl_rollouts(str(path), tokenizer, max_response_length=8, skip_bad_rows=True)
     assert (len(rollouts), skipped) == (1, 1)
+
+
+USERS_FILES = {"config.yaml": "lr: 3\n", "samples.jsonl": '{"q": 1}\n', "notes.txt": "mine\n"}
+
+
+@pytest.mark.parametrize("flags", [[], ["trainer.resume=auto"], ["trainer.overwrite=true"]])
+def test_a_folder_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_path, flags):
+    for name, text in USERS_FILES.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=f"trainer.run_dir=X: {tmp_path} holds files fsdptrain did not write "
+                                          r"\(config.yaml, notes.txt, samples.jsonl\)"):
+        claim_run_dir(compose_config(flags), tmp_path, "trainer.run_dir=X")
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == USERS_FILES
+
+
+def test_which_folders_are_fsdptrains_own(tmp_path):
+    from fsdptrain.train.run_ownership import foreign_entries
+
+    assert foreign_entries(tmp_path / "missing") == [] and foreign_entries(tmp_path) == []
+    (tmp_path / ".lock").write_text("1\n")
+    assert foreign_entries(tmp_path) == []  # the lock is fsdptrain's
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    assert foreign_entries(tmp_path) == ["config.yaml"]  # a config.yaml alone is no run
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert foreign_entries(tmp_path) == []  # a run written before run.json existed
+    (tmp_path / "notes.txt").write_text("mine")
+    assert foreign_entries(tmp_path) == ["config.yaml", "metrics.jsonl", "notes.txt"]
+    (tmp_path / "run.json").write_text('{"run_id": "a"}\n')
+    assert foreign_entries(tmp_path) == []  # claimed by fsdptrain: the user's notes next to the run are kept
+
+
+@pytest.mark.parametrize("name", ["../escape", "/tmp/abs", "a/b", "..", ".", "a\\b", " "])
+def test_run_name_must_be_a_plain_name(name):
+    with pytest.raises(ConfigError, match=f"trainer.run_name={re.escape(repr(name))} must be a plain name"):
+        compose_config([f"trainer.run_name='{name}'"])
+
+
+def test_unnamed_runs_started_in_the_same_second_get_different_folders():
+    from fsdptrain.cli import _default_run_name
+
+    names = [_default_run_name() for _ in range(20)]
+    assert len(set(names)) == 20 and all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", n) for n in names), names
+
+
+def test_a_yaml_syntax_error_in_the_users_config_names_file_and_line(tmp_path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  steps: [1\n  lr: 2\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'mine.yaml'))}:6: not valid YAML "):
+        compose_config([], config_dir=str(tmp_path), config_name="mine")
+
+
+def test_unnamed_ranks_under_torchrun_agree_on_the_rendezvous_id(monkeypatch):
+    from fsdptrain.cli import _default_run_name
+
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "ab-12")):
+        monkeypatch.setenv(name, value)
+    assert _default_run_name() == _default_run_name() == "torchrun-ab12"

@@ -1,0 +1,109 @@
+"""Hostile inputs through the real CLI (issue 32): folders, names, configs, model folders and checkpoints the user
+brings. Each case exits 2 with one line naming the culprit, no traceback, and leaves the user's files as they were.
+The table of simpler bad inputs is tests/e2e/test_bad_inputs.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_command, run_cli
+
+TINY = ("rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
+        "logging.progress=false")
+
+
+def one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: "), lines[0]
+    return lines[0]
+
+
+def test_a_folder_of_the_users_own_files_is_never_a_run_folder(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    files = {"config.yaml": b"model: mine\nlr: 3\n", "samples.jsonl": b'{"q": "2+2", "a": 4}\n', "notes.txt": b"x\n"}
+    for name, data in files.items():
+        (proj / name).write_bytes(data)
+    result = run_cli("train", *TINY, "trainer.steps=1", "trainer.run_dir=proj", "trainer.overwrite=true",
+                     cwd=tmp_path)
+    line = one_error_line(result)
+    assert "proj holds files fsdptrain did not write (config.yaml, notes.txt, samples.jsonl)" in line, line
+    assert {p.name: p.read_bytes() for p in proj.iterdir()} == files  # nothing lost, nothing added (not even a lock)
+
+
+@pytest.mark.parametrize(("args", "culprit"), [
+    (("trainer.run_name=../../outside",), "trainer.run_name='../../outside' must be a plain name"),
+    (("--config-dir", "d", "--config-name", "mine"), "d/mine.yaml:2: not valid YAML"),
+    (("-m", "trainer.steps=1,2"), "-m is not supported by fsdptrain"),
+    (("--multirun",), "--multirun is not supported by fsdptrain"),
+    (("--info",), "--info is not supported by fsdptrain"),
+    (("--cfg", "job"), "--cfg job is not supported"),
+])
+def test_names_configs_and_hydra_flags_are_one_line(tmp_path, args, culprit):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "mine.yaml").write_text("trainer:\n\tsteps: 1\n")
+    line = one_error_line(run_cli("train", *args, cwd=tmp_path))
+    assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and not (tmp_path.parent / "outside").exists()
+
+
+EVIL_CODE = """
+from pathlib import Path
+Path({marker!r}).write_text("the folder's code ran")
+from transformers import LlamaConfig, LlamaForCausalLM
+class EvilConfig(LlamaConfig):
+    model_type = "evil"
+class EvilModel(LlamaForCausalLM):
+    config_class = EvilConfig
+"""
+
+
+def _folder_with_custom_code(folder: Path, marker: Path, *, reward_model: bool = False) -> Path:
+    """A tiny model folder whose config.json names its own code (auto_map): importing evil.py writes ``marker``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+    tokenizer = load_bundled_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    (LlamaForSequenceClassification if reward_model else LlamaForCausalLM)(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    meta = json.loads((folder / "config.json").read_text())
+    kind = "AutoModelForSequenceClassification" if reward_model else "AutoModelForCausalLM"
+    meta["auto_map"] = {"AutoConfig": "evil.EvilConfig", kind: "evil.EvilModel"}
+    meta["model_type"] = "evil"  # a type transformers does not know: only the folder's code could load it
+    (folder / "config.json").write_text(json.dumps(meta))
+    (folder / "evil.py").write_text(EVIL_CODE.format(marker=str(marker)))
+    return folder
+
+
+@pytest.mark.parametrize("role", ["policy", "reward-model"])
+def test_a_model_folder_with_its_own_code_is_refused_without_running_it_or_asking(tmp_path, role):
+    marker = tmp_path / "code-ran"
+    folder = _folder_with_custom_code(tmp_path / "m", marker, reward_model=role == "reward-model")
+    args = (("model=local", f"model.path={folder}") if role == "policy" else
+            ("algorithm=grpo", f"reward.models=[{folder}]"))
+    result = subprocess.run([*cli_command(), "train", *TINY, "trainer.steps=1", *args], cwd=tmp_path,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    line = one_error_line(result)
+    assert "config.json has an auto_map" in line and "does not run model code from folders" in line, line
+    assert str(folder) in line, line
+    assert not marker.exists() and not (tmp_path / "runs").exists()
+
+
+def test_every_load_refuses_a_folders_code_even_past_the_check(tmp_path):
+    from fsdptrain.model.build import resolve_config
+
+    marker = tmp_path / "code-ran"
+    folder = _folder_with_custom_code(tmp_path / "m", marker)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        resolve_config(path=str(folder), config=None)
+    assert not marker.exists()
