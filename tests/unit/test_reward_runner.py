@@ -167,11 +167,17 @@ def test_close_and_interrupts_leave_no_worker_behind(user):
 
     runner = RewardRunner(load_reward_functions([user("slow_on_b")]), num_workers=2)
     pids = runner.pool.pids
-    ctrl_c = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))  # a real Ctrl-C while a call hangs
+    # A real Ctrl-C while a call hangs, sent to the main thread: a process-directed os.kill may be taken by another
+    # thread, and then the main thread sleeps in poll() until the 60 s call ends and the interrupt can be lost.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = threading.Timer(3.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     ctrl_c.start()
-    with pytest.raises(KeyboardInterrupt):
-        runner.score(batch())
-    ctrl_c.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.score(batch())
+    finally:
+        ctrl_c.join()
+        signal.signal(signal.SIGINT, previous)
     assert not any(_alive(p) for p in pids) and runner.pool.pids == []
 
 
