@@ -133,18 +133,11 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int, run_id: str | None 
     """
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
-    complete = [p for p in complete_checkpoints(run_dir) if run_id is None or _run_id_of(p) == run_id]
+    complete = [p for p in complete_checkpoints(run_dir) if run_id is None or lineage_of(p) == run_id]
     doomed = complete[:-keep] + remove_stale_temp_dirs(run_dir, dry_run=True)
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed
-
-
-def _run_id_of(path: Path) -> str | None:
-    try:
-        return json.loads((path / MARKER).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def remove_stale_temp_dirs(run_dir: str | os.PathLike, *, dry_run: bool = False) -> list[Path]:

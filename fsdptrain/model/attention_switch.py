@@ -167,18 +167,13 @@ def packed_attention(
     generation). Yields the backend's name. `dtype` is the activations' dtype when it differs from the parameters'
     (mixed precision); it steers `auto` away from the half-precision kernels for fp32."""
     device, param_dtype = _model_device_dtype(model)
-    name = resolve_backend(backend, device, dtype or param_dtype)
-    previous = model.config._attn_implementation
-    set_attention(model, name)
-    try:
+    with generation_attention(model, resolve_backend(backend, device, dtype or param_dtype)) as name:
         yield name
-    finally:
-        set_attention(model, previous)
 
 
 @contextlib.contextmanager
 def generation_attention(model: torch.nn.Module, name: str = "sdpa") -> Iterator[str]:
-    """Run the block (generation) with `model` on `name` (default sdpa), then restore its previous attention."""
+    """Run the block with `model` on `name` (default sdpa, for generation), then restore its previous attention."""
     previous = model.config._attn_implementation
     set_attention(model, name)
     try:
