@@ -37,6 +37,7 @@ def test_default_ppo_learns(cli, tmp_path):
     assert "fsdptrain summary" in result.stdout
 
 
+@pytest.mark.slow  # 100 steps on 2 ranks; that 2 ranks step as 1 process is proven exactly in tests/dist and check-metrics
 def test_default_ppo_learns_on_two_ranks(cli, tmp_path):
     result = cli("train", "--nproc", "2", *LEARN, "trainer.run_name=learn2")
     assert result.returncode == 0, result.stderr
