@@ -57,8 +57,10 @@ def test_grpo_preset_runs_without_a_critic(cli, tmp_path):
 
 def test_metric_kinds_json_gives_every_logged_number_its_kind(cli, tmp_path):
     """metric_kinds.json types every number of metrics.jsonl; every perf/* number is DIAGNOSTIC, so a comparison that
-    skips by kind skips it (and would not skip a non-diagnostic metric that happened to be named perf/...)."""
-    result = cli("train", *TINY, "trainer.run_name=kinds")
+    skips by kind skips it (and would not skip a non-diagnostic metric that happened to be named perf/...). The
+    last step evaluates with 2 samples per prompt (docs/evaluation.md): its greedy and sampled numbers are MEANs."""
+    evaluation = ("trainer.eval_every=2", "data.num_eval_prompts=2", "trainer.eval_n=2", "trainer.eval_k=[1,2]")
+    result = cli("train", *TINY, *evaluation, "trainer.run_name=kinds")
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "kinds"
     kinds = json.loads((run_dir / "metric_kinds.json").read_text())
@@ -74,6 +76,12 @@ def test_metric_kinds_json_gives_every_logged_number_its_kind(cli, tmp_path):
     assert (kinds["actor/fill_efficiency"], kinds["actor/lr"]) == ("diagnostic", "max")
     assert (kinds["actor/grad_norm"], kinds["train/nonfinite_skipped"]) == ("mean", "max")
     assert set(kinds.values()) <= {"sum", "mean", "min", "max", "loss", "derived", "diagnostic"}  # no untyped fact
+    rows = _metrics(run_dir)
+    sampled = ("eval/pass@1", "eval/pass@2", "eval/mean@2", "eval/maj@2")
+    assert not any(key.startswith("eval/") for key in rows[0])  # step 1 of 2 does not evaluate
+    assert {key for key in rows[1] if key.startswith("eval/")} == {"eval/reward", *sampled}
+    assert {kinds[key] for key in ("eval/reward", *sampled)} == {"mean"}
+    assert 0 <= rows[1]["eval/pass@1"] <= rows[1]["eval/pass@2"] <= 1
 
 
 def _write_rollouts(path: Path, bad_line: str | None = None, behaviour_groups: int = 0) -> None:
