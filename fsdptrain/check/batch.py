@@ -91,9 +91,14 @@ class CheckBatch:
     log-probs when the rollout carried none); None without one. ``correction`` says how they were made."""
     correction: Optional[IsCorrection] = None
     experience: dict[str, float] = dataclasses.field(default_factory=dict)
-    """The step's experience metrics as ``fsdptrain train`` logs them (``experience/rollout_is_*``, rank-reduced)."""
+    """The step's experience metrics as ``fsdptrain train`` logs them (``experience/rollout_is_*``, ``rollout_corr/*``,
+    rank-reduced)."""
     planted_behaviour: bool = False
     """True when the check gave the rollouts behaviour log-probs (old + seeded noise) so the weights are not 1."""
+    carried_behaviour: Optional[list[Optional[torch.Tensor]]] = None
+    """The behaviour log-probs each of ``full``'s real sequences carried into the experience (None for one that
+    carried none; planted ones included): what ``rollout_corr/*`` compares with the old log-probs. None when no
+    sequence carried any."""
 
     def with_targets(self, targets: list) -> "CheckBatch":
         """The same batch with ``full``'s targets replaced (``local``'s follow through ``local_index``)."""
@@ -216,14 +221,17 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     (local,) = trainer.minibatches(rollouts, targets)
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else t.old_logprobs for r, t in zip(rollouts, targets)]
-    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b) for k, (r, p, resp, t, b) in
-               enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour))]
+    carried = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None else None
+               for r in rollouts]
+    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b, c) for k, (r, p, resp, t, b, c) in
+               enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour, carried))]
     gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
     full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
     scores = [float(e[5]) for e in gathered]
     groups = [int(e[0][0]) for e in gathered]
     local_index = sorted((i for i, e in enumerate(gathered) if e[4] == info.rank), key=lambda i: gathered[i][0][1])
     full_behaviour = [e[6] for e in gathered]
+    full_carried = [e[7] for e in gathered]
     add_fixture = masked_fixture
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
@@ -243,7 +251,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
                       on_policy=facts["on_policy"] or planted, value_shift=shift, has_fixture=add_fixture,
                       scores=scores, groups=groups, local_index=local_index,
                       behaviour=full_behaviour if correction is not None else None, correction=correction,
-                      experience=experience, planted_behaviour=planted)
+                      experience=experience, planted_behaviour=planted,
+                      carried_behaviour=full_carried if any(c is not None for c in full_carried) else None)
 
 
 def with_behaviour(rollouts: list[Rollout], old_R: list[torch.Tensor], *, seed: int) -> list[Rollout]:

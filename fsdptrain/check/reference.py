@@ -108,6 +108,29 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
             "experience/rollout_is_capped_frac": float(_outside(raw, correction).sum() / raw.numel())}
 
 
+def reference_off_policy_metrics(olds: Sequence[Tensor], behaviours: Sequence[Optional[Tensor]]) -> dict[str, float]:
+    """``rollout_corr/*`` straight from the definitions in float64 over every response token of the batch whose
+    sequence carried behaviour log-probs (``behaviours[i]`` None: left out), with d = behaviour_logp - old_logp:
+    the plain means of d (``kl_k1``), of exp(-d) + d - 1 (``kl_k3``, no clamp) and of [exp(-d) < 1/2 or > 2]
+    (``ratio_outside_frac``, decided on the ratio itself), and the mean over those sequences of
+    mean_t(-old) - mean_t(-behaviour) (``log_ppl_diff``). Empty when no such token exists."""
+    d_A: list[float] = []
+    gaps_N: list[float] = []
+    for old_R, behaviour_R in zip(olds, behaviours):
+        if behaviour_R is None or old_R.numel() == 0:
+            continue
+        d = [b - o for o, b in zip(old_R.double().tolist(), behaviour_R.double().tolist())]
+        d_A += d
+        gaps_N.append(sum(d) / len(d))
+    if not d_A:
+        return {}
+    n = len(d_A)
+    return {"rollout_corr/kl_k1": sum(d_A) / n,
+            "rollout_corr/kl_k3": sum(math.exp(-x) + x - 1.0 for x in d_A) / n,
+            "rollout_corr/log_ppl_diff": sum(gaps_N) / len(gaps_N),
+            "rollout_corr/ratio_outside_frac": sum(not 0.5 <= math.exp(-x) <= 2.0 for x in d_A) / n}
+
+
 def _outside(raw: Tensor, correction: IsCorrection) -> Tensor:
     """Which raw weights lie outside [L, C] (above C without L)."""
     low = correction.low if correction.low is not None else 0.0

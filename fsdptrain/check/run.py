@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig
 
 from fsdptrain.check.batch import CheckBatch, CheckSession, build_session
@@ -52,7 +53,7 @@ from fsdptrain.check.layouts import (
     token_mean_grad_norm,
     trainer_clip,
 )
-from fsdptrain.check.per_sequence import per_sequence_policy_loss, per_sequence_value_loss
+from fsdptrain.check.per_sequence import per_sequence_policy_loss, per_sequence_value_loss, reference_policy_outputs
 from fsdptrain.check.passes import (
     experience_checks,
     off_policy_batch,
@@ -64,6 +65,7 @@ from fsdptrain.check.reference import (
     reference_critic,
     reference_is_metrics,
     reference_is_weights,
+    reference_off_policy_metrics,
     reference_policy,
     reference_rollout_metrics,
 )
@@ -220,7 +222,7 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
             worst = max(worst, float((target.is_weights.double() - weights).abs().max()))
             largest = max(largest, float(weights.abs().max()))
     want[IS_DIFF] = 0.0
-    got = {**batch.experience, IS_DIFF: worst}
+    got = {**{k: v for k, v in batch.experience.items() if k.startswith("experience/")}, IS_DIFF: worst}
     return want, Outcome("experience", got, covers=("experience/",)), {IS_DIFF: largest}
 
 
@@ -313,6 +315,27 @@ def _correction_stage(found: Found, batch: CheckBatch, tol: dict) -> None:
                            "so the importance weights are not all 1; the old log-probs stay the policy's own")
 
 
+OFF_POLICY = "rollout_corr/"
+
+
+def _off_policy_diagnostics_stage(found: Found, session: CheckSession, tol: dict) -> None:
+    """``rollout_corr/*`` as the step logged them (made in ``make_targets`` from the packed old log-prob pass, reduced
+    over the ranks) against :func:`reference_off_policy_metrics` with old log-probs from the one-sequence-at-a-time
+    reference forward (collective: every rank runs the same forwards)."""
+    batch, trainer = session.batch, session.trainer
+    real = range(len(batch.scores))
+    with torch.no_grad():
+        olds = [reference_policy_outputs(trainer.models.policy, batch.full.prompts[i], batch.full.responses[i],
+                                         temperature=trainer.experience_settings.temperature)[0].cpu()
+                if batch.carried_behaviour[i] is not None and batch.full.responses[i] else torch.zeros(0)
+                for i in real]
+    want = reference_off_policy_metrics(olds, [batch.carried_behaviour[i] for i in real])
+    found.reference.values.update(want)
+    got = {k: v for k, v in batch.experience.items() if k.startswith(OFF_POLICY)}
+    found.comparisons += compare(found.reference, Outcome("experience", got, covers=(OFF_POLICY,)), scales={},
+                                 **tol)
+
+
 def _update_stage(found: Found, session: CheckSession, tol: dict) -> None:
     """The update pass (:mod:`fsdptrain.check.update_pass`); its rows carry the ``update/`` prefix."""
     want, got, scales = update_pass(session, session.update)
@@ -373,6 +396,8 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
         names += ["off-policy: " + name for name in names]
     if batch.correction is not None:
         found.stage("experience", lambda: _correction_stage(found, batch, tol))
+    if batch.carried_behaviour is not None:
+        found.stage("off-policy diagnostics", lambda: _off_policy_diagnostics_stage(found, session, tol))
     if experience:
         def experience_stage() -> None:
             experience_found, note = experience_checks(session, **tol)

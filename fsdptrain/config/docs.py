@@ -13,7 +13,7 @@ import math
 
 from fsdptrain.config import SCHEMA_GROUPS
 from fsdptrain.config import schema as config_module
-from fsdptrain.config.fields import field_choices, field_range
+from fsdptrain.config.fields import field_choices, field_item_range, field_range
 
 GROUP_INTROS = {
     "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config.",
@@ -66,6 +66,9 @@ def _valid_text(f: dataclasses.Field) -> str:
         if "each_of" in f.metadata:
             return f"each of {text}"
         return f"{text}, or `module:function`" if f.metadata["user_function"] else text
+    item_bounds = field_item_range(f)
+    if item_bounds is not None:
+        return f"each an integer >= {item_bounds.low:g}"
     bounds = field_range(f)
     if bounds is None:
         return ""

@@ -59,6 +59,12 @@ def bounded(default: Optional[float], *, gt: Optional[float] = None, ge: Optiona
     return dataclasses.field(default=default, metadata={"range": bounds})
 
 
+def each_bounded(default_factory: Callable[[], list], *, ge: int) -> Any:
+    """A list-of-ints field whose every item is an integer >= ``ge`` (rules against other fields, such as an upper
+    bound set by another field, live in validate.py)."""
+    return dataclasses.field(default_factory=default_factory, metadata={"each_range": Range(ge, True)})
+
+
 def unbounded(default: float) -> Any:
     """A float field that takes any finite number."""
     return dataclasses.field(default=default, metadata={"range": Range(-_INF, False)})
@@ -72,3 +78,8 @@ def field_choices(f: dataclasses.Field) -> Optional[tuple[str, ...]]:
 def field_range(f: dataclasses.Field) -> Optional[Range]:
     """The range declared on a number field, or None."""
     return f.metadata.get("range")
+
+
+def field_item_range(f: dataclasses.Field) -> Optional[Range]:
+    """The range declared on each item of a list-of-ints field (:func:`each_bounded`), or None."""
+    return f.metadata.get("each_range")

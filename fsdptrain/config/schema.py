@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from fsdptrain.config.fields import bounded, choice, each_of, unbounded
+from fsdptrain.config.fields import bounded, choice, each_bounded, each_of, unbounded
 from fsdptrain.registry import names
 from fsdptrain.registry.constants import KL_CLAMP
 from fsdptrain.registry.names import DRAFT_ON
@@ -244,7 +244,15 @@ class TrainerConfig:
     grad_norm_warn_factor: float = bounded(10.0, gt=0)
     """Warn when the pre-clip grad norm stays above this factor times the clip threshold for 5 steps."""
     eval_every: int = bounded(25, ge=0)
-    """Greedy evaluation every this many steps (0 turns it off)."""
+    """Evaluation every this many steps (0 turns it off): the greedy eval/reward, and the sampled metrics with eval_n > 1 (docs/evaluation.md)."""
+    eval_n: int = bounded(1, ge=1)
+    """Samples per evaluation prompt at eval_temperature, for eval/pass@k, eval/mean@n and eval/maj@n; 1: the greedy evaluation alone."""
+    eval_k: list[int] = each_bounded(lambda: [1], ge=1)
+    """The k of each logged eval/pass@k (unbiased estimator from eval_n samples); each in [1, eval_n]."""
+    eval_temperature: float = bounded(1.0, gt=0)
+    """Sampling temperature of the eval_n evaluation samples (top_p 1)."""
+    eval_correct_threshold: float = unbounded(1.0)
+    """An evaluation sample is correct (pass@k, maj@n) when its reward (the weighted total) is >= this."""
     run_name: Optional[str] = None
     """Run name, a plain folder name under runs/ (no '/' or '..'); null: start time + random suffix. Keeps resumes stable."""
     run_dir: Optional[str] = None

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.registry.errors import ConfigError
 from fsdptrain.registry.plugins import import_plugins, registered
-from fsdptrain.config.fields import Range, field_choices, field_range
+from fsdptrain.config.fields import Range, field_choices, field_item_range, field_range
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
 __all__ = ["DEFAULT_STEPS", "RENAMED_KEYS", "ConfigError", "declared_range", "renamed_key_message", "reward_specs",
@@ -106,6 +106,13 @@ def _check_ranges(cfg: DictConfig) -> None:
             assert bounds is not None, f"{key} declares no range in fsdptrain/config/schema.py"
             if value is not None and not bounds.contains(value):
                 raise ConfigError(_range_message(key, value, bounds, hint))
+    for key, f, _ in items:
+        bounds = field_item_range(f)
+        if bounds is None:
+            continue
+        for item in OmegaConf.select(cfg, key, throw_on_missing=True):
+            if isinstance(item, bool) or not isinstance(item, int) or not bounds.contains(item):
+                raise ConfigError(f"{key}: {item!r} must be an integer >= {bounds.low:g}")
     dp_shard = cfg.parallel.dp_shard
     if dp_shard != "auto" and not (str(dp_shard).isdigit() and int(dp_shard) >= 1):
         raise ConfigError(f"parallel.dp_shard={dp_shard!r} must be 'auto' or a positive integer")
@@ -203,6 +210,11 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     _check_run_name(cfg.trainer.run_name)
     if cfg.trainer.overwrite and cfg.trainer.resume == "auto":
         raise ConfigError("trainer.overwrite=true deletes what trainer.resume=auto would continue: choose one")
+    eval_n = cfg.trainer.eval_n
+    too_big = [k for k in cfg.trainer.eval_k if k > eval_n]
+    if too_big:
+        raise ConfigError(f"trainer.eval_k: pass@{too_big[0]} needs at least {too_big[0]} samples per prompt, but "
+                          f"trainer.eval_n={eval_n}: each k must be in [1, eval_n]")
     if cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")

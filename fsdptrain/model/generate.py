@@ -8,11 +8,33 @@ different lengths keep stepping together.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from fsdptrain.data.rollout import split_response
+
+
+class RowSeededSampling(LogitsProcessor):
+    """Sampling at ``temperature`` where row r draws from its own generator seeded with ``seeds[r]``, by the
+    Gumbel-max trick: with G_v = -log(-log U_v), U_v ~ U(0, 1) i.i.d., argmax_v (log_softmax(z / T)_v + G_v) is an
+    exact draw from softmax(z / T). Under greedy decoding this processor turns the argmax into that draw. A row's
+    tokens depend on its prompt, its seed and the model only, never on the other rows of the batch (how many, in
+    what order, on which rank), and torch's global RNG is never touched. Each decoding step draws one uniform per
+    vocabulary entry from every row's generator (float64, kept inside (0, 1))."""
+
+    def __init__(self, seeds: Sequence[int], *, temperature: float, device: torch.device):
+        self.temperature = temperature
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        assert scores.shape[0] == len(self.generators), "one seed per row of the batch"
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        tiny = torch.finfo(torch.float64).tiny
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device, dtype=torch.float64)
+                         for g in self.generators]).clamp(tiny, 1.0 - 1e-16)
+        return logp + (-torch.log(-torch.log(u))).to(logp.dtype)
 
 
 @torch.no_grad()
@@ -27,6 +49,7 @@ def generate_responses(
     do_sample: bool,
     generator_seed: int,
     device: torch.device,
+    row_seeds: Optional[Sequence[int]] = None,
 ) -> list[tuple[list[int], list[int], bool]]:
     """Generate one response per prompt: ``(prompt_ids, response_ids, truncated)`` for each, in order.
 
@@ -35,8 +58,11 @@ def generate_responses(
 
     Sampling draws from a forked RNG stream seeded from ``generator_seed``, so a step's rollouts are reproducible (and
     the same on resume) and the caller's global RNG state is left as it was; greedy decoding (``do_sample=False``) is
-    used for evaluation.
+    used for evaluation. With ``row_seeds`` (one per prompt; ``do_sample`` must be False) each row samples at
+    ``temperature`` from its own generator (:class:`RowSeededSampling`, top_p 1): the sampled evaluation, whose
+    samples must not depend on how the rows are split over ranks.
     """
+    assert row_seeds is None or (not do_sample and len(row_seeds) == len(prompts)), "row_seeds: one per prompt, greedy"
     was_training = model.training
     model.eval()
     if prompts and not isinstance(prompts[0], str):
@@ -46,6 +72,9 @@ def generate_responses(
     input_ids = enc["input_ids"].to(device)
     attention_mask = enc["attention_mask"].to(device)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
+    if row_seeds is not None:
+        sampling["logits_processor"] = LogitsProcessorList([RowSeededSampling(row_seeds, temperature=temperature,
+                                                                              device=device)])
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
         torch.manual_seed(generator_seed)

@@ -13,6 +13,7 @@ no final answer: the empty string.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Optional
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -96,6 +97,28 @@ def word_match(prompts, completions, completion_ids, answer, **kwargs) -> list[f
         words = completion.split()
         out.append(sum(1 for i, w in enumerate(gold_words) if i < len(words) and words[i] == w) / len(gold_words))
     return out
+
+
+def _words(completion: str) -> str:
+    return " ".join(completion.split())
+
+
+ANSWER_OF = {"exact_match": final_answer, "math": final_answer, "word_match": _words}
+"""The built-ins whose score is a function of one view of the completion alone (given the row's answer): that view.
+exact_match and math read the final answer; word_match the completion's whitespace-separated words."""
+
+
+def comparable_answers(completions: Sequence[str], reward_specs: Sequence[str], *,
+                       num_reward_models: int) -> Optional[list[str]]:
+    """The answer each completion votes with in a majority vote (eval/maj@n, docs/evaluation.md), compared as text:
+    the view :data:`ANSWER_OF` gives for each configured reward (several rewards: the views joined by newlines).
+    Two completions with the same answer then get the same total reward, so the majority answer's reward is well
+    defined. None (no vote) when any reward is not in :data:`ANSWER_OF` (a user's function, ``think_format``) or a
+    reward model scores too: those read more than the answer."""
+    if num_reward_models or not reward_specs or any(spec not in ANSWER_OF for spec in reward_specs):
+        return None
+    views = [ANSWER_OF[spec] for spec in dict.fromkeys(reward_specs)]
+    return ["\n".join(view(completion) for view in views) for completion in completions]
 
 
 BUILTINS = {"exact_match": exact_match, "math": math_reward, "think_format": think_format, "word_match": word_match}

@@ -114,8 +114,14 @@ def off_policy_diagnostics(
             sequence, the gap in log-perplexity (> 0: the trainer finds the samples less likely than the sampler);
         ratio_outside_frac (MEAN over valid tokens): share of tokens whose w_t = exp(-d_t) lies outside [1/2, 2]
             (decided in log space).
-    Detached; exact under any split over ranks and micro-batches. Source: verl's rollout_corr/ metrics (`kl`,
-    `k3_kl`, `log_ppl_diff`); the band share is this project's.
+    Each is a MEAN holding a total and a count of additive per-unit statistics: kl_k1, kl_k3 and ratio_outside_frac
+    sum per-token values over the valid tokens and divide by their count; log_ppl_diff sums per-sequence gaps over the
+    sequences with a valid token and divides by their count (a sequence is never split, so each gap is whole).
+    Merging pools the totals and counts, so the value over a step is the token-mean (sequence-mean) over all of its
+    tokens (sequences), never a mean of per-micro-batch or per-rank means: exact under any packing, micro-batching
+    and split over ranks. A token-mean of the log-perplexity gap would be kl_k1 itself; verl's is per sequence.
+    Detached. Source: verl's rollout_corr/ metrics (`kl`, `k3_kl`, `log_ppl_diff`); the band share is this
+    project's. The trainer logs them as `rollout_corr/*` (fsdptrain/train/experience.py `off_policy_metrics`).
     """
     layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
     valid = layout.valid(mask)

@@ -10,7 +10,9 @@ instead. Statistics that span ranks (advantage whitening) go through the all-red
 Advantages come from the estimator registry (`fsdptrain/rl/adv_estimators.py`: a built-in or a user's function);
 whitening, when the estimator asks for it, uses the global moments from one all-reduce. With
 `algorithm.rollout_correction` the old log-probs stay the trainer's own and the behaviour log-probs (when a rollout
-carries them) give the importance weights; without it, behaviour log-probs replace the old ones.
+carries them) give the importance weights; without it, behaviour log-probs replace the old ones. Either way, the
+rollouts that carry behaviour log-probs are compared with the trainer's own old log-probs once per step
+(`rollout_corr/*`, :func:`off_policy_metrics`).
 
 Departures from verl: the KL-in-reward penalty uses the k1 estimator per token; whitening uses an unbiased variance.
 """
@@ -37,9 +39,9 @@ from fsdptrain.rl.adv_estimators import (
     whiten_stats,
     whitened,
 )
-from fsdptrain.rl.metrics import Metrics
+from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.rollout_correction import rollout_correction_weights
+from fsdptrain.rl.rollout_correction import off_policy_diagnostics, rollout_correction_weights
 from fsdptrain.train.step import policy_token_outputs
 
 
@@ -195,12 +197,25 @@ def correction_weights(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], *
     return _unpad(weights_BR, old_R), metrics.prefixed("experience/")
 
 
+def off_policy_metrics(old_R: Sequence[Tensor], behaviour_R: Sequence[Optional[Tensor]]) -> Metrics:
+    """``rollout_corr/*`` (`off_policy_diagnostics`: k1 and k3 KL, log-perplexity gap, share of ratios outside
+    [1/2, 2]) between the trainer's old log-probs and the behaviour log-probs, over this rank's rollouts that carry
+    them (the others are left out). Means with their totals and counts, reduced over ranks with the step's other
+    experience metrics, so the logged value pools every such token (``log_ppl_diff``: sequence) of the step. When no
+    rollout carries behaviour log-probs the counts are 0 and the metrics are absent, never 0.0."""
+    carried = [(o, b) for o, b in zip(old_R, behaviour_R) if b is not None]
+    old_BR, mask_BR = _pad([o for o, _ in carried])
+    behaviour_BR, _ = _pad([b for _, b in carried])
+    return off_policy_diagnostics(old_BR.double(), behaviour_BR.double(), mask_BR).prefixed("rollout_corr/")
+
+
 def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings, *, device: torch.device,
                  skip_old_passes: bool = False) -> tuple[list[SeqTargets], bool, Metrics]:
     """Old/ref log-probs, values, rewards, advantages, returns and importance weights for this rank's rollouts.
 
     Collective (packed passes, one all-reduce). Returns the targets, whether the step is on-policy (no rollout
-    carries behaviour log-probs), and this rank's experience metrics (rollout correction; empty without it).
+    carries behaviour log-probs), and this rank's experience metrics (``rollout_corr/*`` always, empty means when no
+    rollout carries behaviour log-probs; ``experience/rollout_is_*`` with a rollout correction).
     ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/build.py `skips_old_passes`): the old
     log-probs, and the critic's old values when the estimator does not read them, are left None; the first update
     forward's detached outputs stand in for them, which is what the passes would have computed.
@@ -214,13 +229,14 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else None for r in rollouts]
     on_policy = all(b is None for b in behaviour)
-    weights, metrics = None, Metrics({})
+    weights, metrics = None, off_policy_metrics(old, behaviour)
     if settings.rollout_correction != "none":  # weights from behaviour to old; none carried: weight 1
-        weights, metrics = correction_weights(old, [b if b is not None else o for b, o in zip(behaviour, old)],
+        weights, is_metrics = correction_weights(old, [b if b is not None else o for b, o in zip(behaviour, old)],
                                               mode=settings.rollout_correction,
                                               level=settings.rollout_correction_level,
                                               cap=settings.rollout_correction_cap,
                                               low=settings.rollout_correction_low)
+        metrics = merge_all([metrics, is_metrics])
     else:  # without a correction the behaviour log-probs are the old policy's
         old = [b if b is not None else o for b, o in zip(behaviour, old)]
     ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None

@@ -289,11 +289,17 @@ class Trainer:
 
     def evaluate_if_due(self, done: int) -> Metrics:
         """``eval/reward`` (the greedy mean reward over the evaluation rows, reduced over ranks) after ``done`` steps
-        when ``trainer.eval_every`` says so (collective)."""
+        when ``trainer.eval_every`` says so, and with ``trainer.eval_n`` > 1 the sampled ``eval/pass@k``,
+        ``eval/mean@n`` and ``eval/maj@n`` (docs/evaluation.md), reduced over ranks (collective)."""
         every = self.cfg.trainer.eval_every
         if not (self.can_evaluate() and (done % every == 0 or done == self.num_steps)):
             return Metrics()
-        return Metrics({"eval/reward": Mean(self.evaluate(), 1)})
+        greedy = Metrics({"eval/reward": Mean(self.evaluate(), 1)})
+        if self.cfg.trainer.eval_n == 1:
+            return greedy
+        sampled = self.source.eval_samples(self.models, step=done, rank=self.info.rank,
+                                           world_size=self.info.world_size, device=self.device)
+        return merge_all([greedy, reduce_metrics(sampled)])
 
     def can_evaluate(self) -> bool:
         return self.cfg.trainer.eval_every > 0 and self.source.can_evaluate()

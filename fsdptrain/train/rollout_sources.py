@@ -39,9 +39,11 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.gather import gathered_weights, should_gather
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.generate import generate_responses
+from fsdptrain.rewards.builtin import comparable_answers
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
+from fsdptrain.rl.eval_metrics import sampled_eval_metrics
 from fsdptrain.rl.metrics import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.train.perf import phase
@@ -85,6 +87,9 @@ class RolloutSource(Protocol):
 
     def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float: ...
 
+    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
+        """This rank's share of the sampled evaluation (``trainer.eval_n`` > 1; docs/evaluation.md), to be reduced."""
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
@@ -119,6 +124,12 @@ NUM_SAMPLES_SHOWN = 4
 def sampling_seed(seed: int, step: int, rank: int) -> int:
     """A rank's sampling seed for a step: reproducible across runs and resumes, different across ranks."""
     return (seed * 1_000_003 + step * 1_009 + rank) % (2**31)
+
+
+def eval_sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
+    """The seed of evaluation sample ``sample`` of evaluation prompt ``prompt`` after ``step`` steps: a function of
+    these four only (never of the rank or the world size), so the samples are the same at any world size."""
+    return ((((seed * 1_000_003 + step) * 1_000_033 + prompt) * 1_009 + sample) * 7_919 + 1) % (2**62)
 
 
 def _task_rows(rows: list[dict]) -> list[PromptRow]:
@@ -237,14 +248,19 @@ class PromptSource:
                               f"lists {len(self.reward_moments)}: resume with the run's own reward.models")
         self.reward_moments = [RunningMoments.from_state_dict(m) for m in saved]
 
-    def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device):
+    def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device,
+                  row_seeds: Optional[list[int]] = None):
+        """``repeat`` responses per row: sampled at the rollout settings, greedy, or (``row_seeds``) sampled at
+        ``trainer.eval_temperature`` with one generator per response."""
         ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
         rollout = self.cfg.rollout
+        temperature = (rollout.temperature if sample else
+                       self.cfg.trainer.eval_temperature if row_seeds is not None else 1.0)
         with generation(models.policy, self.cfg, device):  # timed, sdpa, weights gathered once, layers eager
             return generate_responses(
                 models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
-                temperature=rollout.temperature if sample else 1.0, top_p=rollout.top_p if sample else 1.0,
-                do_sample=sample, generator_seed=seed, device=device)
+                temperature=temperature, top_p=rollout.top_p if sample else 1.0,
+                do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds)
 
     def _score(self, models: Models, rows: list[PromptRow], groups: list[int], outputs, *, device,
                training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
@@ -326,6 +342,30 @@ class PromptSource:
         return float(sums[0] / sums[1])
 
 
+    @torch.no_grad()
+    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
+        """This rank's share of ``eval/pass@k``, ``eval/mean@n`` and ``eval/maj@n`` (`sampled_eval_metrics`; MEANs
+        to be reduced over ranks): ``trainer.eval_n`` samples of each of its evaluation rows (row i on rank
+        i % world_size), sample s of row i drawn with its own generator seeded by (seed, step, i, s). Collective
+        (generation, the reward functions' agreed failure flag). maj@n compares the samples' final answers when every
+        reward is a built-in that scores the final answer (`comparable_answers`); else it is absent."""
+        trainer = self.cfg.trainer
+        n = trainer.eval_n
+        mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
+        seeds = [eval_sample_seed(trainer.seed, step, i, sample) for i, _ in mine for sample in range(n)]
+        outputs = self._generate(models, [row for _, row in mine], repeat=n, sample=False, seed=0, device=device,
+                                 row_seeds=seeds)
+        rows = [row for _, row in mine for _ in range(n)]
+        batch, scores, _ = self._score(models, rows, [i for i, _ in mine for _ in range(n)], outputs, device=device,
+                                       training=False)
+        rewards_PN = [scores.total[p * n:(p + 1) * n] for p in range(len(mine))]
+        answers = comparable_answers(batch.completions, [f.spec for f in self.functions],
+                                     num_reward_models=len(models.reward_models))
+        answers_PN = None if answers is None else [answers[p * n:(p + 1) * n] for p in range(len(mine))]
+        return sampled_eval_metrics(rewards_PN, answers_PN, n=n, ks=list(trainer.eval_k),
+                                    threshold=trainer.eval_correct_threshold)
+
+
 class OfflineSource:
     """Offline JSONL rollouts: each step takes the next ``prompts_per_step`` groups, cycling over the file (the step
     alone fixes which, so the source keeps no state)."""
@@ -363,6 +403,9 @@ class OfflineSource:
         return False
 
     def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
+        raise AssertionError("offline rollouts have no evaluation rows")
+
+    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
         raise AssertionError("offline rollouts have no evaluation rows")
 
     def state_dict(self) -> dict:

@@ -221,3 +221,4 @@ def test_several_mini_batches_epochs_and_rollout_correction_pass(cli, nproc):
                  "algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=0.9", env=_env(), timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "update/actor/pg_loss" in result.stdout and "experience/rollout_is_mean" in result.stdout
+    assert "rollout_corr/kl_k3" in result.stdout  # the planted behaviour log-probs: diagnosed on 1 and 2 ranks

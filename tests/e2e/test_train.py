@@ -58,8 +58,10 @@ def test_grpo_preset_runs_without_a_critic(cli, tmp_path):
 
 def test_metric_kinds_json_gives_every_logged_number_its_kind(cli, tmp_path):
     """metric_kinds.json types every number of metrics.jsonl; every perf/* number is DIAGNOSTIC, so a comparison that
-    skips by kind skips it (and would not skip a non-diagnostic metric that happened to be named perf/...)."""
-    result = cli("train", *TINY, "trainer.run_name=kinds")
+    skips by kind skips it (and would not skip a non-diagnostic metric that happened to be named perf/...). The
+    last step evaluates with 2 samples per prompt (docs/evaluation.md): its greedy and sampled numbers are MEANs."""
+    evaluation = ("trainer.eval_every=2", "data.num_eval_prompts=2", "trainer.eval_n=2", "trainer.eval_k=[1,2]")
+    result = cli("train", *TINY, *evaluation, "trainer.run_name=kinds")
     assert result.returncode == 0, result.stderr
     run_dir = tmp_path / "runs" / "kinds"
     kinds = json.loads((run_dir / "metric_kinds.json").read_text())
@@ -75,14 +77,23 @@ def test_metric_kinds_json_gives_every_logged_number_its_kind(cli, tmp_path):
     assert (kinds["actor/fill_efficiency"], kinds["actor/lr"]) == ("diagnostic", "max")
     assert (kinds["actor/grad_norm"], kinds["train/nonfinite_skipped"]) == ("mean", "max")
     assert set(kinds.values()) <= {"sum", "mean", "min", "max", "loss", "derived", "diagnostic"}  # no untyped fact
+    rows = _metrics(run_dir)
+    sampled = ("eval/pass@1", "eval/pass@2", "eval/mean@2", "eval/maj@2")
+    assert not any(key.startswith("eval/") for key in rows[0])  # step 1 of 2 does not evaluate
+    assert {key for key in rows[1] if key.startswith("eval/")} == {"eval/reward", *sampled}
+    assert {kinds[key] for key in ("eval/reward", *sampled)} == {"mean"}
+    assert 0 <= rows[1]["eval/pass@1"] <= rows[1]["eval/pass@2"] <= 1
 
 
-def _write_rollouts(path: Path, bad_line: str | None = None) -> None:
+def _write_rollouts(path: Path, bad_line: str | None = None, behaviour_groups: int = 0) -> None:
+    """4 groups of 2; the first ``behaviour_groups`` carry behaviour log-probs of 0 (probability 1) per token."""
     rows = []
     for group, digit in enumerate("3719"):
         for response, reward in ((f"{digit} {digit} {digit}", 1.0), (f"{digit} 0", 1 / 3)):
-            rows.append(json.dumps({"prompt": f"repeat {digit} =", "response": response, "reward": reward,
-                                    "group": group}))
+            row = {"prompt": f"repeat {digit} =", "response": response, "reward": reward, "group": group}
+            if group < behaviour_groups:
+                row["behaviour_logprobs"] = [0.0] * (len(response.split()) + 1)  # the words and EOS
+            rows.append(json.dumps(row))
     if bad_line is not None:
         rows.insert(2, bad_line)
     path.write_text("\n".join(rows) + "\n")
@@ -90,16 +101,25 @@ def _write_rollouts(path: Path, bad_line: str | None = None) -> None:
 
 def test_offline_jsonl_rollouts_train(cli, tmp_path):
     data = tmp_path / "rollouts.jsonl"
-    _write_rollouts(data)
+    _write_rollouts(data, behaviour_groups=2)
     result = cli("train", "data=jsonl", f"data.path={data}", "rollout.max_new_tokens=8", "algorithm=grpo",
                  *TINY, "trainer.run_name=offline")
     assert result.returncode == 0, result.stderr
-    rows = _metrics(tmp_path / "runs" / "offline")
+    run_dir = tmp_path / "runs" / "offline"
+    rows = _metrics(run_dir)
     assert rows[0]["batch/num_seqs"] == 8  # 4 groups of 2 per step
     # by hand from the file: each group holds "d d d" (reward 1, 3 words + EOS) and "d 0" (reward 1/3, 2 + EOS)
     assert rows[0]["reward/mean"] == pytest.approx(2 / 3, abs=1e-6)
     assert rows[0]["response_length/mean"] == pytest.approx(3.5, abs=1e-6)
     assert rows[0]["response_length/max"] == 4
+    # groups 0 and 1 carry behaviour log-probs 0: d = 0 - old > 0 and every ratio exp(old) < 1/2 (the untrained
+    # model spreads its probability), so all of their 14 tokens leave [1/2, 2]; groups 2 and 3 are left out
+    kinds = json.loads((run_dir / "metric_kinds.json").read_text())
+    for row in rows:
+        assert row["rollout_corr/ratio_outside_frac"] == 1.0
+        assert row["rollout_corr/kl_k1"] > 0 and row["rollout_corr/kl_k3"] > 0 and row["rollout_corr/log_ppl_diff"] > 0
+    assert {kinds[f"rollout_corr/{name}"] for name in ("kl_k1", "kl_k3", "log_ppl_diff", "ratio_outside_frac")} == {
+        "mean"}
 
 
 def test_bad_jsonl_row_exits_2_naming_file_and_line(cli, tmp_path):

@@ -420,6 +420,22 @@ def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides
     names = {c.metric for c in report.comparisons if c.layout == "experience"}
     assert {"experience/rollout_is_mean", "experience/rollout_is_max", "experience/rollout_is_ratio_max",
             "experience/rollout_is_capped_frac", "experience/is_weights_max_diff"} <= names
+    # the planted behaviour log-probs (old + U(-1, 1)) are off-policy: the diagnostics are logged and compared
+    assert {"rollout_corr/kl_k1", "rollout_corr/kl_k3", "rollout_corr/log_ppl_diff",
+            "rollout_corr/ratio_outside_frac"} <= names
+    assert 0 < ref["rollout_corr/ratio_outside_frac"] < 1 and ref["rollout_corr/kl_k3"] > 0
+
+
+def test_catches_off_policy_diagnostics_over_one_sign_of_the_log_ratio(monkeypatch):
+    """k3 written with d = old - behaviour (KL(old || behaviour) in place of KL(behaviour || old)) fails its row."""
+    from fsdptrain.rl import rollout_correction
+
+    original = rollout_correction.off_policy_diagnostics
+    monkeypatch.setattr("fsdptrain.train.experience.off_policy_diagnostics",
+                        lambda old, behaviour, mask, **kw: original(behaviour, old, mask, **kw))
+    session = _session("algorithm.rollout_correction=tis")
+    failures = _failing(run_checks(session, off_policy=False, experience=False, update=False))
+    assert "rollout_corr/kl_k3 [experience]" in failures and "rollout_corr/kl_k1 [experience]" in failures
 
 
 def test_catches_a_sequence_weight_from_the_mean_of_token_log_ratios(monkeypatch):

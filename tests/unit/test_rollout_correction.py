@@ -249,3 +249,26 @@ def test_off_policy_diagnostics_packed_equals_padded():
     packed = finalize(off_policy_diagnostics(torch.zeros(7, dtype=F64), flat_b, torch.tensor([1, 1, 0, 1, 1, 1, 1]),
                                              cu_seqlens=torch.tensor([0, 3, 6])))
     assert packed == pytest.approx(padded, abs=1e-12)
+
+
+def test_experience_logs_diagnostics_of_the_rollouts_that_carry_behaviour_logprobs_only():
+    """Three rollouts: old [0, 0] with behaviour [-L, -L] (L = ln 1.5); old [0] with behaviour [ln 4]; old [0, 0, 0]
+    with none (left out). d = [-L, -L, 2 ln2]: k1 = (2 ln2 - 2L) / 3; k3 = e^-d + d - 1 summed: 2 (1/2 - L) +
+    (1/4 + 2 ln2 - 1), / 3 = (1/4 + 2 ln2 - 2L) / 3; log-ppl gap per carrying sequence -L and 2 ln2, mean
+    (2 ln2 - L) / 2; ratios 1.5, 1.5 (inside [1/2, 2]), 1/4 (outside): 1/3.
+    Split over two ranks the pooled totals and counts give the same numbers; none carried: absent, never 0.0."""
+    from fsdptrain.rl.metrics import merge_all
+    from fsdptrain.train.experience import off_policy_metrics
+
+    old = [torch.zeros(2), torch.zeros(1), torch.zeros(3)]
+    big_l = math.log(1.5)
+    behaviour = [torch.tensor([-big_l, -big_l]), torch.tensor([2 * LN2]), None]
+    want = {"rollout_corr/kl_k1": (2 * LN2 - 2 * big_l) / 3, "rollout_corr/kl_k3": (0.25 + 2 * LN2 - 2 * big_l) / 3,
+            "rollout_corr/log_ppl_diff": (2 * LN2 - big_l) / 2, "rollout_corr/ratio_outside_frac": 1 / 3}
+    metrics = off_policy_metrics(old, behaviour)
+    assert finalize(metrics) == pytest.approx(want, abs=1e-7)
+    assert {m.kind for m in metrics.values()} == {Kind.MEAN}
+    split = merge_all([off_policy_metrics(old[:1], behaviour[:1]), off_policy_metrics(old[1:], behaviour[1:])])
+    assert finalize(split) == pytest.approx(want, abs=1e-7)
+    assert finalize(off_policy_metrics(old[2:], behaviour[2:])) == {}
+    assert list(off_policy_metrics([], [])) == list(want)  # the names are fixed: the ranks' schemas agree
