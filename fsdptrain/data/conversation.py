@@ -236,7 +236,8 @@ def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Genera
             if not parsed.calls:
                 t.end()
                 continue
-            message["tool_calls"] = [{"name": name, "arguments": arguments} for name, arguments in parsed.calls]
+            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": arguments}}
+                                     for name, arguments in parsed.calls]
             if turn == caps.max_turns - 1:
                 t.end("max_turns")
                 continue

@@ -8,7 +8,7 @@ different lengths keep stepping together.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ def generate_responses(
     do_sample: bool,
     generator_seed: int,
     device: torch.device,
+    synced_gpus: Optional[bool] = None,
 ) -> list[tuple[list[int], list[int], bool]]:
     """Generate one response per prompt: ``(prompt_ids, response_ids, truncated)`` for each, in order.
 
@@ -36,6 +37,10 @@ def generate_responses(
     Sampling draws from a forked RNG stream seeded from ``generator_seed``, so a step's rollouts are reproducible (and
     the same on resume) and the caller's global RNG state is left as it was; greedy decoding (``do_sample=False``) is
     used for evaluation.
+
+    ``synced_gpus`` None lets transformers decide (on for an FSDP-wrapped model on several ranks: every rank steps
+    until all are done); multi-turn rollouts pass False, since they generate with the weights gathered and each rank
+    makes its own number of calls.
     """
     was_training = model.training
     model.eval()
@@ -56,6 +61,7 @@ def generate_responses(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             use_cache=True,
+            **({} if synced_gpus is None else {"synced_gpus": synced_gpus}),
             **sampling,
         )
     model.train(was_training)

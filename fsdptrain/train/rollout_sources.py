@@ -23,7 +23,7 @@ from typing import Optional, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.config import DEFAULT_STEPS, ConfigError, reward_specs
+from fsdptrain.config import DEFAULT_STEPS, ConfigError, multi_turn, reward_specs
 from fsdptrain.data.offline import load_jsonl_rollouts
 from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.prompts import (
@@ -93,17 +93,25 @@ class RolloutSource(Protocol):
 
 
 def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
-    """The source ``data.source`` names."""
-    return OfflineSource(cfg, tokenizer) if cfg.data.source == "jsonl" else PromptSource(cfg, tokenizer)
+    """The source ``data.source`` names; multi-turn when ``rollout.tools`` or ``rollout.environment`` is set."""
+    if cfg.data.source == "jsonl":
+        return OfflineSource(cfg, tokenizer)
+    if multi_turn(cfg):
+        from fsdptrain.train.multi_turn import MultiTurnSource  # it builds on PromptSource, defined here
+
+        return MultiTurnSource(cfg, tokenizer)
+    return PromptSource(cfg, tokenizer)
 
 
 @contextlib.contextmanager
-def generation(model, cfg, device: torch.device) -> Iterator[None]:
+def generation(model, cfg, device: torch.device, *, always_gather: bool = False) -> Iterator[None]:
     """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
-    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), and compiled
-    layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would recompile every token)."""
+    for the whole block when ``rollout.gather_weights`` (or ``always_gather``) says so (collective: every rank enters
+    it), and compiled layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would
+    recompile every token)."""
     with phase("generate"):
-        gather = should_gather(model, mode=cfg.rollout.gather_weights, max_share=cfg.rollout.gather_weights_max_share,
+        mode = "always" if always_gather else cfg.rollout.gather_weights
+        gather = should_gather(model, mode=mode, max_share=cfg.rollout.gather_weights_max_share,
                                param_dtype=DTYPES[cfg.parallel.param_dtype], device=device)
         with generation_attention(model), gathered_weights(
                 model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
