@@ -117,6 +117,12 @@ class AlgorithmConfig:
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
     rollout_correction_low: Optional[float] = bounded(None, gt=0)
     """Lower bound L of the importance weights, mis only: a weight below L is zeroed too (IcePop); null: none."""
+    rollout_rejection: str = choice("none", ("none", *names.ROLLOUT_REJECTION_LEVELS))
+    """Rejection sampling: drop tokens, or sequences, whose old/behaviour ratio is out of [low, high]."""
+    rollout_rejection_low: float = bounded(0.5, gt=0)
+    """Lower bound of the ratios rollout_rejection keeps (> 0, below rollout_rejection_high)."""
+    rollout_rejection_high: float = bounded(2.0, gt=0)
+    """Upper bound of the ratios rollout_rejection keeps."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
     filter_groups_max_rounds: int = bounded(3, ge=1)

@@ -237,6 +237,9 @@ def _check_loss_settings(alg: DictConfig) -> None:
     if low is not None and not low < alg.rollout_correction_cap:
         raise ConfigError(f"algorithm.rollout_correction_low={low} must be below "
                           f"algorithm.rollout_correction_cap={alg.rollout_correction_cap}")
+    if not alg.rollout_rejection_low < alg.rollout_rejection_high:
+        raise ConfigError(f"algorithm.rollout_rejection_low={alg.rollout_rejection_low} must be below "
+                          f"algorithm.rollout_rejection_high={alg.rollout_rejection_high}")
 
 
 EXTENSION_RULES = (check_drafter,)
