@@ -179,7 +179,8 @@ class PromptSource:
         self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
         self.num_train_rows = len(self.train_rows)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
-        columns = sorted({name for row in self.train_rows[:1] for name in row.columns})
+        columns = sorted({name for row in self.train_rows[:1] for name in row.columns}
+                         | ({"environments"} if cfg.rollout.environment is not None else set()))
         specs = reward_specs(cfg)
         self.functions = load_reward_functions(specs, cfg.reward.weights, columns=columns) if specs else []
         self.reward_moments = [RunningMoments() for _ in cfg.reward.models]

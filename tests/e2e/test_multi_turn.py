@@ -87,3 +87,79 @@ def write_inputs(folder: Path) -> Path:
     (folder / "env.py").write_text(ENV_PY)
     (folder / "rewards.py").write_text(REWARD_PY)
     return folder
+
+
+def common(folder: Path) -> tuple[str, ...]:
+    return ("model=local", f"model.path={folder / 'model'}", "algorithm=grpo", "data=prompts",
+            f"data.path={folder / 'prompts.jsonl'}", "data.num_eval_prompts=2", "rollout.max_new_tokens=160",
+            "rollout.max_turns=3", "rollout.prompts_per_step=2", "rollout.n=4", "trainer.eval_every=0",
+            "logging.progress=false")
+
+
+TOOL = ("rollout.tools=[tools.py:add]", "reward.functions=[rewards.py:said_five]")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    kinds = metric_kinds(run_dir)
+    return [without_diagnostics(json.loads(line), kinds) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_rows(got: list[dict], want: list[dict], *, tol: float) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key in w:
+            assert abs(g[key] - w[key]) <= tol * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
+
+
+@pytest.mark.slow
+def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
+    from tests.conftest import run_cli
+    from tests.e2e.test_resume_export import copy_checkpoint
+
+    write_inputs(tmp_path)
+    args = (*common(tmp_path), *TOOL, "trainer.steps=3", "checkpoint.every=2")
+    one = run_cli("train", *args, "trainer.run_name=one", cwd=tmp_path)
+    assert one.returncode == 0, one.stdout + one.stderr
+    reference = rows(tmp_path / "runs" / "one")
+    assert [r["step"] for r in reference] == [0, 1, 2]
+    first = reference[0]
+    # Tools were called and failed (increment is no tool here), the mask kept tool tokens out of the counts.
+    assert first["tools/call_frequency"] > 0 and 0 < first["tools/failure_frequency"] < 1
+    assert first["tools/response_tokens/mean"] > 0 and first["turns/max"] >= 2
+    samples = [json.loads(s) for s in (tmp_path / "runs" / "one" / "samples.jsonl").read_text().splitlines()]
+    assert any(m["role"] == "tool" for s in samples for m in s["turns"])
+    assert "calls add(" in one.stdout  # the first step's printout shows the calls
+
+    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
+    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
+
+    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+
+
+@pytest.mark.slow
+def test_environment_class_trains_with_its_reward(tmp_path):
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    result = run_cli("train", *common(tmp_path), "rollout.environment=env.py:Counter",
+                     "reward.functions=[rewards.py:saw_environments]", "reward.weights=[0.5]", "trainer.steps=3",
+                     "trainer.run_name=env", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = rows(tmp_path / "runs" / "env")
+    assert len(metrics) == 3
+    for row in metrics:  # get_reward and the environments= argument read the same instances
+        assert row["reward/Counter/mean"] == row["reward/saw_environments/mean"]
+        assert row["reward/mean"] == pytest.approx(1.5 * row["reward/Counter/mean"], abs=1e-12)
+    assert metrics[0]["reward/Counter/mean"] > 0 and metrics[0]["tools/call_frequency"] > 0
+
+
+def test_a_tokenizer_without_a_tools_template_is_one_line_and_exit_2(cli, tmp_path):
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    result = cli("train", "rollout.tools=[tools.py:add]", "trainer.run_name=bad")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "chat template" in result.stderr, result.stderr
+    assert not (tmp_path / "runs" / "bad").exists()
