@@ -162,3 +162,106 @@ def test_templates_that_render_no_tools_or_rewrite_history_are_refused():
         ChatTurns(chatml_tokenizer(CHATML_NO_TOOLS), [])
     with pytest.raises(ConfigError, match="not prefix-preserving"):
         ChatTurns(chatml_tokenizer(STRIPS_THINK), [])
+
+
+BAD_TOOLS = '''
+NOT_A_FUNCTION = 3
+
+class Callable:
+    def __call__(self, x: int) -> int:
+        """Call.
+
+        Args:
+            x: a number
+        """
+        return x
+
+def no_hints(x):
+    """No hints.
+
+    Args:
+        x: a number
+    """
+    return x
+
+def no_docstring(x: int) -> int:
+    return x
+
+class NoReset:
+    def step(self, x: int) -> int:
+        """Step.
+
+        Args:
+            x: a number
+        """
+        return x
+
+class Good:
+    def reset(self, **columns):
+        return None
+
+    def step(self, x: int) -> int:
+        """Step.
+
+        Args:
+            x: a number
+        """
+        return x
+
+    def _private(self):
+        return None
+
+    def get_reward(self) -> float:
+        return 1.0
+'''
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("NOT_A_FUNCTION", "'{file}:NOT_A_FUNCTION' is a int, not a function"),
+    ("Callable", "'{file}:Callable' is a type, not a function"),
+    ("no_hints", "rollout.tools: '{file}:no_hints': "),
+    ("no_docstring", "rollout.tools: '{file}:no_docstring': Cannot generate JSON schema for no_docstring because it "
+                     "has no docstring"),
+])
+def test_a_tool_that_is_not_a_typed_documented_function_is_refused(tmp_path, spec, message):
+    from fsdptrain.rewards.tools import load_tools
+
+    (tmp_path / "bad.py").write_text(BAD_TOOLS)
+    file = str(tmp_path / "bad.py")
+    with pytest.raises(ConfigError) as err:
+        load_tools([f"{file}:{spec}"])
+    assert message.format(file=file) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_environment_needs_reset_and_its_public_methods_are_its_tools(tmp_path):
+    from fsdptrain.rewards.tools import load_environment
+
+    (tmp_path / "env.py").write_text(BAD_TOOLS)
+    with pytest.raises(ConfigError, match="has no reset method"):
+        load_environment(f"{tmp_path / 'env.py'}:NoReset")
+    env = load_environment(f"{tmp_path / 'env.py'}:Good")
+    assert (env.name, env.tool_names(), env.has_reward) == ("Good", ["step"], True)
+    assert env.tool_schemas[0]["function"]["parameters"] == {
+        "type": "object", "properties": {"x": {"type": "integer", "description": "a number"}}, "required": ["x"]}
+
+
+def test_pooled_tools_run_in_workers_and_a_hung_one_is_cut_off_and_counted(tmp_path):
+    from fsdptrain.rewards.tools import load_tools, tool_pool
+
+    (tmp_path / "slow.py").write_text(
+        "import time\n\n"
+        "def nap(seconds: float) -> str:\n"
+        '    """Sleep.\n\n    Args:\n        seconds: how long\n    """\n'
+        "    time.sleep(seconds)\n"
+        "    return 'rested'\n")
+    tools = load_tools([f"{tmp_path / 'slow.py'}:nap"])
+    pool = tool_pool(tools, 1)
+    try:
+        caller = ToolCaller(tools, pool=pool, timeout_s=2.0)
+        quick, hung, raising = caller.run([ToolCall(0, "nap", {"seconds": 0}), ToolCall(1, "nap", {"seconds": 60}),
+                                           ToolCall(2, "nap", {"seconds": "x"})])
+    finally:
+        pool.close()
+    assert quick == type(quick)("rested", failed=False)
+    assert (json.loads(hung.content), hung.failed, hung.timed_out) == ({"error": "timed out after 2s"}, True, True)
+    assert raising.failed and "TypeError" in json.loads(raising.content)["error"]
