@@ -46,7 +46,8 @@ from fsdptrain.train.console import (
     quiet_known_warnings,
     stats_line,
 )
-from fsdptrain.train.rollout_sources import build_source, resolve_steps
+from fsdptrain.train.multi_turn import build_source
+from fsdptrain.train.rollout_sources import resolve_steps
 from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
 from fsdptrain.train.run_files import (
     METRIC_KINDS_FILE,

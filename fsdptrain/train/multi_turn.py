@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.config import ConfigError
+from fsdptrain.config import ConfigError, multi_turn
 from fsdptrain.data.conversation import TRUNCATION_CAUSES, ChatTurns, Trajectory, TurnCaps, run_turns
 from fsdptrain.data.prompts import PromptRow
 from fsdptrain.data.rollout import Rollout
@@ -47,7 +47,22 @@ from fsdptrain.rewards.tools import (
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, merge_all
 from fsdptrain.train.perf import phase
 from fsdptrain.train.build import Models
-from fsdptrain.train.rollout_sources import NUM_SAMPLES_SHOWN, PromptSource, generation
+from fsdptrain.train.rollout_sources import (
+    NUM_SAMPLES_SHOWN,
+    OfflineSource,
+    PromptSource,
+    RolloutSource,
+    generation,
+)
+
+
+def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
+    """The source ``data.source`` names (docs/architecture.md, "Rollout sources"): offline JSONL rollouts, else
+    prompts, multi-turn when ``rollout.tools`` or ``rollout.environment`` is set. It lives here, above both prompt
+    sources, because the multi-turn one builds on the single-turn one."""
+    if cfg.data.source == "jsonl":
+        return OfflineSource(cfg, tokenizer)
+    return MultiTurnSource(cfg, tokenizer) if multi_turn(cfg) else PromptSource(cfg, tokenizer)
 
 
 def load_user_tools(cfg: DictConfig) -> tuple[list[Tool], Optional[Environment]]:

@@ -23,7 +23,7 @@ from typing import Optional, Protocol
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.config import DEFAULT_STEPS, ConfigError, multi_turn, reward_specs
+from fsdptrain.config import DEFAULT_STEPS, ConfigError, reward_specs
 from fsdptrain.data.offline import load_jsonl_rollouts
 from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.prompts import (
@@ -90,17 +90,6 @@ class RolloutSource(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
     def close(self) -> None: ...
-
-
-def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
-    """The source ``data.source`` names; multi-turn when ``rollout.tools`` or ``rollout.environment`` is set."""
-    if cfg.data.source == "jsonl":
-        return OfflineSource(cfg, tokenizer)
-    if multi_turn(cfg):
-        from fsdptrain.train.multi_turn import MultiTurnSource  # it builds on PromptSource, defined here
-
-        return MultiTurnSource(cfg, tokenizer)
-    return PromptSource(cfg, tokenizer)
 
 
 @contextlib.contextmanager
