@@ -97,11 +97,12 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
 
 
 def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor], correction: IsCorrection,
-                         policy_masks: Sequence[Sequence[bool]]) -> dict[str, float]:
+                         policy_masks: Optional[Sequence[Sequence[bool]]] = None) -> dict[str, float]:
     """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (policy tokens at
     token level, sequences with a policy token at sequence level): the plain mean and max of the applied weights,
     the max of the raw ones and the share of raw weights outside [L, C]."""
     raw_U, applied_U = [], []
+    policy_masks = policy_masks if policy_masks is not None else [[True] * o.numel() for o in olds]
     for old_R, behaviour_R, policy in zip(olds, behaviours, policy_masks):
         if not any(policy):
             continue
