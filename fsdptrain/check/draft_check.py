@@ -117,12 +117,15 @@ def _share(ce_n: Tensor, mask_n: Tensor, mode: str, num_tokens: int, num_seqs: i
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
-def reference_drafter(drafter, batch: MiniBatch, settings: DraftPartSettings,
-                      loss_scale_factor: Optional[float]) -> tuple[float, dict[str, float], dict[str, Tensor]]:
-    """(draft loss, metrics, the drafter's full gradients), one sequence at a time; counts from its own mask."""
+def reference_drafter(drafter, batch: MiniBatch, settings: DraftPartSettings, loss_scale_factor: Optional[float],
+                      counted=None) -> tuple[float, dict[str, float], dict[str, Tensor]]:
+    """(draft loss, metrics, the drafter's full gradients), one sequence at a time; counts from its own mask, built
+    from ``counted`` (per sequence the response tokens that count, the reference's: ``CheckBatch.counted_masks``;
+    None: every response token)."""
     s, on = settings.policy_settings, settings.draft.on
+    counted = counted if counted is not None else [None] * batch.num_seqs
     masks = [sequence_draft_mask(len(p), len(p) + len(r), on, m)
-             for p, r, m in zip(batch.prompts, batch.responses, batch.response_masks())]
+             for p, r, m in zip(batch.prompts, batch.responses, counted)]
     num_tokens = sum(int(m.sum()) for m in masks)
     num_seqs = sum(1 for m in masks if m.any())
     total, agree, accept, lengths = 0.0, 0.0, 0.0, []

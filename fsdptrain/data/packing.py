@@ -253,6 +253,14 @@ def _policy_flags(masks: Sequence[ResponseMask] | None, responses: list[list[int
     return out
 
 
+def _check_counts(prompts: Sequence, responses: Sequence, response_masks: Sequence | None) -> None:
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
+    if response_masks is not None and len(response_masks) != len(responses):
+        raise ValueError(f"got {len(response_masks)} response masks for {len(responses)} responses; pass one per "
+                         "response (None for all ones)")
+
+
 def _check_pairs(prompts: Sequence[TokenIds], responses: Sequence[TokenIds]) -> list[tuple[list[int], list[int]]]:
     if len(prompts) != len(responses):
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
@@ -283,8 +291,7 @@ def pack_sequences(
     `response_masks[i]`: the policy's response tokens of sequence i (None, or a None entry: all). `pad_to` fixes T
     (>= the real token count); the extra positions form a masked tail. With no sequence the row is an empty pack of
     `pad_to or 1` masked padding tokens. Layout and alignment: see the module docstring."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
+    _check_counts(prompts, responses, response_masks)
     if indices is None:
         indices = range(len(prompts))
     chosen_prompts = [prompts[i] for i in indices]
