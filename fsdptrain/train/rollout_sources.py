@@ -56,10 +56,9 @@ class RolloutSource(Protocol):
     A source owns its position in the data and whatever it keeps across steps (the prompt order, the reward models'
     running moments): :meth:`state_dict` / :meth:`load_state_dict` save and restore it with the checkpoint. The
     rollouts it returns are this rank's groups of the step (group ``i`` on rank ``i % world_size``); the step packs
-    each one's prompt and response ids and trains on every response token. A multi-turn source (tool calls,
-    environments) implements the same methods; its rollouts' responses then also hold tokens the policy did not
-    sample (tool results, separators), which needs a per-token mask of the sampled tokens carried from the rollout to
-    the loss (not there yet).
+    each one's prompt and response ids and trains on the response tokens its ``response_mask`` marks (all of them
+    when it is None). The multi-turn source (fsdptrain/train/multi_turn.py) implements the same methods; its
+    rollouts' responses also hold tokens the policy did not sample (tool results, separators), marked 0.
     """
 
     generates: bool
