@@ -209,21 +209,6 @@ class MultiTurnSource(PromptSource):
                            completion_ids=[list(t.response_ids) for t in trajectories],
                            rows=[row.index for row in rows], groups=list(groups), columns=columns)
 
-    def _score_batch(self, models: Models, batch: RewardBatch, *, device, training: bool):
-        """The reward functions' scores of ``batch`` (reward models score the decoded response)."""
-        from fsdptrain.rewards.runner import RewardError, RewardFailedOnAnotherRank, RewardScores
-
-        scores = RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
-        if self.functions:
-            scores, error = None, None
-            try:
-                scores = self._runner().score(batch)
-            except RewardError as err:
-                error = err
-            if world.any_flag(error is not None):
-                raise error if error is not None else RewardFailedOnAnotherRank()
-        return scores
-
     def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
                  round_index: int = 0) -> list[Rollout]:
         """This rank's trajectories of the step's next ``prompts_per_step`` rows, scored; see the module docstring."""
@@ -236,7 +221,7 @@ class MultiTurnSource(PromptSource):
         groups = [i for i, _ in mine for _ in range(n)]
         batch = self._batch(rows, groups, trajectories, environments)
         with phase("reward"):
-            scores = self._score_batch(models, batch, device=device, training=True)
+            scores = self._function_scores(batch)
         metrics = merge_all([reward_metrics(scores, groups=groups), turn_metrics(trajectories)])
         self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
         self.last_batch, self.last_scores = batch, scores
@@ -263,6 +248,6 @@ class MultiTurnSource(PromptSource):
         trajectories, environments = self._trajectories(models, mine, repeat=1, sample=False, step=-1,
                                                         round_index=0, device=device)
         batch = self._batch([row for _, row in mine], [i for i, _ in mine], trajectories, environments)
-        scores = self._score_batch(models, batch, device=device, training=False)
+        scores = self._function_scores(batch)
         sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
         return float(sums[0] / sums[1])

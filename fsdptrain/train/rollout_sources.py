@@ -255,15 +255,7 @@ class PromptSource:
             completion_ids=[list(ids) for _, ids, _ in outputs],
             rows=[row.index for row in rows], groups=list(groups),
             columns={name: [row.columns.get(name) for row in rows] for name in names})
-        scores = RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
-        if self.functions:
-            scores, error = None, None
-            try:
-                scores = self._runner().score(batch)
-            except RewardError as err:
-                error = err
-            if world.any_flag(error is not None):
-                raise error if error is not None else RewardFailedOnAnotherRank()
+        scores = self._function_scores(batch)
         if not models.reward_models:
             return batch, scores, Metrics({})
         model_scores = self._score_with_models(models, batch, device=device)
@@ -272,6 +264,20 @@ class PromptSource:
         self.last_model_scores = model_scores
         total = [t + float(m) for t, m in zip(scores.total, model_scores.total_N)]
         return batch, dataclasses.replace(scores, total=total), model_scores.metrics
+
+    def _function_scores(self, batch: RewardBatch) -> RewardScores:
+        """The reward functions' scores of ``batch`` (all 0.0 without functions). A function's failure on any rank
+        stops every rank (one agreed flag, no hang)."""
+        if not self.functions:
+            return RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
+        scores, error = None, None
+        try:
+            scores = self._runner().score(batch)
+        except RewardError as err:
+            error = err
+        if world.any_flag(error is not None):
+            raise error if error is not None else RewardFailedOnAnotherRank()
+        return scores
 
     def _score_with_models(self, models: Models, batch: RewardBatch, *, device) -> ModelScores:
         r = self.cfg.reward
