@@ -1,6 +1,6 @@
 """Write the calculator example's inputs: a tiny chat model that has seen the tool-call format, and the problems.
 
-    python examples/calculator/make_model.py [--out examples/calculator/work] [--call-share 0.5]
+    python examples/calculator/make_model.py [--out examples/calculator/work] [--call-share 0.3]
 
 Writes ``OUT/model`` (a 2-layer Llama with a character-level ChatML tokenizer whose template renders tools),
 ``OUT/train.jsonl`` (2000 problems) and ``OUT/eval.jsonl`` (100): ``{"prompt": [{"role": "user", "content":
@@ -8,11 +8,12 @@ Writes ``OUT/model`` (a 2-layer Llama with a character-level ChatML tokenizer wh
 
 Why a warm-up: a model initialised at random cannot discover a tool call by sampling: the call has to copy both
 factors exactly, about 1 chance in 10^10 per try. So the model first imitates a few hundred correct demonstrations
-(a couple of minutes of supervised training on the CPU): ``--call-share`` of them solve the problem with the
-calculator (the call copies the factors, the answer copies the tool's result), the others write the product directly,
-which a model this small cannot learn to compute. RL then finds out that calling pays: the share of samples that call
-and the reward rise together (README.md). The tokenizer holds the constant parts of a call as two tokens, so a call is
-``OPEN 4 7 * 8 3 CLOSE``.
+(supervised, a few minutes on the CPU): first ``--steps`` batches of demonstrations that solve the problem with the
+calculator (the call copies the factors, the answer copies the tool's result: what takes long to learn), then
+``--mix-steps`` batches in which only ``--call-share`` of them call and the others write the product directly, which
+a model this small cannot compute. That sets how often the warmed-up model calls at first. RL then finds out that
+calling pays: the share of samples that call and the reward rise together (README.md). The tokenizer holds the
+constant parts of a call as two tokens, so a call is ``OPEN 4 7 * 8 3 CLOSE``.
 """
 
 from __future__ import annotations
@@ -81,11 +82,14 @@ def demonstration(tok, chat: ChatTurns, row: dict, *, call: bool) -> tuple[list[
             [0] * len(prompt) + [1] * len(turn) + [0] * len(segment) + [1] * len(answer))
 
 
-def warm_up(model, tok, chat, *, call_share: float, steps: int, seed: int) -> None:
+def warm_up(model, tok, chat, *, call_share: float, steps: int, mix_steps: int, seed: int) -> None:
+    """``steps`` of calling demonstrations only (copying the factors and the result is what takes long to learn),
+    then ``mix_steps`` in which ``call_share`` of the demonstrations call: the first token's prior to call."""
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        batch = [demonstration(tok, chat, problem(rng), call=rng.random() < call_share) for _ in range(32)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(steps + mix_steps):
+        share = 1.0 if step < steps else call_share
+        batch = [demonstration(tok, chat, problem(rng), call=rng.random() < share) for _ in range(32)]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in batch])
         labels = torch.tensor([[i if m else -100 for i, m in zip(ids, mask)] + [-100] * (width - len(ids))
@@ -95,15 +99,16 @@ def warm_up(model, tok, chat, *, call_share: float, steps: int, seed: int) -> No
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step % 50 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == steps + mix_steps - 1:
             print(f"warm-up step {step}: loss {loss.item():.3f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "work")
-    parser.add_argument("--call-share", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--call-share", type=float, default=0.3)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--mix-steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +123,8 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(config)
-    warm_up(model, tok, chat, call_share=args.call_share, steps=args.steps, seed=args.seed + 1)
+    warm_up(model, tok, chat, call_share=args.call_share, steps=args.steps, mix_steps=args.mix_steps,
+            seed=args.seed + 1)
     model.save_pretrained(args.out / "model")
     tok.save_pretrained(args.out / "model")
     print(f"wrote {args.out / 'model'}, {args.out / 'train.jsonl'}, {args.out / 'eval.jsonl'}")
