@@ -108,7 +108,7 @@ def _preflight(cfg: DictConfig) -> None:
     trackers' libraries are installed. Raises ConfigError."""
     if cfg.data.source == "jsonl":
         return
-    from fsdptrain.config import reward_specs
+    from fsdptrain.config import multi_turn, reward_specs
     from fsdptrain.rewards.loading import load_reward_functions
     from fsdptrain.train.trackers import missing_backend_message
 
@@ -129,6 +129,10 @@ def _preflight(cfg: DictConfig) -> None:
 
         for path in cfg.reward.models:
             load_reward_model_spec(path)
+    if multi_turn(cfg):
+        from fsdptrain.train.multi_turn import check_multi_turn
+
+        check_multi_turn(cfg)
     missing = missing_backend_message(cfg.logging.backends)
     if missing is not None:
         raise ConfigError(missing)

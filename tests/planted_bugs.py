@@ -55,3 +55,45 @@ def plant_sequence_weight_from_mean_log_ratio(set_attr=setattr) -> None:
                        cu_seqlens=cu_seqlens)
 
     set_attr(experience, "rollout_correction_weights", mean_not_sum)
+
+
+def plant_loss_on_tool_tokens(set_attr=setattr) -> None:
+    """A multi-turn trainer that packs its rows from the prompt and response lengths alone: the loss (and every metric
+    of the update) also scores the tokens a tool wrote."""
+    pack = step.pack_sequences
+
+    def by_lengths(prompts, responses, indices=None, *, response_masks=None, **kw):
+        return pack(prompts, responses, indices, **kw)
+
+    set_attr(step, "pack_sequences", by_lengths)
+
+
+def plant_tool_tokens_in_the_normaliser(set_attr=setattr) -> None:
+    """The global token count taken from the response lengths, not the mask: token-mean divides by the tools' tokens
+    too (the loss itself still reads the mask)."""
+
+    def by_lengths(batch):
+        return sum(len(r) for r in batch.responses), sum(1 for r in batch.responses if r)
+
+    set_attr(step, "local_counts", by_lengths)
+
+
+def plant_rejected_tokens_in_the_normaliser(set_attr=setattr) -> None:
+    """The normalisers counted from the rollouts' masks, before rejection sampling removed tokens (as if they were
+    counted before the experience pass): the rejected tokens leave the loss but not its denominator."""
+    before: dict[int, torch.Tensor] = {}
+    rejected, counts = experience.rejected, step.local_counts
+
+    def remembering(old_R, behaviour_R, masks, **kw):
+        kept, metrics = rejected(old_R, behaviour_R, masks, **kw)
+        for keep, mask, old in zip(kept, masks, old_R):
+            before[id(keep)] = mask if mask is not None else torch.ones(old.numel(), dtype=torch.bool)
+        return kept, metrics
+
+    def unrejected(batch):
+        masks = [before.get(id(t.response_mask), t.response_mask) for t in batch.targets]
+        counted = [len(r) if m is None else int(m.sum()) for r, m in zip(batch.responses, masks)]
+        return sum(counted), sum(1 for n in counted if n > 0)
+
+    set_attr(experience, "rejected", remembering)
+    set_attr(step, "local_counts", unrejected)

@@ -14,11 +14,17 @@ with :func:`make_batch`'s arguments):
 - ``negative_values``: a forward hook on the critic's value head subtracts a constant (the batch's largest value
   plus 1, measured before the experience is made), so every value is <= -1 and a 0.0 sentinel would win
   ``values_max``. (The policy's ratios are about 1 > 0, so ``probs_ratio_min`` already exposes a MIN sentinel.)
+- ``mask_holes`` (the multi-turn fixture): when no rollout carries a ``response_mask``, two thirds of the sequences
+  get one (:func:`with_tool_segments`): some with two tool segments inside the response, some with one inside and
+  one cut at the end (trailing zeros), as a multi-turn tool-calling rollout would hold; the other third keep none
+  (the single-turn path). A loss, normaliser, metric or estimator that reads lengths instead of the mask then
+  differs from the reference, which reads the mask itself (``CheckBatch.policy_masks``, ``counted``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -35,7 +41,7 @@ from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
-from fsdptrain.train.experience import critic_values
+from fsdptrain.train.experience import critic_values, policy_logprobs
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.step import MiniBatch
 
@@ -51,6 +57,17 @@ class RolloutFacts:
     num_prompt_tokens: int
     num_response_tokens: int
     truncated: bool
+    num_policy_tokens: int
+    """Response tokens the policy sampled (the ones ``response_length/*`` counts)."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """The rejection sampling the checked batch's mask follows: level (token, sequence, geometric), [low, high]."""
+
+    level: str
+    low: float
+    high: float
 
 
 @dataclass(frozen=True)
@@ -99,12 +116,29 @@ class CheckBatch:
     """The behaviour log-probs each of ``full``'s real sequences carried into the experience (None for one that
     carried none; planted ones included): what ``rollout_corr/*`` compares with the old log-probs. None when no
     sequence carried any."""
+    policy_masks: Optional[list[list[bool]]] = None
+    """Per sequence of ``full``, its policy's response tokens, read from the rollout itself (all True without a
+    ``response_mask``; the fixture's is empty): the reference's mask, never the product's."""
+    counted: Optional[list[list[bool]]] = None
+    """``policy_masks`` less the tokens the reference rejects (:func:`reference_counted` with
+    ``rejection``): the tokens the reference's losses, counts and metrics read."""
+    rejection: Optional[Rejection] = None
+    trainer_old: Optional[list[torch.Tensor]] = None
+    """With rejection: the trainer's own old log-probs of ``full``'s sequences (the rejection's numerator)."""
 
     def with_targets(self, targets: list) -> "CheckBatch":
         """The same batch with ``full``'s targets replaced (``local``'s follow through ``local_index``)."""
         full = MiniBatch(self.full.prompts, self.full.responses, list(targets))
         local = MiniBatch(self.local.prompts, self.local.responses, [targets[i] for i in self.local_index])
         return dataclasses.replace(self, full=full, local=local)
+
+    def counted_masks(self) -> list[list[bool]]:
+        """``counted``, or every response token of ``full`` when the batch has no mask."""
+        return self.counted if self.counted is not None else [[True] * len(r) for r in self.full.responses]
+
+    def policy_token_masks(self) -> list[list[bool]]:
+        """``policy_masks``, or every response token of ``full`` when the batch has no mask."""
+        return self.policy_masks if self.policy_masks is not None else [[True] * len(r) for r in self.full.responses]
 
 
 @dataclass(frozen=True)
@@ -200,11 +234,14 @@ def _all_gather(obj) -> list:
     return out
 
 
-def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values: bool = True) -> CheckBatch:
+def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values: bool = True,
+               mask_holes: bool = True) -> CheckBatch:
     """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch."""
     info = trainer.info
     rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
                                        device=trainer.device)
+    if mask_holes and all(r.response_mask is None for r in rollouts):
+        rollouts = with_tool_segments(rollouts)
     shift = None
     if trainer.models.critic is not None and negative_values:
         shift = shift_values_below_zero(trainer, rollouts)
@@ -213,29 +250,44 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     alg = trainer.cfg.algorithm
     correction = (IsCorrection(alg.rollout_correction, alg.rollout_correction_level, alg.rollout_correction_cap,
                                alg.rollout_correction_low) if alg.rollout_correction != "none" else None)
-    planted = correction is not None and all(r.behaviour_logprobs is None for r in rollouts)
+    rejection = (Rejection(alg.rollout_rejection, alg.rollout_rejection_low, alg.rollout_rejection_high)
+                 if alg.rollout_rejection != "none" else None)
+    planted = (correction is not None or rejection is not None) and all(r.behaviour_logprobs is None for r in rollouts)
     if planted:  # weights of exactly 1 would prove nothing: a behaviour policy off by seeded noise, and again
         rollouts = with_behaviour(rollouts, [t.old_logprobs for t in targets], seed=BEHAVIOUR_SEED + info.rank)
         targets, facts = trainer.make_experience(rollouts)
+    trainer_old = None
+    if rejection is not None:  # the trainer's own old log-probs (the targets hold the behaviour's without a correction)
+        exp = trainer.experience_settings
+        trainer_old = policy_logprobs(trainer.models.policy, rollouts, temperature=exp.temperature,
+                                      chunk_size=exp.chunk_size, token_budget=exp.token_budget, device=trainer.device)
     experience = finalize(reduce_metrics(facts["metrics"])) if facts["metrics"] else {}
     (local,) = trainer.minibatches(rollouts, targets)
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else t.old_logprobs for r, t in zip(rollouts, targets)]
     carried = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None else None
                for r in rollouts]
-    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b, c) for k, (r, p, resp, t, b, c) in
-               enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour, carried))]
+    policy = [[True] * len(r.response_ids) if r.response_mask is None else [bool(m) for m in r.response_mask]
+              for r in rollouts]
+    olds = trainer_old if trainer_old is not None else [None] * len(rollouts)
+    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b, m, o, c) for k, (r, p, resp, t, b, m, o, c) in
+               enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour, policy, olds,
+                             carried))]
     gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
     full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
     scores = [float(e[5]) for e in gathered]
     groups = [int(e[0][0]) for e in gathered]
     local_index = sorted((i for i, e in enumerate(gathered) if e[4] == info.rank), key=lambda i: gathered[i][0][1])
     full_behaviour = [e[6] for e in gathered]
-    full_carried = [e[7] for e in gathered]
+    policy_masks = [e[7] for e in gathered]
+    full_old = [e[8] for e in gathered]
+    full_carried = [e[9] for e in gathered]
     add_fixture = masked_fixture
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
         full_behaviour.append(torch.zeros(0, dtype=torch.float32))
+        policy_masks.append([])
+        full_old.append(torch.zeros(0, dtype=torch.float32))
         full.prompts.append(prompt)
         full.responses.append(response)
         full.targets.append(target)
@@ -244,15 +296,79 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
             local.prompts.append(prompt)
             local.responses.append(response)
             local.targets.append(target)
-    mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated) for r in rollouts]
+    mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated, sum(m))
+            for r, m in zip(rollouts, policy)]
     all_facts = [f for part in _all_gather(mine) for f in part]
-    # Planted behaviour log-probs leave the old ones the trainer's own, so the ratio is still 1 (on-policy).
+    # Planted behaviour log-probs leave the old ones the trainer's own under a correction, so the ratio is still 1
+    # (on-policy); without one (rejection alone) they become the old log-probs and the batch is off-policy.
     return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts,
-                      on_policy=facts["on_policy"] or planted, value_shift=shift, has_fixture=add_fixture,
+                      on_policy=facts["on_policy"] or (planted and correction is not None), value_shift=shift, has_fixture=add_fixture,
                       scores=scores, groups=groups, local_index=local_index,
-                      behaviour=full_behaviour if correction is not None else None, correction=correction,
-                      experience=experience, planted_behaviour=planted,
+                      behaviour=full_behaviour if correction is not None or rejection is not None else None,
+                      correction=correction, experience=experience, planted_behaviour=planted,
+                      policy_masks=policy_masks,
+                      counted=reference_counted(policy_masks, full_old, full_behaviour, rejection),
+                      rejection=rejection, trainer_old=full_old if rejection is not None else None,
                       carried_behaviour=full_carried if any(c is not None for c in full_carried) else None)
+
+
+TOOL_VARIANTS = 3
+"""Sequence k of a prompt group gets variant (group + k) % 3 of :func:`tool_segments`: none, two inside, cut end."""
+
+
+def tool_segments(num_response: int, variant: int) -> Optional[list[int]]:
+    """A multi-turn response mask of ``num_response`` tokens (1 = the policy's, 0 = a tool's), or None (variant 0,
+    or a response under 4 tokens). Variant 1: two tool segments inside, at R//4 (R//8 tokens, at least 1) and R//2
+    (R//6, at least 1). Variant 2: one tool token at R//3 and a tool segment cut at the end (the last R//4, at least
+    1: trailing zeros). The first token is always the policy's."""
+    if variant == 0 or num_response < 4:
+        return None
+    mask = [1] * num_response
+    if variant == 1:
+        holes = [(num_response // 4, max(1, num_response // 8)), (num_response // 2, max(1, num_response // 6))]
+    else:
+        tail = max(1, num_response // 4)
+        holes = [(num_response // 3, 1), (num_response - tail, tail)]
+    for start, length in holes:
+        for j in range(start, min(start + length, num_response)):
+            mask[j] = 0
+    mask[0] = 1
+    return mask
+
+
+def with_tool_segments(rollouts: list[Rollout]) -> list[Rollout]:
+    """The rollouts with :func:`tool_segments` masks; the same sequences get the same mask at any world size (a
+    prompt group never spans ranks)."""
+    seen: dict[int, int] = {}
+    out = []
+    for rollout in rollouts:
+        k = seen.get(rollout.group, 0)
+        seen[rollout.group] = k + 1
+        mask = tool_segments(len(rollout.response_ids), (rollout.group + k) % TOOL_VARIANTS)
+        out.append(dataclasses.replace(rollout, response_mask=mask))
+    return out
+
+
+def reference_counted(policy_masks: list[list[bool]], olds: list, behaviours: list,
+                      rejection: Optional[Rejection]) -> list[list[bool]]:
+    """The tokens the reference counts: the policy's, less those rejection sampling rejects, from its definition in
+    float64 over the policy's tokens: ratio r_t = exp(old_t - behaviour_t) per token, or prod r_t (sequence) or
+    (prod r_t)^(1/n) (geometric) for all of them; kept iff low <= r <= high."""
+    if rejection is None:
+        return [list(m) for m in policy_masks]
+    out = []
+    for mask, old, behaviour in zip(policy_masks, olds, behaviours):
+        log_r = [float(o) - float(b) for o, b, m in zip(old.double().tolist(), behaviour.double().tolist(), mask)
+                 if m]
+        if rejection.level == "token":
+            ratios = iter(math.exp(x) for x in log_r)
+            keep = [m and rejection.low <= next(ratios) <= rejection.high for m in mask]
+        else:
+            total = sum(log_r) / (len(log_r) if rejection.level == "geometric" and log_r else 1)
+            inside = rejection.low <= math.exp(total) <= rejection.high
+            keep = [m and inside for m in mask]
+        out.append(keep)
+    return out
 
 
 def with_behaviour(rollouts: list[Rollout], old_R: list[torch.Tensor], *, seed: int) -> list[Rollout]:

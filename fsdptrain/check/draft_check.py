@@ -74,21 +74,25 @@ def per_sequence_draft_part_loss(drafter, prompts, responses, targets, *, norms:
     """The per-sequence oracle (`per_sequence_draft_loss`) with the batch's draft normalisers, times loss_weight."""
     s = settings.policy_settings
     loss, metrics = per_sequence_draft_loss(settings.policy, drafter, prompts, responses, norms=settings.norms(norms),
-                                            agg_mode=s.agg_mode, on=settings.draft.on, temperature=s.temperature)
+                                            agg_mode=s.agg_mode, on=settings.draft.on, temperature=s.temperature,
+                                            response_masks=[t.response_mask for t in targets])
     return settings.draft.loss_weight * loss, _unprefixed(metrics)
 
 
 def draft_part_settings(policy, policy_settings: PolicyLossSettings, draft: DraftLossSettings,
                         batch: MiniBatch) -> DraftPartSettings:
     """The settings with the whole batch's draft counts (the product's count over one pack of every sequence)."""
-    packed = pack_sequences(batch.prompts, batch.responses, list(range(batch.num_seqs)))
+    packed = pack_sequences(batch.prompts, batch.responses, list(range(batch.num_seqs)),
+                            response_masks=batch.response_masks())
     num_tokens, num_seqs = count_draft_tokens_and_seqs(packed, on=draft.on)
     return DraftPartSettings(policy, policy_settings, draft, num_tokens, num_seqs)
 
 
 def check_vocab(batch: MiniBatch, *, vocab_size: int, draft_vocab_size: int, on: str):
     """The checked drafter's vocabulary: the most frequent ids of the whole batch (the same on every rank)."""
-    seqs = [r if on == "response" else p + r for p, r in zip(batch.prompts, batch.responses)]
+    policy = [r if m is None else [t for t, k in zip(r, m.tolist()) if k]
+              for r, m in zip(batch.responses, batch.response_masks())]
+    seqs = [q if on == "response" else p + r for p, r, q in zip(batch.prompts, batch.responses, policy)]
     return build_draft_vocab([list(s) for s in seqs], vocab_size=vocab_size, draft_vocab_size=draft_vocab_size)
 
 
@@ -113,11 +117,15 @@ def _share(ce_n: Tensor, mask_n: Tensor, mode: str, num_tokens: int, num_seqs: i
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
-def reference_drafter(drafter, batch: MiniBatch, settings: DraftPartSettings,
-                      loss_scale_factor: Optional[float]) -> tuple[float, dict[str, float], dict[str, Tensor]]:
-    """(draft loss, metrics, the drafter's full gradients), one sequence at a time; counts from its own mask."""
+def reference_drafter(drafter, batch: MiniBatch, settings: DraftPartSettings, loss_scale_factor: Optional[float],
+                      counted=None) -> tuple[float, dict[str, float], dict[str, Tensor]]:
+    """(draft loss, metrics, the drafter's full gradients), one sequence at a time; counts from its own mask, built
+    from ``counted`` (per sequence the response tokens that count, the reference's: ``CheckBatch.counted_masks``;
+    None: every response token)."""
     s, on = settings.policy_settings, settings.draft.on
-    masks = [sequence_draft_mask(len(p), len(p) + len(r), on) for p, r in zip(batch.prompts, batch.responses)]
+    counted = counted if counted is not None else [None] * batch.num_seqs
+    masks = [sequence_draft_mask(len(p), len(p) + len(r), on, m)
+             for p, r, m in zip(batch.prompts, batch.responses, counted)]
     num_tokens = sum(int(m.sum()) for m in masks)
     num_seqs = sum(1 for m in masks if m.any())
     total, agree, accept, lengths = 0.0, 0.0, 0.0, []

@@ -14,10 +14,16 @@ from fsdptrain.rl.draft_loss import draft_metrics, soft_cross_entropy_from_logit
 from fsdptrain.rl.metrics import Metrics, merge_all
 
 
-def sequence_draft_mask(num_prompt: int, num_tokens: int, on: str) -> Tensor:
+def sequence_draft_mask(num_prompt: int, num_tokens: int, on: str, response_mask=None) -> Tensor:
+    """bool `[n]`: position t scores token t+2 when it exists and, with ``on="response"``, is a response token the
+    policy sampled (response token j = t+2-num_prompt with ``response_mask[j]`` set; None: every one)."""
     t = torch.arange(num_tokens)
     ok = t + 2 < num_tokens
-    return ok & (t + 2 >= num_prompt) if on == "response" else ok
+    if on != "response":
+        return ok
+    policy = [True] * (num_tokens - num_prompt) if response_mask is None else [bool(m) for m in response_mask]
+    return torch.tensor([bool(k) and 0 <= i + 2 - num_prompt < len(policy) and policy[i + 2 - num_prompt]
+                         for i, k in enumerate(ok.tolist())], dtype=torch.bool)
 
 
 def reference_draft_outputs(policy, drafter, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
@@ -50,15 +56,17 @@ def reference_draft_outputs(policy, drafter, prompt_ids: Sequence[int], response
 
 
 def per_sequence_draft_loss(policy, drafter, prompts, responses, *, norms: LossNormalizers, agg_mode: str, on: str,
-                            temperature: float) -> tuple[Tensor, Metrics]:
+                            temperature: float, response_masks=None) -> tuple[Tensor, Metrics]:
     """The oracle: each sequence alone (`reference_draft_outputs`), plain softmax soft CE, `agg_loss` of its `[1, n]`
-    row with the mini-batch's global draft normalisers, summed over sequences; metrics merged."""
+    row with the mini-batch's global draft normalisers, summed over sequences; metrics merged. ``response_masks``:
+    per sequence the policy's response tokens (None: all)."""
     total: Optional[Tensor] = None
     collected = []
-    for prompt_ids, response_ids in zip(prompts, responses):
+    masks = response_masks if response_masks is not None else [None] * len(prompts)
+    for prompt_ids, response_ids, response_mask in zip(prompts, responses, masks):
         draft_nD, teacher_nD = reference_draft_outputs(policy, drafter, prompt_ids, response_ids,
                                                        temperature=temperature)
-        mask_n = sequence_draft_mask(len(prompt_ids), draft_nD.shape[0], on).to(draft_nD.device)
+        mask_n = sequence_draft_mask(len(prompt_ids), draft_nD.shape[0], on, response_mask).to(draft_nD.device)
         ce_n, agree_n, accept_n = soft_cross_entropy_from_logits(draft_nD, teacher_nD)
         loss = agg_loss_with(ce_n[None], mask_n[None], agg_mode, norms)
         total = loss if total is None else total + loss

@@ -11,6 +11,9 @@ Definitions (docs/algorithms.md), per sequence i with response tokens t = 0..T-1
     whitening (gae with whiten_advantages, both REINFORCE++): (A - mean) / sqrt(var + 1e-8), mean and unbiased var
     over every response token of the batch. Without the estimator's own returns, the critic's target is the
     undiscounted reward-to-go sum_{k >= t} r_k.
+With a response mask (multi-turn), t runs over the policy's tokens only, as if the tools' tokens were cut out of the
+response: the outcome sits on the last policy token, the KL penalty and every advantage and return on policy tokens,
+GAE's next value is the next policy token's, whitening pools policy tokens; a tool's token gets 0 everywhere.
 A user's estimator has no definition here: the oracle returns None for it.
 """
 
@@ -32,6 +35,19 @@ class SeqInputs:
     old: list[float]
     ref: Optional[list[float]]
     values: Optional[list[float]]
+    policy: Optional[list[bool]] = None
+    """Per response token, whether the policy sampled it (None: every token)."""
+
+    def kept(self, per_token: list) -> list:
+        """``per_token`` at the policy's tokens only (the tools' cut out)."""
+        return list(per_token) if self.policy is None else [x for x, p in zip(per_token, self.policy) if p]
+
+    def expanded(self, at_policy: list[float]) -> list[float]:
+        """The inverse of :meth:`kept`: the policy tokens' values back in place, 0 at a tool's token."""
+        if self.policy is None:
+            return list(at_policy)
+        values = iter(at_policy)
+        return [next(values) if p else 0.0 for p in self.policy]
 
 
 @dataclass(frozen=True)
@@ -45,12 +61,13 @@ class OracleSettings:
 
 
 def token_rewards(seq: SeqInputs, kl_coef: float) -> list[float]:
-    n = len(seq.old)
+    """The rewards at the policy's tokens (the tools' cut out)."""
+    n = len(seq.kept(seq.old))
     out = [0.0] * n
     if n:
         out[-1] = seq.score
     if seq.ref is not None and kl_coef != 0.0:
-        out = [r - kl_coef * (o - f) for r, o, f in zip(out, seq.old, seq.ref)]
+        out = [r - kl_coef * (o - f) for r, o, f in zip(out, seq.kept(seq.old), seq.kept(seq.ref))]
     return out
 
 
@@ -84,19 +101,21 @@ def oracle_experience(seqs: Sequence[SeqInputs], s: OracleSettings,
     rewards = [token_rewards(q, s.kl_in_reward_coef) for q in seqs]
     advantages: list[list[float]] = []
     returns: list[Optional[list[float]]] = []
-    for i, q in enumerate(seqs):
+    for i, q in enumerate(seqs):  # over the policy's tokens (n of them); expanded to every response token below
+        n = len(rewards[i])
         if s.estimator == "gae":
-            adv = _discounted(rewards[i], q.values, s.gamma, s.lam)
-            ret = [a + v for a, v in zip(adv, q.values)]
+            values = q.kept(q.values)
+            adv = _discounted(rewards[i], values, s.gamma, s.lam)
+            ret = [a + v for a, v in zip(adv, values)]
         elif s.estimator == "reinforce_plus_plus":
-            adv = _discounted(rewards[i], [0.0] * len(q.old), s.gamma, 1.0)
+            adv = _discounted(rewards[i], [0.0] * n, s.gamma, 1.0)
             ret = list(adv)
         elif s.estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
-            adv, ret = [_group_advantage(seqs, i, s)] * len(q.old), None
+            adv, ret = [_group_advantage(seqs, i, s)] * n, None
         else:
             return None
         if ret is None and q.values is not None:
-            ret = [sum(rewards[i][t:]) for t in range(len(q.old))]
+            ret = [sum(rewards[i][t:]) for t in range(n)]
         advantages.append(adv)
         returns.append(ret if q.values is not None else None)
     if s.estimator in WHITENED or (s.estimator == "gae" and s.whiten_advantages):
@@ -104,7 +123,8 @@ def oracle_experience(seqs: Sequence[SeqInputs], s: OracleSettings,
         mean = sum(flat) / len(flat)
         var = sum((a - mean) ** 2 for a in flat) / (len(flat) - 1)
         advantages = [[(a - mean) / math.sqrt(var + 1e-8) for a in adv] for adv in advantages]
-    return list(zip(advantages, returns))
+    return [(q.expanded(adv), None if ret is None else q.expanded(ret))
+            for q, adv, ret in zip(seqs, advantages, returns)]
 
 
 def max_difference(got: Sequence[Sequence[float]], want: Sequence[Sequence[float]]) -> tuple[float, float]:

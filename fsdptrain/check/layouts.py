@@ -95,7 +95,7 @@ def _padded(per_seq_R, batch: PaddedBatch, device) -> Tensor:
     """Response-aligned values of each sequence at the padded positions that score them; 0 elsewhere. `[B, L]`."""
     out_BL = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     for b, values_R in enumerate(per_seq_R):
-        out_BL[b, batch.response_mask[b]] = values_R.reshape(-1).float()
+        out_BL[b, batch.response_positions[b]] = values_R.reshape(-1).float()
     return out_BL.to(device)
 
 
@@ -109,7 +109,7 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
                        settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
     """The policy loss of the whole batch as one right-padded `[B, L]` forward (full logits, plain log-softmax)."""
     device = next(model.parameters()).device
-    batch = pad_sequences(prompts, responses)
+    batch = pad_sequences(prompts, responses, response_masks=[t.response_mask for t in targets])
     scaled_BLV = _padded_forward(model, batch, device).float() / settings.temperature
     labels_BL = torch.where(batch.label_mask, batch.labels, torch.zeros_like(batch.labels)).to(device)
     logprobs_BL = torch.log_softmax(scaled_BLV, dim=-1).gather(-1, labels_BL[..., None])[..., 0]
@@ -132,7 +132,7 @@ def padded_value_loss(model, prompts, responses, targets, *, norms: LossNormaliz
                       settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
     """The value loss of the whole batch as one right-padded `[B, L]` forward."""
     device = next(model.parameters()).device
-    batch = pad_sequences(prompts, responses)
+    batch = pad_sequences(prompts, responses, response_masks=[t.response_mask for t in targets])
     values_BL = _padded_forward(model, batch, device)[..., 0].float()
     return value_loss(values_BL, _padded([t.old_values for t in targets], batch, device),
                       _padded([t.returns for t in targets], batch, device), batch.response_mask.to(device),

@@ -25,7 +25,7 @@ from fsdptrain.check.experience_reference import OracleSettings, SeqInputs, max_
 from fsdptrain.distributed import world
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
-from fsdptrain.train.experience import estimate_advantages
+from fsdptrain.train.experience import estimate_advantages, rollout_masks, token_rewards
 
 OFF_POLICY_SEED = 20_250_515
 OLD_SPREAD, REF_SPREAD, BEHAVIOUR_SPREAD, VALUE_SPREAD = 1.5, 4.0, 1.0, 0.5
@@ -46,11 +46,11 @@ def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: flo
     use); the behaviour log-probs ride along, for the reference to make its own weights from their definitions."""
     gen = torch.Generator().manual_seed(OFF_POLICY_SEED)
     targets, behaviours = [], []
-    for t in batch.full.targets:
+    for t, policy in zip(batch.full.targets, batch.policy_token_masks()):
         old = t.old_logprobs + _noise(gen, t.old_logprobs, OLD_SPREAD)
         ref = (t.ref_logprobs if t.ref_logprobs is not None else t.old_logprobs) + _noise(gen, old, REF_SPREAD)
         behaviour = old + _noise(gen, old, BEHAVIOUR_SPREAD)
-        weights, _ = rollout_correction_weights(old[None], behaviour[None], torch.ones_like(old, dtype=torch.bool)[None],
+        weights, _ = rollout_correction_weights(old[None], behaviour[None], torch.tensor(policy, dtype=torch.bool)[None],
                                                 mode=correction, level=level, cap=cap, low=low)
         values = None if t.old_values is None else t.old_values + _noise(gen, t.old_values, VALUE_SPREAD)
         targets.append(dataclasses.replace(t, old_logprobs=old, ref_logprobs=ref, old_values=values,
@@ -84,7 +84,8 @@ def _inputs(batch: CheckBatch, indices: list[int]) -> list[SeqInputs]:
         t = batch.full.targets[i]
         out.append(SeqInputs(score=batch.scores[i], group=batch.groups[i], old=t.old_logprobs.double().tolist(),
                              ref=None if t.ref_logprobs is None else t.ref_logprobs.double().tolist(),
-                             values=None if t.old_values is None else t.old_values.double().tolist()))
+                             values=None if t.old_values is None else t.old_values.double().tolist(),
+                             policy=batch.policy_token_masks()[i]))
     return out
 
 
@@ -133,23 +134,24 @@ def _probe(session: CheckSession) -> list[tuple[list[float], Optional[list[float
     exp = tr.experience_settings
     mine = [i for i in batch.local_index if i < len(batch.scores)]
     targets: list[SeqTargets] = [batch.full.targets[i] for i in mine]
-    rewards = []
-    kl = exp.kl_in_reward_coef
-    for i, t in zip(mine, targets):
-        r = torch.zeros(len(t.old_logprobs), dtype=torch.float32)
-        r[-1] = batch.scores[i]
-        if t.ref_logprobs is not None and kl != 0.0:
-            r = r - kl * (t.old_logprobs - t.ref_logprobs)
-        rewards.append(r)
+    rollouts = [_Scored(batch.scores[i], batch.groups[i], [int(m) for m in batch.policy_token_masks()[i]],
+                        [0] * len(batch.full.responses[i])) for i in mine]
+    masks = rollout_masks(rollouts)
+    kl_R = [t.old_logprobs - t.ref_logprobs if t.ref_logprobs is not None else None for t in targets]
+    rewards = token_rewards(rollouts, kl_R=kl_R if all(k is not None for k in kl_R) else None,
+                            kl_coef=exp.kl_in_reward_coef, masks=masks)
     values = [t.old_values for t in targets] if tr.models.critic is not None else None
-    rollouts = [_Scored(batch.scores[i], batch.groups[i]) for i in mine]
     settings = dataclasses.replace(exp.adv, gamma=PROBE_GAMMA, lam=PROBE_LAM)
-    adv, ret = estimate_advantages(rewards, values, rollouts, adv_fn=exp.adv_fn, settings=settings)
+    adv, ret = estimate_advantages(rewards, values, rollouts, adv_fn=exp.adv_fn, settings=settings, masks=masks)
     return [(a.double().tolist(), None if ret is None else ret[k].double().tolist()) for k, a in enumerate(adv)]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Scored:
+    """What the product's reward and estimator paths read of a rollout."""
+
     reward: float
     group: int
+    response_mask: list[int]
+    response_ids: list[int]
 

@@ -49,6 +49,13 @@ def reference_values(model, prompt_ids: Sequence[int], response_ids: Sequence[in
     return values[num_prompt - 1: num_prompt - 1 + num_response]
 
 
+def _mask_of(target: SeqTargets, like_R: Tensor) -> Tensor:
+    """The sequence's tokens that count (its target's ``response_mask``; every one without)."""
+    if target.response_mask is None:
+        return torch.ones_like(like_R, dtype=torch.bool)
+    return target.response_mask.to(device=like_R.device, dtype=torch.bool)
+
+
 def per_sequence_policy_loss(model, prompts, responses, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
                              settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
     """The reference: each sequence alone through the unpacked model, its loss with the global normalisers, summed.
@@ -61,7 +68,7 @@ def per_sequence_policy_loss(model, prompts, responses, targets: Sequence[SeqTar
     for prompt_ids, response_ids, target in zip(prompts, responses, targets):
         logprobs_R, entropy_R = reference_policy_outputs(model, prompt_ids, response_ids,
                                                          temperature=settings.temperature)
-        mask_R = torch.ones_like(logprobs_R, dtype=torch.bool)
+        mask_R = _mask_of(target, logprobs_R)
         use_kl = settings.use_reference
         loss, metrics = policy_loss(
             logprobs_R[None], target.old_logprobs[None].to(logprobs_R), target.advantages[None].to(logprobs_R),
@@ -87,7 +94,7 @@ def per_sequence_value_loss(model, prompts, responses, targets: Sequence[SeqTarg
     collected = []
     for prompt_ids, response_ids, target in zip(prompts, responses, targets):
         values_R = reference_values(model, prompt_ids, response_ids)
-        mask_R = torch.ones_like(values_R, dtype=torch.bool)
+        mask_R = _mask_of(target, values_R)
         loss, metrics = value_loss(
             values_R[None], target.old_values[None].to(values_R), target.returns[None].to(values_R), mask_R[None],
             norms=norms, agg_mode=settings.agg_mode, cliprange_value=settings.cliprange_value,

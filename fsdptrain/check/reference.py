@@ -4,8 +4,11 @@ Legend: `_R` one sequence's response tokens; `_A` every valid token of the mini-
 
 Each sequence runs alone through the unpacked model on sdpa (the naive full log-softmax of
 :func:`~fsdptrain.check.per_sequence.reference_policy_outputs`), and its share of the mini-batch loss is written out here from
-the contract of docs/loss.md with the batch's own counts N (response tokens) and S (sequences with a response
-token), then backward, one sequence at a time:
+the contract of docs/loss.md with the batch's own counts N (counted response tokens) and S (sequences with a counted
+token), then backward, one sequence at a time. The counted tokens are the batch's ``counted`` masks, read from the
+rollouts and the reference's own rejection (:func:`fsdptrain.check.batch.reference_counted`), never the product's
+packed mask: each sequence's per-token values are taken at its counted tokens only (a tool's token, a rejected one
+are dropped before anything is summed):
 
     token-mean  sum_t L / N;   token-sum  sum_t L;   seq-mean-token-sum  sum_t L / S;
     seq-mean-token-sum-norm  sum_t L / S / factor;   seq-mean-token-mean  mean_t L / S.
@@ -43,15 +46,16 @@ EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained varianc
 
 @dataclass(frozen=True)
 class Counts:
-    """N: response tokens of the mini-batch; S: sequences with at least one; the -norm factor."""
+    """N: counted response tokens of the mini-batch; S: sequences with at least one; the -norm factor."""
 
     num_tokens: int
     num_seqs: int
     loss_scale_factor: float
 
     @staticmethod
-    def of(batch: MiniBatch, loss_scale_factor: float) -> "Counts":
-        lengths = [len(r) for r in batch.responses]
+    def of(masks: Sequence[Sequence[bool]], loss_scale_factor: float) -> "Counts":
+        """From each sequence's counted tokens (``CheckBatch.counted_masks``)."""
+        lengths = [sum(bool(m) for m in mask) for mask in masks]
         return Counts(sum(lengths), sum(1 for n in lengths if n > 0), loss_scale_factor)
 
 
@@ -73,15 +77,18 @@ def seq_share(x_R: Tensor, mode: str, counts: Counts) -> Tensor:
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
-def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorrection) -> tuple[Tensor, Tensor]:
-    """One sequence's importance weights from their definitions, in float64: ``(applied w'_R, raw w)``.
+def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorrection,
+                         policy: Optional[Sequence[bool]] = None) -> tuple[Tensor, Tensor]:
+    """One sequence's importance weights from their definitions, in float64, over its policy tokens (``policy``;
+    None: every token): ``(applied w'_P, raw w)``, one applied weight per policy token.
 
-    Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[R]``. Sequence level:
+    Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[P]``. Sequence level:
     w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token. tis: w' = min(w, C);
     mis: w' = w if L <= w <= C else 0 (L = 0 without a lower bound). No clamp, no log-space decision: the definitions, not the product's
     ``rollout_correction_weights``.
     """
-    ratios = [math.exp(o - b) for o, b in zip(old_R.double().tolist(), behaviour_R.double().tolist())]
+    keep = policy if policy is not None else [True] * old_R.numel()
+    ratios = [math.exp(o - b) for o, b, k in zip(old_R.double().tolist(), behaviour_R.double().tolist(), keep) if k]
     ratios_R = torch.tensor(ratios, dtype=torch.float64)
     raw = ratios_R if correction.level == "token" else torch.prod(ratios_R).reshape(1)
     cap = torch.tensor(correction.cap, dtype=torch.float64)
@@ -89,16 +96,17 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
     return (applied if correction.level == "token" else applied.expand(len(ratios))), raw
 
 
-def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
-                         correction: IsCorrection) -> dict[str, float]:
-    """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (tokens at token
-    level, sequences with a response token at sequence level): the plain mean and max of the applied weights, the
-    max of the raw ones and the share of raw weights outside [L, C]."""
+def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor], correction: IsCorrection,
+                         policy_masks: Optional[Sequence[Sequence[bool]]] = None) -> dict[str, float]:
+    """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (policy tokens at
+    token level, sequences with a policy token at sequence level): the plain mean and max of the applied weights,
+    the max of the raw ones and the share of raw weights outside [L, C]."""
     raw_U, applied_U = [], []
-    for old_R, behaviour_R in zip(olds, behaviours):
-        if old_R.numel() == 0:
+    policy_masks = policy_masks if policy_masks is not None else [[True] * o.numel() for o in olds]
+    for old_R, behaviour_R, policy in zip(olds, behaviours, policy_masks):
+        if not any(policy):
             continue
-        applied, raw = reference_is_weights(old_R, behaviour_R, correction)
+        applied, raw = reference_is_weights(old_R, behaviour_R, correction, policy)
         raw_U.append(raw)
         applied_U.append(applied if correction.level == "token" else applied[:1])
     raw, applied = torch.cat(raw_U), torch.cat(applied_U)
@@ -108,18 +116,21 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
             "experience/rollout_is_capped_frac": float(_outside(raw, correction).sum() / raw.numel())}
 
 
-def reference_off_policy_metrics(olds: Sequence[Tensor], behaviours: Sequence[Optional[Tensor]]) -> dict[str, float]:
-    """``rollout_corr/*`` straight from the definitions in float64 over every response token of the batch whose
-    sequence carried behaviour log-probs (``behaviours[i]`` None: left out), with d = behaviour_logp - old_logp:
+def reference_off_policy_metrics(olds: Sequence[Tensor], behaviours: Sequence[Optional[Tensor]],
+                                 policy_masks: Sequence[Sequence[bool]]) -> dict[str, float]:
+    """``rollout_corr/*`` straight from the definitions in float64 over every policy token (``policy_masks[i]``) of
+    the batch whose sequence carried behaviour log-probs (``behaviours[i]`` None: left out), with d = behaviour_logp - old_logp:
     the plain means of d (``kl_k1``), of exp(-d) + d - 1 (``kl_k3``, no clamp) and of [exp(-d) < 1/2 or > 2]
     (``ratio_outside_frac``, decided on the ratio itself), and the mean over those sequences of
     mean_t(-old) - mean_t(-behaviour) (``log_ppl_diff``). Empty when no such token exists."""
     d_A: list[float] = []
     gaps_N: list[float] = []
-    for old_R, behaviour_R in zip(olds, behaviours):
+    for old_R, behaviour_R, mask in zip(olds, behaviours, policy_masks):
         if behaviour_R is None or old_R.numel() == 0:
             continue
-        d = [b - o for o, b in zip(old_R.double().tolist(), behaviour_R.double().tolist())]
+        d = [b - o for o, b, m in zip(old_R.double().tolist(), behaviour_R.double().tolist(), mask) if m]
+        if not d:
+            continue
         d_A += d
         gaps_N.append(sum(d) / len(d))
     if not d_A:
@@ -156,14 +167,17 @@ def _cat(parts: Sequence[Tensor]) -> Tensor:
 
 
 def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, counts: Counts, *,
-                     behaviour: Optional[Sequence[Tensor]] = None,
-                     correction: Optional[IsCorrection] = None) -> tuple[float, dict, dict]:
+                     counted: Sequence[Sequence[bool]], behaviour: Optional[Sequence[Tensor]] = None,
+                     correction: Optional[IsCorrection] = None,
+                     policy_masks: Optional[Sequence[Sequence[bool]]] = None) -> tuple[float, dict, dict]:
     """Forward and backward of the policy loss one sequence at a time: the loss, the directly computed metrics, and
     the tolerance scale of each loss (the same aggregation of the per-token magnitudes, see :func:`_loss_scales`).
 
     With ``settings.use_is_weights`` the pg term is weighted by :func:`reference_is_weights` of each sequence's old
     and ``behaviour`` log-probs under ``correction`` (GMPO: by their geometric mean over the sequence) (never the targets' own ``is_weights``, which the product made).
-    The gradient accumulates in ``model``. Sequences without a response token add nothing and run no forward.
+    ``counted[i]``: sequence i's tokens that count (its per-token values are taken there only); ``policy_masks[i]``
+    its policy's tokens (the importance weights' product runs over them; None: ``counted``).
+    The gradient accumulates in ``model``. Sequences without a counted token add nothing and run no forward.
     """
     if settings.use_is_weights and (behaviour is None or correction is None):
         raise ValueError("the reference's importance weights need the behaviour log-probs and the correction")
@@ -172,11 +186,14 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
     parts: dict[str, list[Tensor]] = {k: [] for k in ("pg", "ratio", "clip", "lower", "ppo_kl", "kl", "entropy")}
     other: list = []
     for i, (prompt_ids, response_ids, target) in enumerate(zip(batch.prompts, batch.responses, batch.targets)):
-        if not response_ids:
+        at = torch.tensor([bool(k) for k in counted[i]], dtype=torch.bool)
+        if not bool(at.any()):
             continue
         logp, entropy = reference_policy_outputs(model, prompt_ids, response_ids, temperature=settings.temperature)
-        old = target.old_logprobs.to(logp)
-        adv = target.advantages.to(logp)
+        at = at.to(logp.device)
+        logp, entropy = logp[at], entropy[at]
+        old = target.old_logprobs.to(logp)[at]
+        adv = target.advantages.to(logp)[at]
         if settings.policy_loss == "vanilla":
             pg, ratio, clip, lower = _vanilla(logp, old, adv, settings)
         else:  # another loss: its own per-token function on this sequence alone, its metrics merged over sequences
@@ -186,13 +203,15 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             pg = pg[0]
             other.append(pg_metrics)
         if settings.use_is_weights:
-            weights = reference_is_weights(target.old_logprobs, behaviour[i], correction)[0]
+            policy = policy_masks[i] if policy_masks is not None else counted[i]
+            weights = reference_is_weights(target.old_logprobs, behaviour[i], correction, policy)[0]
+            weights = weights[torch.tensor([bool(c) for p, c in zip(policy, counted[i]) if p], dtype=torch.bool)]
             if settings.policy_loss == "gmpo":  # GMPO takes the geometric mean of its sequence's weights
                 weights = torch.prod(weights).pow(1.0 / weights.numel()).expand(weights.numel())
             pg = pg * weights.to(logp)
         loss = seq_share(pg, mode, counts)
         if settings.use_reference:
-            kl = kl_direct(logp, target.ref_logprobs.to(logp), settings.kl_estimator, settings.kl_clamp)
+            kl = kl_direct(logp, target.ref_logprobs.to(logp)[at], settings.kl_estimator, settings.kl_clamp)
             loss = loss + settings.kl_coef * seq_share(kl, mode, counts)
             parts["kl"].append(kl)
         if settings.entropy_coef != 0.0:
@@ -281,16 +300,20 @@ def explained_variance_direct(returns_A: Tensor, values_A: Tensor) -> Optional[f
     return float(1.0 - (returns_A - values_A).var(unbiased=False) / var_r)
 
 
-def reference_critic(model, batch: MiniBatch, settings: ValueLossSettings,
-                     counts: Counts) -> tuple[float, dict, dict]:
-    """Forward and backward of the value loss one sequence at a time: the loss, the metrics, the loss scales."""
+def reference_critic(model, batch: MiniBatch, settings: ValueLossSettings, counts: Counts, *,
+                     counted: Sequence[Sequence[bool]]) -> tuple[float, dict, dict]:
+    """Forward and backward of the value loss one sequence at a time, at each sequence's ``counted`` tokens: the
+    loss, the metrics, the loss scales."""
     total = 0.0
     parts: dict[str, list[Tensor]] = {k: [] for k in ("err", "clip", "values", "returns")}
-    for prompt_ids, response_ids, target in zip(batch.prompts, batch.responses, batch.targets):
-        if not response_ids:
+    for prompt_ids, response_ids, target, mask in zip(batch.prompts, batch.responses, batch.targets, counted):
+        at = torch.tensor([bool(k) for k in mask], dtype=torch.bool)
+        if not bool(at.any()):
             continue
         values = reference_values(model, prompt_ids, response_ids)
-        old, returns = target.old_values.to(values), target.returns.to(values)
+        at = at.to(values.device)
+        values = values[at]
+        old, returns = target.old_values.to(values)[at], target.returns.to(values)[at]
         unclipped = (values - returns).square()
         if settings.cliprange_value is None:
             err, clip = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
@@ -320,7 +343,7 @@ def reference_critic(model, batch: MiniBatch, settings: ValueLossSettings,
 def reference_rollout_metrics(facts: Sequence[RolloutFacts]) -> dict[str, float]:
     """The step's rollout metrics straight from every rank's sequences (what ``Trainer.rollout_metrics`` logs)."""
     rewards = [f.reward for f in facts]
-    lengths = [f.num_response_tokens for f in facts]
+    lengths = [f.num_policy_tokens for f in facts]
     return {
         "reward/mean": sum(rewards) / len(rewards),
         "reward/max": max(rewards),
@@ -328,6 +351,6 @@ def reference_rollout_metrics(facts: Sequence[RolloutFacts]) -> dict[str, float]
         "response_length/max": float(max(lengths)),
         "response_length/truncated_frac": sum(f.truncated for f in facts) / len(facts),
         "batch/num_seqs": float(len(facts)),
-        "batch/num_response_tokens": float(sum(lengths)),
+        "batch/num_response_tokens": float(sum(f.num_response_tokens for f in facts)),
         "batch/num_prompt_tokens": float(sum(f.num_prompt_tokens for f in facts)),
     }

@@ -70,6 +70,10 @@ def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
     fixtures = []
     if batch.has_fixture:
         fixtures.append("+1 prompt-only sequence (no response token)")
+    holes = [m for m in batch.policy_token_masks() if not all(m)]
+    if holes:
+        fixtures.append(f"{len(holes)} sequences with tool segments ({sum(len(m) - sum(m) for m in holes)} response "
+                        "tokens not the policy's)")
     if batch.value_shift is not None:
         fixtures.append(f"critic outputs shifted by {batch.value_shift:.4g} (every value < 0)")
     if fixtures:

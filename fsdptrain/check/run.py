@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+
+import torch
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -112,7 +114,8 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
         zero_grads(part.model)
         if part.prefix == DRAFTER:
             loss, metrics, grads[DRAFTER] = reference_drafter(part.model, session.batch.full, part.settings,
-                                                              counts.loss_scale_factor)
+                                                              counts.loss_scale_factor,
+                                                              counted=session.batch.counted_masks())
             norm = grad_norm(grads[DRAFTER])
             values.update(metrics, **{DRAFTER + "grad_norm": norm, DRAFTER + "grad_max_diff": 0.0,
                                       DRAFTER + "clip_coef": clip_coefficient(norm, CLIP_PROBE * norm)})
@@ -120,10 +123,13 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
             continue
         if part.prefix == "actor/":
             loss, metrics, loss_scales = reference_policy(part.model, session.batch.full, part.settings, counts,
+                                                          counted=session.batch.counted_masks(),
                                                           behaviour=session.batch.behaviour,
-                                                          correction=session.batch.correction)
+                                                          correction=session.batch.correction,
+                                                          policy_masks=session.batch.policy_token_masks())
         else:
-            loss, metrics, loss_scales = reference_critic(part.model, session.batch.full, part.settings, counts)
+            loss, metrics, loss_scales = reference_critic(part.model, session.batch.full, part.settings, counts,
+                                                          counted=session.batch.counted_masks())
         scales.update({part.prefix + k: v for k, v in loss_scales.items()})
         grads[part.prefix] = gather_full_grads(part.model)
         values[part.prefix + "loss"] = loss
@@ -139,7 +145,7 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
 def _scale_report(session: CheckSession, mode: str, counts: Counts) -> GradScaleReport:
     """The gradient-scale report of ``mode`` on this batch (docs/loss.md)."""
     return grad_scale_report(mode, num_tokens=counts.num_tokens, num_seqs=counts.num_seqs,
-                             seq_lengths=[len(r) for r in session.batch.full.responses],
+                             seq_lengths=[sum(m) for m in session.batch.counted_masks()],
                              dp_size=session.world_size, loss_scale_factor=counts.loss_scale_factor,
                              grad_clip=session.cfg.trainer.grad_clip)
 
@@ -213,13 +219,15 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
     """The rollout-correction weights and ``experience/rollout_is_*`` that the product made for the batch (in
     ``make_targets``, metrics reduced over the ranks as the step logs them) against :func:`reference_is_weights` and
     :func:`reference_is_metrics` from the definitions: the reference's values, the product's outcome, the scales."""
-    olds, behaviours = [t.old_logprobs for t in batch.full.targets], batch.behaviour
-    want = reference_is_metrics(olds, behaviours, batch.correction)
+    olds, behaviours, policy_masks = [t.old_logprobs for t in batch.full.targets], batch.behaviour, \
+        batch.policy_token_masks()
+    want = reference_is_metrics(olds, behaviours, batch.correction, policy_masks)
     worst, largest = 0.0, 0.0
-    for old, behaviour, target in zip(olds, behaviours, batch.full.targets):
-        if old.numel():
-            weights, _ = reference_is_weights(old, behaviour, batch.correction)
-            worst = max(worst, float((target.is_weights.double() - weights).abs().max()))
+    for old, behaviour, target, policy in zip(olds, behaviours, batch.full.targets, policy_masks):
+        if any(policy):
+            weights, _ = reference_is_weights(old, behaviour, batch.correction, policy)
+            got = target.is_weights.double()[torch.tensor(policy, dtype=torch.bool)]
+            worst = max(worst, float((got - weights).abs().max()))
             largest = max(largest, float(weights.abs().max()))
     want[IS_DIFF] = 0.0
     got = {**{k: v for k, v in batch.experience.items() if k.startswith("experience/")}, IS_DIFF: worst}
@@ -248,7 +256,7 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
     parts = [dataclasses.replace(p, settings=off_policy_settings(p.settings) if p.prefix == "actor/" else
                                  off_policy_value_settings(p.settings))
              for p in checked_policy_and_critic(parts_of(session, mode))]
-    counts = Counts.of(off_batch.full, tr.loss_scale_factor)
+    counts = Counts.of(off_batch.counted_masks(), tr.loss_scale_factor)
     ctx = _context(off, off_batch, counts)
     reference, scales, ref_grads = _reference(off, parts, counts)
     planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
@@ -329,7 +337,8 @@ def _off_policy_diagnostics_stage(found: Found, session: CheckSession, tol: dict
                                          temperature=trainer.experience_settings.temperature)[0].cpu()
                 if batch.carried_behaviour[i] is not None and batch.full.responses[i] else torch.zeros(0)
                 for i in real]
-    want = reference_off_policy_metrics(olds, [batch.carried_behaviour[i] for i in real])
+    want = reference_off_policy_metrics(olds, [batch.carried_behaviour[i] for i in real],
+                                        [batch.policy_masks[i] for i in real])
     found.reference.values.update(want)
     got = {k: v for k, v in batch.experience.items() if k.startswith(OFF_POLICY)}
     found.comparisons += compare(found.reference, Outcome("experience", got, covers=(OFF_POLICY,)), scales={},
@@ -359,7 +368,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     mode = agg_mode or cfg.loss.agg_mode
     every_part = parts_of(session, mode)
     parts = checked_policy_and_critic(every_part)
-    counts = Counts.of(batch.full, tr.loss_scale_factor)
+    counts = Counts.of(batch.counted_masks(), tr.loss_scale_factor)
     ctx = _context(session, batch, counts)
     planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
                       world_size=session.world_size)

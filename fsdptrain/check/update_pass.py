@@ -63,9 +63,9 @@ class Snapshot:
                                     for p, s in state.items()})
 
 
-def _split(batch: CheckBatch, shape: UpdateShape, num_prompts: int) -> list[tuple[MiniBatch, Optional[list]]]:
+def _split(batch: CheckBatch, shape: UpdateShape, num_prompts: int) -> list[tuple[MiniBatch, Optional[list], list]]:
     """The full batch's real sequences split into mini-batches by prompt group, by hand; with their behaviour
-    log-probs when there is a rollout correction."""
+    log-probs when there is a rollout correction, and their (counted, policy) masks."""
     per_mb = num_prompts // shape.mini_batches
     out = []
     for m in range(shape.mini_batches):
@@ -73,7 +73,8 @@ def _split(batch: CheckBatch, shape: UpdateShape, num_prompts: int) -> list[tupl
         full = batch.full
         sub = MiniBatch([full.prompts[i] for i in index], [full.responses[i] for i in index],
                         [full.targets[i] for i in index])
-        out.append((sub, None if batch.behaviour is None else [batch.behaviour[i] for i in index]))
+        masks = ([batch.counted_masks()[i] for i in index], [batch.policy_token_masks()[i] for i in index])
+        out.append((sub, None if batch.behaviour is None else [batch.behaviour[i] for i in index], masks))
     return out
 
 
@@ -123,17 +124,18 @@ def reference_update(session: CheckSession, shape: UpdateShape) -> tuple[dict[st
     loss_scales: dict[str, list[float]] = {}
     tokens, counts_seen = [], []
     for _ in range(shape.epochs):
-        for sub, behaviour in splits:
-            counts = Counts.of(sub, tr.loss_scale_factor)
+        for sub, behaviour, (counted, policy) in splits:
+            counts = Counts.of(counted, tr.loss_scale_factor)
             tokens.append(counts.num_tokens)
             counts_seen.append(counts)
             for prefix, model, optimizer, max_norm in models:
                 zero_grads(model)
                 if prefix == "actor/":
-                    _, found, scales = reference_policy(model, sub, tr.policy_settings, counts, behaviour=behaviour,
-                                                        correction=batch.correction)
+                    _, found, scales = reference_policy(model, sub, tr.policy_settings, counts, counted=counted,
+                                                        behaviour=behaviour, correction=batch.correction,
+                                                        policy_masks=policy)
                 else:
-                    _, found, scales = reference_critic(model, sub, tr.value_settings, counts)
+                    _, found, scales = reference_critic(model, sub, tr.value_settings, counts, counted=counted)
                 metrics[prefix].append(found)
                 for name in LOSSES:
                     if name in scales:

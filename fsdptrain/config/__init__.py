@@ -7,11 +7,12 @@ The names most modules need are importable from here: ``from fsdptrain.config im
 from fsdptrain.registry.errors import ConfigError
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS, Config, register_schemas
 from fsdptrain.config.validate import (
+    multi_turn,
     reward_specs,
     validate,
     validate_mesh_shape,
     validate_world,
 )
 
-__all__ = ["DEFAULT_STEPS", "SCHEMA_GROUPS", "Config", "ConfigError", "register_schemas", "reward_specs", "validate",
+__all__ = ["DEFAULT_STEPS", "SCHEMA_GROUPS", "Config", "ConfigError", "multi_turn", "register_schemas", "reward_specs", "validate",
            "validate_mesh_shape", "validate_world"]

@@ -117,6 +117,12 @@ class AlgorithmConfig:
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
     rollout_correction_low: Optional[float] = bounded(None, gt=0)
     """Lower bound L of the importance weights, mis only: a weight below L is zeroed too (IcePop); null: none."""
+    rollout_rejection: str = choice("none", ("none", *names.ROLLOUT_REJECTION_LEVELS))
+    """Rejection sampling: drop tokens, or sequences, whose old/behaviour ratio is out of [low, high]."""
+    rollout_rejection_low: float = bounded(0.5, gt=0)
+    """Lower bound of the ratios rollout_rejection keeps (> 0, below rollout_rejection_high)."""
+    rollout_rejection_high: float = bounded(2.0, gt=0)
+    """Upper bound of the ratios rollout_rejection keeps."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
     filter_groups_max_rounds: int = bounded(3, ge=1)
@@ -194,7 +200,7 @@ class RolloutConfig:
     n: int = bounded(4, ge=1)
     """Samples per prompt (a group; never split across ranks)."""
     max_new_tokens: int = bounded(6, ge=1)
-    """Largest response length: generated, or declared for offline rollouts (data=jsonl: a longer response is a bad row)."""
+    """Largest response length: generated, or declared for offline rollouts (data=jsonl: a longer response is a bad row); with tools, the budget of the whole trajectory (model and tool tokens)."""
     temperature: float = bounded(1.0, gt=0)
     """Sampling temperature (log-probs in training use the same temperature)."""
     top_p: float = bounded(1.0, gt=0, le=1)
@@ -203,6 +209,14 @@ class RolloutConfig:
     """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never."""
     gather_weights_max_share: float = bounded(0.5, gt=0, le=1)
     """gather_weights=auto gathers when the unsharded policy needs at most this share of free memory."""
+    tools: Optional[list[str]] = None
+    """Tools the policy may call (multi-turn rollouts, docs/multi-turn.md): functions with type hints and a Google-style docstring, as module:function or path.py:function."""
+    environment: Optional[str] = None
+    """An environment class (path.py:Class or module:Class), one instance per sample: reset(**row_columns), its public methods are tools, optional get_reward() (docs/multi-turn.md)."""
+    max_turns: int = bounded(4, ge=1)
+    """With tools: most assistant turns per sample (a tool call in the last one is not run; truncated/max_turns)."""
+    max_tool_response_tokens: int = bounded(256, ge=1)
+    """With tools: most tokens of one tool result's content; a longer one is cut (tools/num_cut_results)."""
 
 
 @dataclass

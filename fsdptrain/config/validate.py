@@ -156,6 +156,23 @@ def _check_reward_models(cfg: DictConfig) -> None:
                           "(offline rollouts carry their rewards)")
 
 
+def multi_turn(cfg: DictConfig) -> bool:
+    """Rollouts are multi-turn: ``rollout.tools`` or ``rollout.environment`` is set (docs/multi-turn.md)."""
+    return bool(cfg.rollout.tools) or cfg.rollout.environment is not None
+
+
+def _check_multi_turn(cfg: DictConfig) -> None:
+    if multi_turn(cfg) and cfg.data.source == "jsonl":
+        raise ConfigError("rollout.tools / rollout.environment generate multi-turn rollouts: use data=task or "
+                          "data=prompts, not data=jsonl (offline rollouts are read as they are)")
+    if multi_turn(cfg) and cfg.reward.models:
+        raise ConfigError("reward.models with rollout.tools / rollout.environment is not supported yet: score "
+                          "multi-turn rollouts with reward.functions")
+    if cfg.rollout.environment is not None and cfg.reward.num_workers > 0:
+        raise ConfigError("rollout.environment needs reward.num_workers=0: its instances (their state, get_reward, "
+                          "the environments= of reward functions) live in the training process")
+
+
 def _check_steps_and_logging(cfg: DictConfig) -> None:
     steps, epochs = cfg.trainer.steps, cfg.trainer.epochs
     if steps is not None and epochs is not None:
@@ -232,6 +249,9 @@ def _check_loss_settings(alg: DictConfig) -> None:
     if low is not None and not low < alg.rollout_correction_cap:
         raise ConfigError(f"algorithm.rollout_correction_low={low} must be below "
                           f"algorithm.rollout_correction_cap={alg.rollout_correction_cap}")
+    if not alg.rollout_rejection_low < alg.rollout_rejection_high:
+        raise ConfigError(f"algorithm.rollout_rejection_low={alg.rollout_rejection_low} must be below "
+                          f"algorithm.rollout_rejection_high={alg.rollout_rejection_high}")
 
 
 EXTENSION_RULES = (check_drafter,)
@@ -246,6 +266,7 @@ def validate(cfg: DictConfig) -> None:
     _check_loss_settings(cfg.algorithm)
     _check_steps_and_logging(cfg)
     _check_reward_models(cfg)
+    _check_multi_turn(cfg)
     for rule in EXTENSION_RULES:
         rule(cfg)
 

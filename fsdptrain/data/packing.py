@@ -7,10 +7,14 @@ A pack is one row `[1, T]` holding several sequences back to back (docs/packing.
 
     position t of a sequence holds, in `labels`, token t+1 of the SAME sequence;
     the last position of each sequence has no next token: its label is `label_fill` and it is masked;
-    `response_mask[t]` is True when token t+1 is a response token, i.e. the log-prob computed at t scores it.
+    `response_positions[t]` is True when token t+1 is a response token, i.e. the log-prob computed at t scores it;
+    `response_mask[t]` is True when token t+1 is a response token AND the policy's (its entry in the sequence's
+    response mask is 1): the one mask the losses, their normalisers and every metric read (docs/packing.md).
 
 So a sequence with prompt length P >= 1 and response length R has its R response tokens scored at its positions
-P-1 .. P+R-2. A masked padding tail may follow the last sequence (`pad_to`); it is its own attention segment
+P-1 .. P+R-2. A response mask (one 0/1 entry per response token, `fsdptrain.data.rollout.Rollout.response_mask`;
+None = all ones) takes the tokens a tool, the environment or a chat separator wrote out of `response_mask` and
+leaves `response_positions` as it is. A masked padding tail may follow the last sequence (`pad_to`); it is its own attention segment
 (position ids restart at 0 there) so it can never see, or be seen by, a real sequence.
 
 An empty pack (no sequences: a rank with less work runs one so every rank runs the same forwards) is a row of
@@ -22,6 +26,7 @@ This module is pure torch and never calls torch.distributed: the caller passes t
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -155,7 +160,10 @@ class PackedBatch:
                       in the tail.
     label_mask:       bool, True where `labels` holds a real next token (every position but each sequence's last
                       and the tail).
-    response_mask:    bool, True where the next token is a response token (subset of `label_mask`).
+    response_positions: bool, True where the next token is a response token of any author (subset of
+                      `label_mask`): where response-aligned values (`SeqTargets`) are placed.
+    response_mask:    bool, True where the next token is a response token the policy sampled (subset of
+                      `response_positions`): what the losses, their normalisers and every metric count.
     seq_index:        long, which sequence a position belongs to; the tail gets `num_seqs` (one past the last),
                       so a scatter into `num_seqs + 1` slots keeps it apart.
     prompt_lengths, response_lengths, seq_lengths: python ints per sequence, pack order.
@@ -168,6 +176,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     labels: torch.Tensor
     label_mask: torch.Tensor
+    response_positions: torch.Tensor
     response_mask: torch.Tensor
     seq_index: torch.Tensor
     prompt_lengths: list[int]
@@ -188,6 +197,7 @@ class PackedBatch:
 
     @property
     def num_response_tokens(self) -> int:
+        """Response tokens of every author (the policy's and the tools'); the policy's: `response_mask.sum()`."""
         return sum(self.response_lengths)
 
     def segment_cu_seqlens(self) -> torch.Tensor:
@@ -219,6 +229,38 @@ def _as_id_list(ids: TokenIds, what: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+ResponseMask = Sequence[int] | torch.Tensor | None
+"""One sequence's response mask: one 0/1 (or bool) entry per response token, 1 = the policy's; None = all ones."""
+
+
+def _policy_flags(masks: Sequence[ResponseMask] | None, responses: list[list[int]]) -> list[list[bool]]:
+    """Per sequence, per response token: True where the policy sampled it (all True without a mask)."""
+    if masks is None:
+        return [[True] * len(r) for r in responses]
+    if len(masks) != len(responses):
+        raise ValueError(f"got {len(masks)} response masks for {len(responses)} responses; pass one per response "
+                         "(None for all ones)")
+    out = []
+    for i, (mask, r_ids) in enumerate(zip(masks, responses)):
+        if mask is None:
+            out.append([True] * len(r_ids))
+            continue
+        flags = [bool(m) for m in (mask.tolist() if isinstance(mask, torch.Tensor) else mask)]
+        if len(flags) != len(r_ids):
+            raise ValueError(f"response mask {i} has {len(flags)} entries for {len(r_ids)} response tokens; it needs "
+                             "one 0/1 entry per response token")
+        out.append(flags)
+    return out
+
+
+def _check_counts(prompts: Sequence, responses: Sequence, response_masks: Sequence | None) -> None:
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
+    if response_masks is not None and len(response_masks) != len(responses):
+        raise ValueError(f"got {len(response_masks)} response masks for {len(responses)} responses; pass one per "
+                         "response (None for all ones)")
+
+
 def _check_pairs(prompts: Sequence[TokenIds], responses: Sequence[TokenIds]) -> list[tuple[list[int], list[int]]]:
     if len(prompts) != len(responses):
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
@@ -239,22 +281,23 @@ def pack_sequences(
     responses: Sequence[TokenIds],
     indices: Sequence[int] | None = None,
     *,
+    response_masks: Sequence[ResponseMask] | None = None,
     pad_to: int | None = None,
     pad_token_id: int = 0,
     label_fill: int = IGNORE_INDEX,
 ) -> PackedBatch:
     """Pack the sequences `prompts[i] + responses[i]` for i in `indices` (default: all, in order) into one row.
 
-    `pad_to` fixes T (>= the real token count); the extra positions form a masked tail. With no sequence the row
-    is an empty pack of `pad_to or 1` masked padding tokens. Layout and alignment: see the module docstring.
-    """
-    if len(prompts) != len(responses):
-        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses; pass one response per prompt")
+    `response_masks[i]`: the policy's response tokens of sequence i (None, or a None entry: all). `pad_to` fixes T
+    (>= the real token count); the extra positions form a masked tail. With no sequence the row is an empty pack of
+    `pad_to or 1` masked padding tokens. Layout and alignment: see the module docstring."""
+    _check_counts(prompts, responses, response_masks)
     if indices is None:
         indices = range(len(prompts))
     chosen_prompts = [prompts[i] for i in indices]
     chosen_responses = [responses[i] for i in indices]
     pairs = _check_pairs(chosen_prompts, chosen_responses)
+    policy = _policy_flags(response_masks and [response_masks[i] for i in indices], [r for _, r in pairs])
 
     prompt_lengths = [len(p) for p, _ in pairs]
     response_lengths = [len(r) for _, r in pairs]
@@ -269,6 +312,7 @@ def pack_sequences(
     labels: list[int] = []
     position_ids: list[int] = []
     label_mask: list[bool] = []
+    response_positions: list[bool] = []
     response_mask: list[bool] = []
     seq_index: list[int] = []
     for s, (p_ids, r_ids) in enumerate(pairs):
@@ -278,19 +322,18 @@ def pack_sequences(
         labels += ids[1:] + [label_fill]
         position_ids += range(n)
         label_mask += [True] * (n - 1) + [False]
-        # position t scores token t+1; token t+1 is a response token when t+1 >= num_prompt
-        response_mask += [t + 1 >= num_prompt for t in range(n - 1)] + [False]
+        # position t scores token t+1; token t+1 is response token j = t+1-num_prompt when t+1 >= num_prompt
+        response_positions += [False] * (num_prompt - 1) + [True] * len(r_ids) + [False]
+        response_mask += [False] * (num_prompt - 1) + policy[s] + [False]
         seq_index += [s] * n
     input_ids += [pad_token_id] * pad_len
     labels += [label_fill] * pad_len
     position_ids += range(pad_len)
-    label_mask += [False] * pad_len
-    response_mask += [False] * pad_len
+    for tail_mask in (label_mask, response_positions, response_mask):
+        tail_mask += [False] * pad_len
     seq_index += [len(pairs)] * pad_len
 
-    cu = [0]
-    for n in seq_lengths:
-        cu.append(cu[-1] + n)
+    cu = [0, *accumulate(seq_lengths)]
 
     def row(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).view(1, total_len)
@@ -301,6 +344,7 @@ def pack_sequences(
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         labels=row(labels, torch.long),
         label_mask=row(label_mask, torch.bool),
+        response_positions=row(response_positions, torch.bool),
         response_mask=row(response_mask, torch.bool),
         seq_index=row(seq_index, torch.long),
         prompt_lengths=prompt_lengths,
@@ -358,7 +402,7 @@ class PaddedBatch:
 
     input_ids (long, `pad_token_id` after each sequence), attention_mask (long 1/0), position_ids (long, 0..L-1),
     labels (long, token t+1 of the row; `label_fill` at each row's last real position and in the padding),
-    label_mask / response_mask (bool, as in `PackedBatch`), and the per-sequence lengths.
+    label_mask / response_positions / response_mask (bool, as in `PackedBatch`), and the per-sequence lengths.
     """
 
     input_ids: torch.Tensor
@@ -366,6 +410,7 @@ class PaddedBatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     label_mask: torch.Tensor
+    response_positions: torch.Tensor
     response_mask: torch.Tensor
     prompt_lengths: list[int]
     response_lengths: list[int]
@@ -384,14 +429,17 @@ def pad_sequences(
     prompts: Sequence[TokenIds],
     responses: Sequence[TokenIds],
     *,
+    response_masks: Sequence[ResponseMask] | None = None,
     pad_to: int | None = None,
     pad_token_id: int = 0,
     label_fill: int = IGNORE_INDEX,
 ) -> PaddedBatch:
-    """Right-pad the sequences `prompts[i] + responses[i]` to L = `pad_to` or the longest length."""
+    """Right-pad the sequences `prompts[i] + responses[i]` to L = `pad_to` or the longest length; `response_masks`
+    as in `pack_sequences`."""
     pairs = _check_pairs(prompts, responses)
     if not pairs:
         raise ValueError("pad_sequences needs at least one sequence")
+    policy = _policy_flags(response_masks, [r for _, r in pairs])
     seq_lengths = [len(p) + len(r) for p, r in pairs]
     width = pad_to if pad_to is not None else max(seq_lengths)
     if width < max(seq_lengths):
@@ -402,6 +450,7 @@ def pad_sequences(
     labels_BL = torch.full((batch, width), label_fill, dtype=torch.long)
     attention_mask_BL = torch.zeros((batch, width), dtype=torch.long)
     label_mask_BL = torch.zeros((batch, width), dtype=torch.bool)
+    response_positions_BL = torch.zeros((batch, width), dtype=torch.bool)
     response_mask_BL = torch.zeros((batch, width), dtype=torch.bool)
     for b, (p_ids, r_ids) in enumerate(pairs):
         ids = torch.tensor(p_ids + r_ids, dtype=torch.long)
@@ -410,13 +459,15 @@ def pad_sequences(
         labels_BL[b, : n - 1] = ids[1:]
         attention_mask_BL[b, :n] = 1
         label_mask_BL[b, : n - 1] = True
-        response_mask_BL[b, len(p_ids) - 1 : n - 1] = True
+        response_positions_BL[b, len(p_ids) - 1 : n - 1] = True
+        response_mask_BL[b, len(p_ids) - 1 : n - 1] = torch.tensor(policy[b], dtype=torch.bool)
     return PaddedBatch(
         input_ids=input_ids_BL,
         attention_mask=attention_mask_BL,
         position_ids=torch.arange(width).expand(batch, width).clone(),
         labels=labels_BL,
         label_mask=label_mask_BL,
+        response_positions=response_positions_BL,
         response_mask=response_mask_BL,
         prompt_lengths=[len(p) for p, _ in pairs],
         response_lengths=[len(r) for _, r in pairs],

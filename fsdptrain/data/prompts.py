@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.prompt_files import read_table
@@ -31,6 +31,13 @@ class PromptRow:
     text: str
     columns: dict
     is_chat: bool = False
+    messages: Optional[list] = None
+    """The chat's ``{role, content}`` messages (None for a string prompt); multi-turn rollouts render them again
+    with the tools."""
+
+    def chat(self) -> list[dict]:
+        """The prompt as messages: the chat's, or one user message holding a string prompt."""
+        return [dict(m) for m in self.messages] if self.messages is not None else [{"role": "user", "content": self.text}]
 
 
 def load_prompts(source: str | Sequence[str], *, tokenizer, prompt_key: str = "prompt",
@@ -54,7 +61,8 @@ def load_prompts(source: str | Sequence[str], *, tokenizer, prompt_key: str = "p
             where = f"{part.label}: row {local} (0-based), column {prompt_key!r}"
             text, is_chat = render_prompt(record[prompt_key], tokenizer=tokenizer, where=where)
             columns = {k: v for k, v in record.items() if k != prompt_key}
-            rows.append(PromptRow(index=len(rows), text=text, columns=columns, is_chat=is_chat))
+            messages = [{"role": m["role"], "content": m["content"]} for m in record[prompt_key]] if is_chat else None
+            rows.append(PromptRow(index=len(rows), text=text, columns=columns, is_chat=is_chat, messages=messages))
     return rows
 
 

@@ -12,7 +12,13 @@ from typing import Optional, Sequence
 
 @dataclass
 class Rollout:
-    """One sequence of experience; ids exclude padding, the response ends with EOS unless it was truncated."""
+    """One sequence of experience; ids exclude padding, the response ends with EOS unless it was truncated.
+
+    ``response_mask`` holds one 0/1 entry per response token: 1 where the policy sampled the token, 0 where a tool,
+    the environment or a chat separator wrote it (a multi-turn rollout). ``None`` means all ones (every single-turn
+    rollout). It is the one record of which tokens count: packing turns it into the packed row's ``response_mask``
+    and the loss, its normalisers, KL, entropy, advantages and metrics read only that (docs/architecture.md).
+    """
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -20,6 +26,7 @@ class Rollout:
     group: int
     truncated: bool = False
     behaviour_logprobs: Optional[list[float]] = None
+    response_mask: Optional[list[int]] = None
     prompt_text: str = ""
     response_text: str = ""
     extra: dict = field(default_factory=dict)

@@ -50,6 +50,7 @@ def generate_responses(
     generator_seed: int,
     device: torch.device,
     row_seeds: Optional[Sequence[int]] = None,
+    synced_gpus: Optional[bool] = None,
 ) -> list[tuple[list[int], list[int], bool]]:
     """Generate one response per prompt: ``(prompt_ids, response_ids, truncated)`` for each, in order.
 
@@ -61,6 +62,10 @@ def generate_responses(
     used for evaluation. With ``row_seeds`` (one per prompt; ``do_sample`` must be False) each row samples at
     ``temperature`` from its own generator (:class:`RowSeededSampling`, top_p 1): the sampled evaluation, whose
     samples must not depend on how the rows are split over ranks.
+
+    ``synced_gpus`` None lets transformers decide (on for an FSDP-wrapped model on several ranks: every rank steps
+    until all are done); multi-turn rollouts pass False, since they generate with the weights gathered and each rank
+    makes its own number of calls.
     """
     assert row_seeds is None or (not do_sample and len(row_seeds) == len(prompts)), "row_seeds: one per prompt, greedy"
     was_training = model.training
@@ -85,6 +90,7 @@ def generate_responses(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             use_cache=True,
+            **({} if synced_gpus is None else {"synced_gpus": synced_gpus}),
             **sampling,
         )
     model.train(was_training)

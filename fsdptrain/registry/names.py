@@ -28,6 +28,10 @@ DRAFT_ON = ("response", "all")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 """Off-policy correction: one weight per token, or one per sequence from the product of its token ratios."""
 
+ROLLOUT_REJECTION_LEVELS = ("token", "sequence", "geometric")
+"""`algorithm.rollout_rejection`: reject tokens by their own ratio, or whole sequences by the product or the geometric
+mean of their token ratios (docs/algorithms.md)."""
+
 ADV_ESTIMATOR_ARGS = ("token_rewards_BT", "values_BT", "mask_BT", "scores_N", "group_ids_N", "settings")
 """The keyword names an advantage estimator must accept (checked when a user's function is loaded)."""
 

@@ -33,6 +33,7 @@ class PackedRow(Protocol):
     input_ids: Tensor
     labels: Tensor
     label_mask: Tensor
+    response_positions: Tensor
     response_mask: Tensor
     cu_seqlens: Tensor
 
@@ -79,6 +80,9 @@ class ValueLossSettings:
 class SeqTargets:
     """One sequence's response-aligned training targets (`_R`); optional fields are None when unused.
 
+    Every tensor has one entry per response token, tool tokens included, so the layout never changes with the mask;
+    ``response_mask`` (bool `[R]`; None = all ones) says which tokens count: the policy's (the rollout's
+    `response_mask`) and not rejected (`algorithm.rollout_rejection`). Entries at mask 0 are 0 and never read.
     ``old_logprobs`` (``old_values``) None: the update is strictly on-policy and the experience pass was skipped; the
     loss takes the training forward's own detached outputs instead, which is what the pass would have given.
     """
@@ -90,21 +94,25 @@ class SeqTargets:
     returns: Optional[Tensor] = None
     is_weights: Optional[Tensor] = None
     """Rollout-correction importance weights (detached), with `algorithm.rollout_correction`."""
+    response_mask: Optional[Tensor] = None
+    """bool `[R]`: the response tokens that count (packing turns it into the row's `response_mask`); None: all."""
 
 
 def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedRow, *, device=None) -> Tensor:
-    """Place each sequence's response-aligned values at the row positions that score them; 0 elsewhere. `[T]`.
+    """Place each sequence's response-aligned values at the row positions that score them; 0 elsewhere, and 0 where
+    the row's `response_mask` is off (a tool's token: its entry is never read). `[T]`.
 
     The inverse of :func:`fsdptrain.data.packing.unpack_responses`: the response positions of a pack, in row order, are
     the sequences' response tokens back to back, so one masked assignment does it.
     """
-    mask_T = packed.response_mask[0]
-    device = device or mask_T.device
+    positions_T = packed.response_positions[0]
+    device = device or positions_T.device
     out_T = torch.zeros(packed.total_len, dtype=torch.float32, device=device)
     if per_seq_R:
         values = torch.cat([v.reshape(-1).to(device=device, dtype=torch.float32) for v in per_seq_R])
-        assert values.numel() == int(mask_T.sum()), "response values do not match the pack's response tokens"
-        out_T[mask_T.to(device)] = values
+        assert values.numel() == int(positions_T.sum()), "response values do not match the pack's response tokens"
+        out_T[positions_T.to(device)] = values
+        out_T = torch.where(packed.response_mask[0].to(device), out_T, torch.zeros((), device=device))
     return out_T
 
 

@@ -8,7 +8,7 @@ rollout_is_weights=)`). They are detached: no gradient flows through them.
 Legend: `_N` one value per sequence; unsuffixed tensors are per token, padded `[B, T]` or packed `[T]`/`[1, T]` with
 `cu_seqlens`. Departures from verl's rollout correction: the lower threshold (IcePop's, verl's
 `rollout_is_threshold_lower`) applies to mis only, and has no default (verl's is 1/C); a weight of 0 (MIS) keeps its
-token in the loss's normalizers (verl's rejection sampling removes it from the mask instead).
+token in the loss's normalizers (rejection sampling, `rollout_rejection_mask`, removes it from the mask instead).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
-from fsdptrain.registry.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES
+from fsdptrain.registry.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, ROLLOUT_REJECTION_LEVELS
 from fsdptrain.rl.aggregate import SeqLayout, masked
 from fsdptrain.rl.metrics import Max, Mean, Metrics
 
@@ -142,3 +142,59 @@ def off_policy_diagnostics(
             "log_ppl_diff": Mean.of(gap_N, seq_valid_N),
             "ratio_outside_frac": Mean.of(outside.to(d.dtype), valid),
         })
+
+
+def rollout_rejection_mask(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    low: float,
+    high: float,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Rejection sampling: the mask with the tokens (or whole sequences) whose importance ratio falls outside
+    [low, high] turned off, and its metrics. Detached; a rejected token leaves the loss and its normalisers exactly
+    as a masked one.
+
+    With d_t = old_logp_t - behaviour_logp_t over the valid tokens t of sequence i (n_i of them):
+        token:     r_t = exp(d_t), each token on its own;
+        sequence:  r_i = exp(sum_t d_t), the product of the token ratios, for every token of i;
+        geometric: r_i = exp(sum_t d_t / n_i), their geometric mean, for every token of i;
+    a unit is kept iff low <= r <= high, decided in log space (log low <= d <= log high), so no ratio overflows.
+    Source: verl's rollout rejection sampling (`rollout_rs` = token / sequence / geometric,
+    `rollout_rs_threshold`, `rollout_rs_threshold_lower` in verl/trainer/ppo/rollout_corr_helper.py,
+    `compute_rollout_rejection_mask`); departures: both bounds are required (verl's lower defaults to 1/upper), and
+    the metrics are the two shares below (verl logs more statistics of the ratios).
+
+    Metrics (exact under any split over ranks and micro-batches):
+        rollout_rs_rejected_token_frac (MEAN over valid tokens): share of the valid tokens rejected;
+        rollout_rs_rejected_seq_frac (MEAN over sequences with a valid token): share left with no valid token.
+    """
+    if level not in ROLLOUT_REJECTION_LEVELS:
+        raise ValueError(f"unknown rollout rejection level {level!r}; choose one of "
+                         f"{', '.join(ROLLOUT_REJECTION_LEVELS)}")
+    if not 0 < low < high:
+        raise ValueError(f"the rollout rejection bounds need 0 < low < high, got low={low}, high={high}")
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        d = masked(old_logprobs.detach().double(), valid) - masked(behaviour_logprobs.detach().double(), valid)
+        num_valid_N = layout.seq_sum(valid.to(torch.int64))
+        if level == "token":
+            log_r = d
+        else:
+            log_r_N = layout.seq_sum(d)
+            if level == "geometric":
+                log_r_N = log_r_N / num_valid_N.clamp(min=1)
+            log_r = layout.broadcast(log_r_N)
+        inside = (log_r >= math.log(low)) & (log_r <= math.log(high))
+        keep = valid & inside
+        seq_valid_N = num_valid_N > 0
+        emptied_N = seq_valid_N & (layout.seq_sum(keep.to(torch.int64)) == 0)
+        metrics = Metrics({
+            "rollout_rs_rejected_token_frac": Mean.of((valid & ~inside).to(torch.float64), valid),
+            "rollout_rs_rejected_seq_frac": Mean.of(emptied_N.to(torch.float64), seq_valid_N),
+        })
+        return keep, metrics

@@ -175,9 +175,10 @@ def skips_old_passes(cfg: DictConfig) -> bool:
     """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
     skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
     experience; no behaviour log-probs from data; no KL-in-reward (it reads the old log-probs before the update); and
-    no rollout correction: its weights exp(old - behaviour) need the old log-probs before the update. On-policy the
+    no rollout correction or rejection: their ratios exp(old - behaviour) need the old log-probs before the update. On-policy the
     behaviour log-probs are the old ones, so the kept pass gives weights of exactly 1 (exp(0)) and the logged
     ``experience/rollout_is_*`` (docs/algorithms.md)."""
     return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
             and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
-            and cfg.algorithm.kl_in_reward_coef == 0 and cfg.algorithm.rollout_correction == "none")
+            and cfg.algorithm.kl_in_reward_coef == 0 and cfg.algorithm.rollout_correction == "none"
+            and cfg.algorithm.rollout_rejection == "none")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from typing import Optional
@@ -40,12 +41,33 @@ def print_samples(console, step: int, samples: list[dict]) -> None:
     lines = [f"samples at step {step} (prompt -> completion: rewards per function, total):"]
     for s in samples:
         rewards = ", ".join(f"{name} {'-' if v is None else f'{v:.3g}'}" for name, v in s["rewards"].items())
-        lines.append(f"  {s['prompt'][-60:]!r} -> {s['completion'][:60]!r}: {rewards}; total {s['total']:.3g}")
+        if "turns" not in s:
+            lines.append(f"  {s['prompt'][-60:]!r} -> {s['completion'][:60]!r}: {rewards}; total {s['total']:.3g}")
+            continue
+        truncated = f" (truncated: {s['truncated']})" if s["truncated"] else ""
+        lines.append(f"  {s['prompt'][-60:]!r} -> {len(s['turns'])} messages{truncated}: {rewards}; "
+                     f"total {s['total']:.3g}")
+        lines += [f"    {line}" for line in conversation_lines(s["turns"])]
     if console is not None:  # above a live progress bar
         for line in lines:
             console.print(line, markup=False, highlight=False)
     else:
         log("\n".join(lines))
+
+
+def conversation_lines(messages: list[dict]) -> list[str]:
+    """One line per message of a multi-turn sample: each assistant turn with its tool calls' names and arguments,
+    each tool result (a result not appended, for lack of budget, is marked so)."""
+    lines = []
+    for m in messages:
+        if m["role"] == "assistant":
+            calls = "; ".join(f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+                              for c in m.get("tool_calls", []))
+            lines.append(f"assistant: {m['content'][:60]!r}" + (f" calls {calls}" if calls else ""))
+        else:
+            dropped = " (not appended: over rollout.max_new_tokens)" if m.get("appended") is False else ""
+            lines.append(f"{m['role']} {m.get('name', '')}: {m['content'][:60]!r}{dropped}")
+    return lines
 
 
 def progress_columns():

@@ -93,11 +93,13 @@ def _draft_loss_of(model, features, packed: PackedBatch, settings: CoTrainSettin
     )
 
 
-def local_draft_counts(prompts, responses, plan: PackPlan, *, on: str) -> tuple[int, int]:
-    """(scored draft positions, sequences with one) over this rank's packs of the mini-batch (no collective)."""
+def local_draft_counts(prompts, responses, plan: PackPlan, *, on: str, response_masks=None) -> tuple[int, int]:
+    """(scored draft positions, sequences with one) over this rank's packs of the mini-batch (no collective);
+    ``response_masks`` as in `pack_sequences` (None: every response token is the policy's)."""
     tokens = seqs = 0
     for pack in plan.packs:
-        num_tokens, num_seqs = count_draft_tokens_and_seqs(pack_sequences(prompts, responses, pack), on=on)
+        packed = pack_sequences(prompts, responses, pack, response_masks=response_masks)
+        num_tokens, num_seqs = count_draft_tokens_and_seqs(packed, on=on)
         tokens, seqs = tokens + num_tokens, seqs + num_seqs
     return tokens, seqs
 
@@ -131,7 +133,8 @@ class DrafterUpdate:
         return capture_policy_features(model, packed, feature_layers=self.module.feature_layers)
 
     def local_counts(self, batch: MiniBatch, plan: PackPlan) -> tuple[int, int]:
-        return local_draft_counts(batch.prompts, batch.responses, plan, on=self.loss.on)
+        return local_draft_counts(batch.prompts, batch.responses, plan, on=self.loss.on,
+                                  response_masks=batch.response_masks())
 
     def settings(self, policy: PolicyLossSettings, norms: LossNormalizers) -> CoTrainSettings:
         return CoTrainSettings(policy=policy, drafter=self.module, draft=self.loss, draft_norms=norms)

@@ -66,11 +66,13 @@ def draft_vocab_size(cfg: DictConfig, vocab_size: int) -> int:
 
 
 def local_token_counts(rollouts: list[Rollout], vocab_size: int, *, on: str) -> torch.Tensor:
-    """float64 `[V]`: how often each id is a token the drafter would predict (response tokens, or every token with
-    `on=all`) in this rank's rollouts."""
+    """float64 `[V]`: how often each id is a token the drafter would predict (the policy's response tokens, by the
+    rollout's `response_mask`, or every token with `on=all`) in this rank's rollouts."""
     counts = torch.zeros(vocab_size, dtype=torch.float64)
     for r in rollouts:
-        ids = list(r.response_ids) if on == "response" else list(r.prompt_ids) + list(r.response_ids)
+        policy = (list(r.response_ids) if r.response_mask is None else
+                  [t for t, m in zip(r.response_ids, r.response_mask) if m])
+        ids = policy if on == "response" else list(r.prompt_ids) + list(r.response_ids)
         if ids:
             counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size).to(torch.float64)
     return counts

@@ -14,7 +14,15 @@ carries them) give the importance weights; without it, behaviour log-probs repla
 rollouts that carry behaviour log-probs are compared with the trainer's own old log-probs once per step
 (`rollout_corr/*`, :func:`off_policy_metrics`).
 
-Departures from verl: the KL-in-reward penalty uses the k1 estimator per token; whitening uses an unbiased variance.
+The per-token mask (docs/packing.md): a rollout's `response_mask` (None: every response token is the policy's)
+decides which tokens get a reward, an advantage, a return, an importance weight and a KL penalty; the outcome reward
+sits on the last *policy* token; GAE runs over the policy's tokens (`fsdptrain.rl.advantages.gae`); every target is 0
+at a tool's token. With `algorithm.rollout_rejection`, tokens (or whole sequences) whose old/behaviour ratio falls
+outside [low, high] then leave the mask (`fsdptrain.rl.rollout_correction.rollout_rejection_mask`): the targets'
+`response_mask` is the rollout's minus the rejected tokens, and the train step counts its normalisers from it.
+
+Departures from verl: the KL-in-reward penalty uses the k1 estimator per token; whitening uses an unbiased variance;
+rejection comes after the advantages (they are estimated over the rollout's policy tokens, rejected ones included).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from fsdptrain.rl.adv_estimators import (
 )
 from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.rollout_correction import off_policy_diagnostics, rollout_correction_weights
+from fsdptrain.rl.rollout_correction import off_policy_diagnostics, rollout_correction_weights, rollout_rejection_mask
 from fsdptrain.train.step import policy_token_outputs
 
 
@@ -80,14 +88,35 @@ def critic_values(model, rollouts, *, token_budget: int, device: torch.device) -
     return packed_pass(model, rollouts, forward=value_token_outputs, token_budget=token_budget, device=device)
 
 
-def token_rewards(rollouts: Sequence[Rollout], *, kl_R: Optional[Sequence[Tensor]], kl_coef: float) -> list[Tensor]:
-    """Per token: the outcome reward on the last response token, minus ``kl_coef * kl_t`` on every token if given."""
+def rollout_masks(rollouts: Sequence[Rollout]) -> list[Optional[Tensor]]:
+    """Per rollout, bool `[R]`: its policy's response tokens (`Rollout.response_mask`); None when it has no mask."""
     out = []
-    for i, rollout in enumerate(rollouts):
+    for r in rollouts:
+        if r.response_mask is not None and len(r.response_mask) != len(r.response_ids):
+            raise ValueError(f"a rollout's response_mask has {len(r.response_mask)} entries for "
+                             f"{len(r.response_ids)} response tokens; it needs one 0/1 entry per response token")
+        out.append(None if r.response_mask is None else torch.tensor([bool(m) for m in r.response_mask]))
+    return out
+
+
+def at_policy_tokens(values_R: Tensor, mask_R: Optional[Tensor]) -> Tensor:
+    """``values_R`` with 0 where the mask is off (a tool's token); itself without a mask."""
+    return values_R if mask_R is None else torch.where(mask_R, values_R, torch.zeros((), dtype=values_R.dtype))
+
+
+def token_rewards(rollouts: Sequence[Rollout], *, kl_R: Optional[Sequence[Tensor]], kl_coef: float,
+                  masks: Optional[Sequence[Optional[Tensor]]] = None) -> list[Tensor]:
+    """Per token: the outcome reward on the last policy token (the last response token without a mask; nowhere in a
+    response with no policy token), minus ``kl_coef * kl_t`` on every policy token if given; 0 at a tool's token."""
+    out = []
+    masks = masks if masks is not None else [None] * len(rollouts)
+    for i, (rollout, mask_R) in enumerate(zip(rollouts, masks)):
         rewards_R = torch.zeros(len(rollout.response_ids), dtype=torch.float32)
-        rewards_R[-1] = rollout.reward
+        policy_positions = range(len(rollout.response_ids)) if mask_R is None else torch.nonzero(mask_R).reshape(-1)
+        if len(policy_positions):
+            rewards_R[int(policy_positions[-1])] = rollout.reward
         if kl_R is not None and kl_coef != 0.0:
-            rewards_R = rewards_R - kl_coef * kl_R[i]
+            rewards_R = rewards_R - kl_coef * at_policy_tokens(kl_R[i], mask_R)
         out.append(rewards_R)
     return out
 
@@ -97,13 +126,15 @@ def reward_to_go(rewards_R: Tensor) -> Tensor:
     return torch.flip(torch.cumsum(torch.flip(rewards_R, [0]), 0), [0])
 
 
-def _pad(values: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+def _pad(values: Sequence[Tensor], masks: Optional[Sequence[Optional[Tensor]]] = None) -> tuple[Tensor, Tensor]:
+    """``values`` right-padded to `[B, R_max]`, and the mask of the tokens that count (``masks[i]``, or all of
+    sequence i's response tokens where it is None)."""
     width = max((v.numel() for v in values), default=0)
     padded_BR = torch.zeros(len(values), width, dtype=torch.float32)
     mask_BR = torch.zeros(len(values), width, dtype=torch.bool)
     for i, v in enumerate(values):
         padded_BR[i, : v.numel()] = v
-        mask_BR[i, : v.numel()] = True
+        mask_BR[i, : v.numel()] = True if masks is None or masks[i] is None else masks[i]
     return padded_BR, mask_BR
 
 
@@ -125,6 +156,9 @@ class ExperienceSettings:
     rollout_correction_level: str = "token"
     rollout_correction_cap: float = 2.0
     rollout_correction_low: Optional[float] = None
+    rollout_rejection: str = "none"
+    rollout_rejection_low: float = 0.5
+    rollout_rejection_high: float = 2.0
 
 
 def experience_settings(cfg) -> ExperienceSettings:
@@ -137,7 +171,9 @@ def experience_settings(cfg) -> ExperienceSettings:
         kl_in_reward_coef=alg.kl_in_reward_coef, temperature=cfg.rollout.temperature,
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
-        rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low)
+        rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
+        rollout_rejection=alg.rollout_rejection, rollout_rejection_low=alg.rollout_rejection_low,
+        rollout_rejection_high=alg.rollout_rejection_high)
 
 
 def _sum_over_ranks(stats: Tensor) -> Tensor:
@@ -147,15 +183,18 @@ def _sum_over_ranks(stats: Tensor) -> Tensor:
 
 def estimate_advantages(rewards_R: Sequence[Tensor], values_R: Optional[Sequence[Tensor]], rollouts, *,
                         adv_fn: Callable, settings: AdvSettings,
-                        sum_across_ranks: Callable[[Tensor], Tensor] = None) -> tuple[list, Optional[list]]:
+                        sum_across_ranks: Callable[[Tensor], Tensor] = None,
+                        masks: Optional[Sequence[Optional[Tensor]]] = None) -> tuple[list, Optional[list]]:
     """Per sequence: advantages (whitened with the global moments when the estimator asks) and returns (None when
-    the estimator defines none). Collective: exactly one all-reduce, whatever the estimator (its `whiten` flag rides
+    the estimator defines none), over the policy's tokens (``masks``, per sequence; None: every response token): the
+    estimator gets them as its ``mask_BT``, so GAE runs over the policy's tokens and the outcome estimators put
+    their advantage there. Collective: exactly one all-reduce, whatever the estimator (its `whiten` flag rides
     along, so a function that asks on some ranks only is an error, not a hang).
 
     A user's function that returns the wrong type or shape is a ConfigError (exit 2).
     """
     sum_across_ranks = sum_across_ranks or _sum_over_ranks
-    rewards_BR, mask_BR = _pad(rewards_R)
+    rewards_BR, mask_BR = _pad(rewards_R, masks)
     values_BR = _pad(values_R)[0] if values_R is not None else None
     scores_N = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
     groups_N = torch.tensor([int(r.group) for r in rollouts], dtype=torch.long)
@@ -169,7 +208,11 @@ def estimate_advantages(rewards_R: Sequence[Tensor], values_R: Optional[Sequence
         raise ConfigError(f"the advantage estimator asked for whitening on {asking:g} of {ranks:g} ranks: its "
                           "`whiten` flag must depend on the settings only")
     adv_BR = whitened(result, mask_BR, summed[:3]) if result.whiten else result.advantages_BT
-    returns = _unpad(result.returns_BT.float(), rewards_R) if result.returns_BT is not None else None
+    returns_BR = result.returns_BT.float() if result.returns_BT is not None else None
+    if masks is not None:  # 0 at a tool's token, whatever a user's estimator left there
+        adv_BR = torch.where(mask_BR, adv_BR.float(), 0.0)
+        returns_BR = torch.where(mask_BR, returns_BR, 0.0) if returns_BR is not None else None
+    returns = _unpad(returns_BR, rewards_R) if returns_BR is not None else None
     return _unpad(adv_BR.float(), rewards_R), returns
 
 
@@ -187,26 +230,39 @@ def _check_result(result, mask_BR: Tensor) -> None:
 
 
 def correction_weights(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], *, mode: str, level: str,
-                       cap: float, low: Optional[float] = None) -> tuple[list[Tensor], Metrics]:
-    """Rollout-correction importance weights per sequence (`rollout_correction_weights`) and their metrics (this
-    rank's; the caller reduces them with the step's)."""
-    old_BR, mask_BR = _pad(old_R)
+                       cap: float, low: Optional[float] = None,
+                       masks: Optional[Sequence[Optional[Tensor]]] = None) -> tuple[list[Tensor], Metrics]:
+    """Rollout-correction importance weights per sequence (`rollout_correction_weights`, over the policy's tokens:
+    ``masks``) and their metrics (this rank's; the caller reduces them with the step's)."""
+    old_BR, mask_BR = _pad(old_R, masks)
     behaviour_BR, _ = _pad(behaviour_R)
     weights_BR, metrics = rollout_correction_weights(old_BR, behaviour_BR, mask_BR, mode=mode, level=level, cap=cap,
                                                          low=low)
     return _unpad(weights_BR, old_R), metrics.prefixed("experience/")
 
 
-def off_policy_metrics(old_R: Sequence[Tensor], behaviour_R: Sequence[Optional[Tensor]]) -> Metrics:
+def off_policy_metrics(old_R: Sequence[Tensor], behaviour_R: Sequence[Optional[Tensor]],
+                       masks: Optional[Sequence[Optional[Tensor]]] = None) -> Metrics:
     """``rollout_corr/*`` (`off_policy_diagnostics`: k1 and k3 KL, log-perplexity gap, share of ratios outside
     [1/2, 2]) between the trainer's old log-probs and the behaviour log-probs, over this rank's rollouts that carry
-    them (the others are left out). Means with their totals and counts, reduced over ranks with the step's other
+    them (the others are left out), over their policy tokens (``masks``; None: all). Means with their totals and counts, reduced over ranks with the step's other
     experience metrics, so the logged value pools every such token (``log_ppl_diff``: sequence) of the step. When no
     rollout carries behaviour log-probs the counts are 0 and the metrics are absent, never 0.0."""
-    carried = [(o, b) for o, b in zip(old_R, behaviour_R) if b is not None]
-    old_BR, mask_BR = _pad([o for o, _ in carried])
-    behaviour_BR, _ = _pad([b for _, b in carried])
+    masks = masks if masks is not None else [None] * len(old_R)
+    carried = [(o, b, m) for o, b, m in zip(old_R, behaviour_R, masks) if b is not None]
+    old_BR, mask_BR = _pad([o for o, _, _ in carried], [m for _, _, m in carried])
+    behaviour_BR, _ = _pad([b for _, b, _ in carried])
     return off_policy_diagnostics(old_BR.double(), behaviour_BR.double(), mask_BR).prefixed("rollout_corr/")
+
+
+def rejected(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], masks: Sequence[Optional[Tensor]], *,
+             level: str, low: float, high: float) -> tuple[list[Optional[Tensor]], Metrics]:
+    """Per sequence, its mask after rejection sampling (`rollout_rejection_mask` over its policy tokens) and the
+    rejection's metrics (this rank's; the caller reduces them with the step's)."""
+    old_BR, mask_BR = _pad(old_R, masks)
+    behaviour_BR, _ = _pad(behaviour_R)
+    keep_BR, metrics = rollout_rejection_mask(old_BR, behaviour_BR, mask_BR, level=level, low=low, high=high)
+    return [keep_BR[i, : o.numel()].clone() for i, o in enumerate(old_R)], metrics.prefixed("experience/")
 
 
 def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings, *, device: torch.device,
@@ -225,52 +281,81 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
                         device=device)
     if skip_old_passes:
         return _on_policy_targets(models, rollouts, settings, logprob_args)
+    masks = rollout_masks(rollouts)
+    any_mask = any(m is not None for m in masks)
     old = policy_logprobs(models.policy, rollouts, **logprob_args)
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else None for r in rollouts]
     on_policy = all(b is None for b in behaviour)
-    weights, metrics = None, off_policy_metrics(old, behaviour)
-    if settings.rollout_correction != "none":  # weights from behaviour to old; none carried: weight 1
-        weights, is_metrics = correction_weights(old, [b if b is not None else o for b, o in zip(behaviour, old)],
-                                              mode=settings.rollout_correction,
-                                              level=settings.rollout_correction_level,
-                                              cap=settings.rollout_correction_cap,
-                                              low=settings.rollout_correction_low)
-        metrics = merge_all([metrics, is_metrics])
-    else:  # without a correction the behaviour log-probs are the old policy's
-        old = [b if b is not None else o for b, o in zip(behaviour, old)]
+    behaviour_or_old = [b if b is not None else o for b, o in zip(behaviour, old)]  # none carried: ratio 1
+    weights, kept, metrics = _off_policy_corrections(old, behaviour_or_old, masks, settings)
+    metrics = merge_all([off_policy_metrics(old, behaviour, masks), metrics])
+    if settings.rollout_correction == "none":  # without a correction the behaviour log-probs are the old policy's
+        old = behaviour_or_old
     ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None
     kl_R = [o - r for o, r in zip(old, ref)] if ref is not None else None
-    rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef)
+    rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef, masks=masks)
     values = critic_values(models.critic, rollouts, token_budget=budget, device=device) if models.critic is not None else None
     advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn,
-                                              settings=settings.adv)
+                                              settings=settings.adv, masks=masks if any_mask else None)
     if values is not None and returns is None:
-        returns = [reward_to_go(r) for r in rewards]
-    targets = [SeqTargets(old_logprobs=old[i], advantages=advantages[i],
-                          ref_logprobs=ref[i] if ref is not None else None,
-                          old_values=values[i] if values is not None else None,
-                          returns=returns[i] if values is not None else None,
-                          is_weights=weights[i] if weights is not None else None)
+        returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
+    targets = [_targets(old_logprobs=old[i], advantages=advantages[i],
+                        ref_logprobs=ref[i] if ref is not None else None,
+                        old_values=values[i] if values is not None else None,
+                        returns=returns[i] if values is not None else None,
+                        is_weights=weights[i] if weights is not None else None,
+                        policy_mask=masks[i], response_mask=kept[i])
                for i in range(len(rollouts))]
     return targets, on_policy, metrics
+
+
+def _off_policy_corrections(old: list[Tensor], behaviour: list[Tensor], masks: list[Optional[Tensor]],
+                            settings: ExperienceSettings
+                            ) -> tuple[Optional[list[Tensor]], list[Optional[Tensor]], Metrics]:
+    """From the trainer's old and the behaviour log-probs: the rollout-correction weights (None without one), the
+    masks after rejection sampling (the rollouts' without it) and this rank's metrics of both."""
+    weights, kept, metrics = None, masks, Metrics({})
+    if settings.rollout_correction != "none":
+        weights, metrics = correction_weights(old, behaviour, mode=settings.rollout_correction,
+                                              level=settings.rollout_correction_level,
+                                              cap=settings.rollout_correction_cap, low=settings.rollout_correction_low,
+                                              masks=masks if any(m is not None for m in masks) else None)
+    if settings.rollout_rejection != "none":
+        kept, rejection_metrics = rejected(old, behaviour, masks, level=settings.rollout_rejection,
+                                           low=settings.rollout_rejection_low, high=settings.rollout_rejection_high)
+        metrics = metrics.merge(rejection_metrics)
+    return weights, kept, metrics
+
+
+def _targets(*, policy_mask: Optional[Tensor], response_mask: Optional[Tensor], **per_token) -> SeqTargets:
+    """SeqTargets whose every per-token entry is 0 at a tool's token (``policy_mask`` off); ``response_mask``: the
+    tokens that count (the policy's, less the rejected ones)."""
+    if policy_mask is None and response_mask is None:
+        return SeqTargets(**per_token)
+    zeroed = {k: v if v is None else at_policy_tokens(v, policy_mask) for k, v in per_token.items()}
+    return SeqTargets(**zeroed, response_mask=response_mask)
 
 
 def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings,
                        logprob_args: dict) -> tuple[list[SeqTargets], bool, Metrics]:
     """`make_targets` without the old log-prob pass (and without the critic's pass when the built-in estimator reads
     no values): no behaviour log-probs, no KL in the reward, no rollout correction (the caller guarantees it)."""
+    masks = rollout_masks(rollouts)
+    any_mask = any(m is not None for m in masks)
     ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None
-    rewards = token_rewards(rollouts, kl_R=None, kl_coef=0.0)
+    rewards = token_rewards(rollouts, kl_R=None, kl_coef=0.0, masks=masks)
     needs_values = models.critic is not None and settings.adv_fn is ADV_ESTIMATOR_REGISTRY["gae"]
     values = (critic_values(models.critic, rollouts, token_budget=logprob_args["token_budget"],
                             device=logprob_args["device"]) if needs_values else None)
-    advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn, settings=settings.adv)
+    advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn, settings=settings.adv,
+                                              masks=masks if any_mask else None)
     if models.critic is not None and returns is None:
-        returns = [reward_to_go(r) for r in rewards]
-    targets = [SeqTargets(old_logprobs=None, advantages=advantages[i],
-                          ref_logprobs=ref[i] if ref is not None else None,
-                          old_values=values[i] if values is not None else None,
-                          returns=returns[i] if models.critic is not None else None)
+        returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
+    targets = [_targets(old_logprobs=None, advantages=advantages[i],
+                        ref_logprobs=ref[i] if ref is not None else None,
+                        old_values=values[i] if values is not None else None,
+                        returns=returns[i] if models.critic is not None else None,
+                        policy_mask=masks[i], response_mask=masks[i])
                for i in range(len(rollouts))]
     return targets, True, Metrics({})

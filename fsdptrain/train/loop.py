@@ -46,7 +46,8 @@ from fsdptrain.train.console import (
     quiet_known_warnings,
     stats_line,
 )
-from fsdptrain.train.rollout_sources import build_source, resolve_steps
+from fsdptrain.train.multi_turn import build_source
+from fsdptrain.train.rollout_sources import resolve_steps
 from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
 from fsdptrain.train.run_files import (
     METRIC_KINDS_FILE,
@@ -222,9 +223,12 @@ class Trainer:
 
     def rollout_metrics(self, rollouts: list[Rollout], reward_metrics: Metrics | None = None) -> Metrics:
         """The step's rollout metrics over all ranks; ``reward_metrics`` (the reward functions', which hold
-        ``reward/mean``) replace the plain reward mean when the source scored the rollouts itself."""
+        ``reward/mean``) replace the plain reward mean when the source scored the rollouts itself.
+        ``response_length/*`` count the policy's tokens (the rollout's ``response_mask``); ``batch/num_response_tokens``
+        counts every response token, a tool's included (what the forwards process)."""
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
-        lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
+        lengths = torch.tensor([policy_length(r) for r in rollouts], dtype=torch.float64)
+        all_lengths = torch.tensor([len(r.response_ids) for r in rollouts], dtype=torch.float64)
         truncated = torch.tensor([float(r.truncated) for r in rollouts], dtype=torch.float64)
         valid = torch.ones_like(rewards, dtype=torch.bool)
         rewards_part = dict(reward_metrics) if reward_metrics is not None else {"reward/mean": Mean.of(rewards, valid)}
@@ -235,7 +239,7 @@ class Trainer:
             "response_length/max": Max.of(lengths, valid),
             "response_length/truncated_frac": Mean.of(truncated, valid),
             "batch/num_seqs": Sum(len(rollouts)),
-            "batch/num_response_tokens": Sum(float(lengths.sum())),
+            "batch/num_response_tokens": Sum(float(all_lengths.sum())),
             "batch/num_prompt_tokens": Sum(float(sum(len(r.prompt_ids) for r in rollouts))),
         }))
 
@@ -353,6 +357,11 @@ class Trainer:
         export_hf_models(run_dir, policy=self.models.policy, critic=self.models.critic, tokenizer=self.tokenizer)
         for extension in self.extensions:
             extension.export(run_dir)
+
+
+def policy_length(rollout: Rollout) -> int:
+    """The rollout's response tokens the policy sampled: the sum of its ``response_mask`` (its length without one)."""
+    return len(rollout.response_ids) if rollout.response_mask is None else int(sum(rollout.response_mask))
 
 
 def on_policy_deviation(values: dict[str, float]) -> Metrics:

@@ -58,10 +58,9 @@ class RolloutSource(Protocol):
     A source owns its position in the data and whatever it keeps across steps (the prompt order, the reward models'
     running moments): :meth:`state_dict` / :meth:`load_state_dict` save and restore it with the checkpoint. The
     rollouts it returns are this rank's groups of the step (group ``i`` on rank ``i % world_size``); the step packs
-    each one's prompt and response ids and trains on every response token. A multi-turn source (tool calls,
-    environments) implements the same methods; its rollouts' responses then also hold tokens the policy did not
-    sample (tool results, separators), which needs a per-token mask of the sampled tokens carried from the rollout to
-    the loss (not there yet).
+    each one's prompt and response ids and trains on the response tokens its ``response_mask`` marks (all of them
+    when it is None). The multi-turn source (fsdptrain/train/multi_turn.py) implements the same methods; its
+    rollouts' responses also hold tokens the policy did not sample (tool results, separators), marked 0.
     """
 
     generates: bool
@@ -97,18 +96,15 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
-    """The source ``data.source`` names."""
-    return OfflineSource(cfg, tokenizer) if cfg.data.source == "jsonl" else PromptSource(cfg, tokenizer)
-
-
 @contextlib.contextmanager
-def generation(model, cfg, device: torch.device) -> Iterator[None]:
+def generation(model, cfg, device: torch.device, *, always_gather: bool = False) -> Iterator[None]:
     """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
-    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), and compiled
-    layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would recompile every token)."""
+    for the whole block when ``rollout.gather_weights`` (or ``always_gather``) says so (collective: every rank enters
+    it), and compiled layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would
+    recompile every token)."""
     with phase("generate"):
-        gather = should_gather(model, mode=cfg.rollout.gather_weights, max_share=cfg.rollout.gather_weights_max_share,
+        mode = "always" if always_gather else cfg.rollout.gather_weights
+        gather = should_gather(model, mode=mode, max_share=cfg.rollout.gather_weights_max_share,
                                param_dtype=DTYPES[cfg.parallel.param_dtype], device=device)
         with generation_attention(model), gathered_weights(
                 model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
@@ -182,7 +178,8 @@ class PromptSource:
         self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
         self.num_train_rows = len(self.train_rows)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
-        columns = sorted({name for row in self.train_rows[:1] for name in row.columns})
+        columns = sorted({name for row in self.train_rows[:1] for name in row.columns}
+                         | ({"environments"} if cfg.rollout.environment is not None else set()))
         specs = reward_specs(cfg)
         self.functions = load_reward_functions(specs, cfg.reward.weights, columns=columns) if specs else []
         self.reward_moments = [RunningMoments() for _ in cfg.reward.models]
@@ -274,15 +271,7 @@ class PromptSource:
             completion_ids=[list(ids) for _, ids, _ in outputs],
             rows=[row.index for row in rows], groups=list(groups),
             columns={name: [row.columns.get(name) for row in rows] for name in names})
-        scores = RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
-        if self.functions:
-            scores, error = None, None
-            try:
-                scores = self._runner().score(batch)
-            except RewardError as err:
-                error = err
-            if world.any_flag(error is not None):
-                raise error if error is not None else RewardFailedOnAnotherRank()
+        scores = self._function_scores(batch)
         if not models.reward_models:
             return batch, scores, Metrics({})
         model_scores = self._score_with_models(models, batch, device=device)
@@ -291,6 +280,20 @@ class PromptSource:
         self.last_model_scores = model_scores
         total = [t + float(m) for t, m in zip(scores.total, model_scores.total_N)]
         return batch, dataclasses.replace(scores, total=total), model_scores.metrics
+
+    def _function_scores(self, batch: RewardBatch) -> RewardScores:
+        """The reward functions' scores of ``batch`` (all 0.0 without functions). A function's failure on any rank
+        stops every rank (one agreed flag, no hang)."""
+        if not self.functions:
+            return RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
+        scores, error = None, None
+        try:
+            scores = self._runner().score(batch)
+        except RewardError as err:
+            error = err
+        if world.any_flag(error is not None):
+            raise error if error is not None else RewardFailedOnAnotherRank()
+        return scores
 
     def _score_with_models(self, models: Models, batch: RewardBatch, *, device) -> ModelScores:
         r = self.cfg.reward

@@ -36,7 +36,8 @@ def write_metrics_line(path: Path, result: dict) -> None:
 
 def write_samples(path: Path, step: int, samples: list[dict]) -> None:
     """Append a step's shown samples to samples.jsonl: one line per sample with the step, prompt, completion and
-    each reward function's score (null where it did not apply)."""
+    each reward function's score (null where it did not apply); a multi-turn sample adds its ``turns`` (messages with
+    their tool calls and results) and ``truncated`` (the cause or null, docs/multi-turn.md)."""
     with path.open("a") as handle:
         for sample in samples:
             handle.write(json.dumps({"step": step, **sample}) + "\n")

@@ -43,7 +43,8 @@ LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
 @dataclass
 class MiniBatch:
-    """This rank's share of one mini-batch: its sequences and their response-aligned targets."""
+    """This rank's share of one mini-batch: its sequences and their response-aligned targets (whose
+    ``response_mask`` says which response tokens count: docs/packing.md)."""
 
     prompts: list[list[int]]
     responses: list[list[int]]
@@ -55,6 +56,14 @@ class MiniBatch:
 
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+    def response_masks(self) -> list[Optional[torch.Tensor]]:
+        """Per sequence, the response tokens that count (its target's ``response_mask``; None: all of them)."""
+        return [t.response_mask for t in self.targets]
+
+    def num_counted_tokens(self) -> list[int]:
+        """Per sequence, how many of its response tokens count: the sum of its mask (its length without one)."""
+        return [len(r) if m is None else int(m.sum()) for r, m in zip(self.responses, self.response_masks())]
 
 
 def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
@@ -83,12 +92,15 @@ def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets],
 
 
 def local_counts(batch: MiniBatch) -> tuple[int, int]:
-    """This rank's response tokens and sequences with at least one (no collective)."""
-    return sum(len(r) for r in batch.responses), sum(1 for r in batch.responses if len(r) > 0)
+    """This rank's counted response tokens (the sum of the mask: the policy's, not rejected) and sequences with at
+    least one (no collective)."""
+    counted = batch.num_counted_tokens()
+    return sum(counted), sum(1 for n in counted if n > 0)
 
 
 def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float]) -> LossNormalizers:
-    """The mini-batch's global counts (collective): response tokens and sequences with at least one such token."""
+    """The mini-batch's global counts (collective): counted response tokens (the mask's sum) and sequences with at
+    least one such token."""
     (norms,) = normalizers_of(local_counts(batch), dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     return norms
 
@@ -122,7 +134,7 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
     plan = plan if plan is not None else plan_agreed(batch.lengths(), token_budget)
     total, collected = 0.0, []
     for pack in plan.packs:
-        packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
+        packed = pack_sequences(batch.prompts, batch.responses, pack, response_masks=batch.response_masks()).to(device)
         loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
         loss.backward()  # micro-batch losses are summed (by backward), never averaged
         total += float(loss.detach())

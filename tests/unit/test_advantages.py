@@ -86,3 +86,52 @@ def test_rloo():
     # group 7: 1 - (0 + 1 + 1) / 3 = 1/3; 0 - 3/3 = -1; group 3: 2 - 4 = -2, 4 - 2 = 2; group of one: 0
     adv = rloo_advantages(SCORES, GROUPS)
     torch.testing.assert_close(adv, torch.tensor([1 / 3, -1.0, 1 / 3, 1 / 3, -2.0, 2.0, 0.0], dtype=F64))
+
+
+# ---- GAE over the policy's tokens (multi-turn: a tool's tokens are masked out) --------------------------------------
+# mask [1, 1, 0, 0, 1] (a tool wrote tokens 2 and 3), rewards [0, 0, 5, 7, 1], values [0.5, 1.0, 9, 9, 2.0],
+# gamma 0.9, lam 0.8: time runs over tokens 0, 1, 4; the value after token 1 is token 4's (the tool's reply is part
+# of that transition), the tool tokens' rewards and values are never read:
+#   t4: delta = 1 + 0.9 * 0 - 2.0 = -1.0              A = -1.0
+#   t1: delta = 0 + 0.9 * 2.0 - 1.0 = 0.8             A = 0.8 + 0.72 * -1.0 = 0.08
+#   t0: delta = 0 + 0.9 * 1.0 - 0.5 = 0.4             A = 0.4 + 0.72 * 0.08 = 0.4576
+# returns = A + V at policy tokens, 0 at the tool's: [0.9576, 1.08, 0, 0, 1.0]
+TOOL_MASK = torch.tensor([[1, 1, 0, 0, 1]])
+TOOL_REWARDS = torch.tensor([[0.0, 0.0, 5.0, 7.0, 1.0]], dtype=F64)
+TOOL_VALUES = torch.tensor([[0.5, 1.0, 9.0, 9.0, 2.0]], dtype=F64)
+
+
+def test_gae_over_policy_tokens_by_hand():
+    adv, ret = gae(TOOL_REWARDS, TOOL_VALUES, TOOL_MASK, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.4576, 0.08, 0.0, 0.0, -1.0]], dtype=F64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ret, torch.tensor([[0.9576, 1.08, 0.0, 0.0, 1.0]], dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_gae_over_policy_tokens_is_plain_gae_with_the_tool_tokens_cut_out():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0, 1, 0, 0], [1, 1, 1, 0, 1, 1, 0, 0, 0]])  # the second ends in a tool
+    rewards = torch.randn(mask.shape, generator=gen, dtype=F64)
+    values = torch.randn(mask.shape, generator=gen, dtype=F64)
+    adv, ret = gae(rewards, values, mask, gamma=0.95, lam=0.7)
+    for b in range(mask.shape[0]):
+        keep = mask[b].bool()
+        plain_adv, plain_ret = gae(rewards[b, keep][None], values[b, keep][None], torch.ones(1, int(keep.sum())),
+                                   gamma=0.95, lam=0.7)
+        torch.testing.assert_close(adv[b, keep], plain_adv[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(ret[b, keep], plain_ret[0], rtol=0, atol=1e-12)
+        assert adv[b, ~keep].abs().sum() == 0 and ret[b, ~keep].abs().sum() == 0
+
+
+def test_the_outcome_reward_sits_on_the_last_policy_token():
+    from fsdptrain.data.rollout import Rollout
+    from fsdptrain.train.experience import rollout_masks, token_rewards
+
+    rollouts = [Rollout(prompt_ids=[1], response_ids=[5, 6, 7, 8], reward=2.0, group=0, response_mask=[1, 0, 1, 0]),
+                Rollout(prompt_ids=[1], response_ids=[5, 6], reward=3.0, group=0),
+                Rollout(prompt_ids=[1], response_ids=[5, 6], reward=4.0, group=0, response_mask=[0, 0])]
+    kl = [torch.tensor([0.5, 9.0, 0.25, 9.0]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])]
+    rewards = token_rewards(rollouts, kl_R=kl, kl_coef=0.1, masks=rollout_masks(rollouts))
+    # a cut tool segment at the end: the reward goes to token 2, the tool tokens get no reward and no KL
+    torch.testing.assert_close(rewards[0], torch.tensor([-0.05, 0.0, 2.0 - 0.025, 0.0]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(rewards[1], torch.tensor([-0.1, 3.0 - 0.2]), rtol=0, atol=1e-7)
+    torch.testing.assert_close(rewards[2], torch.zeros(2), rtol=0, atol=0)  # no policy token: nowhere to put it

@@ -23,7 +23,13 @@ from fsdptrain.model import attention_backends
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
-from tests.planted_bugs import plant_normaliser_over_the_whole_step, plant_sequence_weight_from_mean_log_ratio
+from tests.planted_bugs import (
+    plant_loss_on_tool_tokens,
+    plant_normaliser_over_the_whole_step,
+    plant_rejected_tokens_in_the_normaliser,
+    plant_sequence_weight_from_mean_log_ratio,
+    plant_tool_tokens_in_the_normaliser,
+)
 
 # ---- the rules, by hand --------------------------------------------------------------------------------------------
 
@@ -108,6 +114,12 @@ def test_batch_has_the_fixtures(ppo):
     assert batch.full.responses[-1] == [] and all(batch.full.responses[:-1])
     assert batch.value_shift is not None
     assert batch.on_policy
+    # the multi-turn fixture: tool segments inside some responses, one cut at the end of others, none in the rest
+    masks = batch.policy_masks[:-1]
+    assert any(not m[-1] for m in masks) and any(m[-1] and not all(m) for m in masks)
+    assert any(all(m) for m in masks)
+    for target, mask in zip(batch.full.targets, masks):  # the product's targets carry the rollout's mask
+        assert (target.response_mask is None and all(mask)) or target.response_mask.tolist() == mask
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -136,7 +148,8 @@ def test_grpo_passes_every_mode(grpo, mode):
 
 def test_token_sum_gradient_is_n_times_token_mean(ppo):
     report = run_checks(ppo, "token-sum")
-    num_tokens = sum(len(r) for r in ppo.batch.full.responses)
+    num_tokens = sum(sum(m) for m in ppo.batch.counted_masks())  # the policy's tokens, the tools' left out
+    assert num_tokens < sum(len(r) for r in ppo.batch.full.responses)
     assert report.reference.values["grad_scale/actor"] == num_tokens
     measured = next(c for c in report.comparisons if c.metric == "grad_scale/actor")
     assert measured.value == pytest.approx(num_tokens, rel=1e-5)
@@ -455,3 +468,33 @@ def test_catches_inverted_importance_weights_in_the_off_policy_pass(ppo, monkeyp
     failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/loss [off-policy: ranks=1]" in failures
     assert "off-policy/critic/" not in failures
+
+
+# ---- the per-token mask (multi-turn) and rejection sampling (issues 25 and 29) -----------------------------------
+
+
+def test_catches_a_loss_on_tool_tokens(ppo, monkeypatch):
+    plant_loss_on_tool_tokens(monkeypatch.setattr)
+    failures = _failing(run_checks(ppo, "token-mean", off_policy=False, experience=False, update=False))
+    assert f"actor/probs_ratio_min [packed budget={ppo.cfg.trainer.token_budget}]" in failures
+    assert "critic/loss [micro-batches=2]" in failures
+    assert "[padded]" not in failures and "[per-sequence]" not in failures  # those read the mask themselves
+
+
+def test_catches_tool_tokens_in_the_normaliser(ppo, monkeypatch):
+    plant_tool_tokens_in_the_normaliser(monkeypatch.setattr)
+    failures = _failing(run_checks(ppo, "token-mean", off_policy=False, experience=False, update=False))
+    assert "actor/grad_norm [ranks=1]" in failures and "critic/vf_loss [ranks=1]" in failures
+    assert "[micro-batches=2]" not in failures  # the layouts given the reference's counts are right
+
+
+def test_rejection_sampling_passes_and_catches_rejected_tokens_in_the_normaliser(monkeypatch):
+    overrides = ("algorithm.rollout_rejection=token",)
+    clean = _session(*overrides)
+    report = run_checks(clean, "token-mean", off_policy=False, experience=False, update=False)
+    assert report.ok, "\n".join(report.failures)
+    assert 0.1 < clean.batch.experience["experience/rollout_rs_rejected_token_frac"] < 0.9
+    plant_rejected_tokens_in_the_normaliser(monkeypatch.setattr)
+    planted = _session(*overrides)
+    failures = _failing(run_checks(planted, "token-mean", off_policy=False, experience=False, update=False))
+    assert "actor/pg_loss [ranks=1]" in failures

@@ -258,3 +258,42 @@ def test_position_ids_restart_at_every_segment_the_model_sees(seed):
         assert positions[start:end] == list(range(end - start)), (cu, positions)
     restarts = [t for t, p in enumerate(positions) if p == 0]
     assert restarts == cu[:-1]  # a restart exactly at every segment start, nowhere else
+
+
+# ---- the per-token response mask (multi-turn: tokens a tool wrote) -------------------------------------------------
+
+
+def test_response_mask_takes_tool_tokens_out_of_the_packed_and_padded_rows_by_hand():
+    # seq 0: prompt [1, 2], response [3, 4, 5, 6] with mask [1, 0, 0, 1] (a tool wrote 4, 5);
+    # seq 1: prompt [7], response [8, 9] with mask [1, 0] (a cut tool segment at the end); seq 2 has no mask
+    prompts, responses = [[1, 2], [7], [10]], [[3, 4, 5, 6], [8, 9], [11]]
+    masks = [[1, 0, 0, 1], torch.tensor([1, 0]), None]
+    packed = pack_sequences(prompts, responses, response_masks=masks, pad_to=12)
+    # position t scores token t+1: seq 0 at 1..4 (tokens 3, 4, 5, 6), seq 1 at 6, 7 (8, 9), seq 2 at 9 (11)
+    positions = [0, 1, 1, 1, 1, 0, 1, 1, 0, 1, 0, 0, 0]
+    policy = [0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0, 0]
+    assert packed.response_positions[0].tolist() == [bool(x) for x in positions[:12]]
+    assert packed.response_mask[0].tolist() == [bool(x) for x in policy[:12]]
+    assert packed.num_response_tokens == 7 and int(packed.response_mask.sum()) == 4
+    padded = pad_sequences(prompts, responses, response_masks=masks)
+    assert padded.response_mask.tolist() == [[False, True, False, False, True, False],
+                                             [True, False, False, False, False, False],
+                                             [True, False, False, False, False, False]]
+    assert padded.response_positions.sum(dim=1).tolist() == [4, 2, 1]
+
+
+def test_no_mask_and_all_ones_give_the_same_rows():
+    prompts, responses = [[1, 2], [7]], [[3, 4, 5], [8, 9]]
+    plain = pack_sequences(prompts, responses)
+    ones = pack_sequences(prompts, responses, response_masks=[[1, 1, 1], None])
+    assert torch.equal(plain.response_mask, ones.response_mask)
+    assert torch.equal(plain.response_mask, plain.response_positions)
+
+
+@pytest.mark.parametrize("masks, fragment", [
+    ([[1, 0]], "response mask 0 has 2 entries for 3 response tokens"),
+    ([[1, 1, 1], None], "got 2 response masks for 1 responses"),
+])
+def test_a_response_mask_of_the_wrong_length_is_refused(masks, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        pack_sequences([[1]], [[2, 3, 4]], response_masks=masks)

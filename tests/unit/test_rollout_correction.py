@@ -9,7 +9,7 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.dynamic_sampling import groups_with_signal
 from fsdptrain.rl.metrics import Kind, finalize, merge
 from fsdptrain.rl.policy import policy_loss
-from fsdptrain.rl.rollout_correction import rollout_correction_weights
+from fsdptrain.rl.rollout_correction import rollout_correction_weights, rollout_rejection_mask
 
 F64 = torch.float64
 LN2 = math.log(2.0)
@@ -272,3 +272,70 @@ def test_experience_logs_diagnostics_of_the_rollouts_that_carry_behaviour_logpro
     assert finalize(split) == pytest.approx(want, abs=1e-7)
     assert finalize(off_policy_metrics(old[2:], behaviour[2:])) == {}
     assert list(off_policy_metrics([], [])) == list(want)  # the names are fixed: the ranks' schemas agree
+
+
+# ---- rejection sampling (algorithm.rollout_rejection) -----------------------------------------------------------
+# d = old - behaviour: sequence 0 [0, 1, -1] (ratios 1, e, 1/e), sequence 1 [0.5, 0.5, masked NaN]; bounds [0.5, 2]
+REJ_OLD = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)
+REJ_BEHAVIOUR = torch.tensor([[0.0, -1.0, 1.0], [-0.5, -0.5, math.nan]], dtype=F64)
+REJ_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+@pytest.mark.parametrize("level, keep, token_frac, seq_frac", [
+    # token: 1 kept, e and 1/e out; 1.65 kept twice -> 2 of 5 rejected
+    ("token", [[1, 0, 0], [1, 1, 0]], 2 / 5, 0.0),
+    # sequence: prod = e^0 = 1 kept; e^1 = 2.72 > 2 rejected whole -> 2 of 5 tokens, 1 of 2 sequences
+    ("sequence", [[1, 1, 1], [0, 0, 0]], 2 / 5, 1 / 2),
+    # geometric: e^0 = 1 and e^0.5 = 1.65 both kept
+    ("geometric", [[1, 1, 1], [1, 1, 0]], 0.0, 0.0),
+])
+def test_rejection_by_hand(level, keep, token_frac, seq_frac):
+    kept, metrics = rollout_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, level=level, low=0.5, high=2.0)
+    assert kept.tolist() == [[bool(k) for k in row] for row in keep]
+    out = finalize(metrics)
+    assert out["rollout_rs_rejected_token_frac"] == pytest.approx(token_frac, abs=1e-12)
+    assert out["rollout_rs_rejected_seq_frac"] == pytest.approx(seq_frac, abs=1e-12)
+    assert {name: m.kind for name, m in metrics.items()} == {"rollout_rs_rejected_token_frac": Kind.MEAN,
+                                                             "rollout_rs_rejected_seq_frac": Kind.MEAN}
+
+
+@pytest.mark.parametrize("level, keep", [
+    ("token", [[1, 0, 0], [1, 1, 0]]),      # the tool token (ratio e) is not a policy token: never kept
+    ("sequence", [[0, 0, 0], [0, 0, 0]]),   # seq 0: e^(0 - 1) = 0.37 < 0.5 over its policy tokens
+    ("geometric", [[1, 0, 1], [1, 1, 0]]),  # seq 0: e^(-1/2) = 0.61 kept
+])
+def test_rejection_reads_the_policy_tokens_only(level, keep):
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    kept, _ = rollout_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, mask, level=level, low=0.5, high=2.0)
+    assert kept.tolist() == [[bool(k) for k in row] for row in keep]
+
+
+def test_rejection_packed_equals_padded():
+    packed_old = REJ_OLD[:, :].reshape(-1)[[0, 1, 2, 3, 4]]
+    packed_behaviour = REJ_BEHAVIOUR.reshape(-1)[[0, 1, 2, 3, 4]]
+    cu = torch.tensor([0, 3, 5])
+    for level in ("token", "sequence", "geometric"):
+        padded, m_padded = rollout_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, level=level, low=0.5, high=2.0)
+        packed, m_packed = rollout_rejection_mask(packed_old, packed_behaviour, torch.ones(5), level=level, low=0.5,
+                                                  high=2.0, cu_seqlens=cu)
+        assert packed.tolist() == padded[REJ_MASK.bool()].tolist()
+        assert finalize(m_packed) == finalize(m_padded)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(level="turn", low=0.5, high=2.0), "unknown rollout rejection level 'turn'"),
+    (dict(level="token", low=2.0, high=2.0), "need 0 < low < high"),
+    (dict(level="token", low=0.0, high=2.0), "need 0 < low < high"),
+])
+def test_rejection_refuses_bad_settings(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        rollout_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, **kwargs)
+
+
+def test_config_refuses_a_rejection_band_upside_down():
+    from fsdptrain.compose import compose_config
+    from fsdptrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="^algorithm.rollout_rejection_low=3.0 must be below "
+                                          "algorithm.rollout_rejection_high=2.0$"):
+        compose_config(["algorithm.rollout_rejection=token", "algorithm.rollout_rejection_low=3"])

@@ -1,0 +1,278 @@
+"""Multi-turn trajectories built token-in/token-out: the turn loop over generated ids and tool messages, its caps,
+and the chat template checks it relies on (docs/multi-turn.md).
+
+A trajectory is one sample: the prompt's ids, then the response: each assistant turn's sampled ids exactly as
+sampled (never decoded and re-encoded), followed after a tool call by the ids of the tool messages as the chat
+template renders them, separators included (ChatML's ``\\n`` after ``<|im_end|>`` and the next
+``<|im_start|>assistant\\n``). The response mask is 1 on the sampled ids and 0 on everything the template or a tool
+wrote. Because the template is prefix-preserving (checked at start-up on a dummy conversation), the ids built turn by
+turn equal the template's rendering of the final conversation, token for token, up to the separator the template
+writes after the final EOS.
+
+Tool calls are parsed from each turn's sampled ids: with the tokenizer's own response parsing
+(``tokenizer.parse_response``) when it has a ``response_template``, else the common
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of the decoded text. A turn with no call ends the
+trajectory; so does a malformed call (the turn stays as plain text; counted).
+
+Caps (per trajectory): ``max_turns`` assistant turns (a call in the last allowed turn is not run: truncated by
+``max_turns``); ``max_new_tokens`` response tokens, the model's and the tools' together (a turn cut by the budget is
+truncated by ``length``; a tool segment that would not fit is not appended and ends the trajectory, truncated by
+``tool_overflow``); ``max_tool_response_tokens`` tokens of one tool result's content (a longer one is cut and
+counted).
+
+Nothing here imports a model or runs a tool: the loop takes ``generate`` and ``call_tools`` as functions, so it is
+tested with scripted ones (tests/unit/test_multi_turn.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from fsdptrain.config import ConfigError
+
+TRUNCATION_CAUSES = ("length", "max_turns", "tool_overflow")
+"""Why a trajectory was truncated (``truncated/<cause>`` metrics)."""
+TOOL_CALL_PATTERN = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+_DUMMY_TOOL = {"type": "function", "function": {"name": "fsdptrain_probe", "description": "A probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def render_ids(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequence[dict]],
+               add_generation_prompt: bool) -> list[int]:
+    """The ids of ``messages`` rendered by the chat template with ``tools`` (the template writes its own special
+    tokens, so none are added)."""
+    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """The calls of one assistant turn (``name``, ``arguments``) and whether the turn held a malformed call."""
+
+    calls: list[tuple[str, dict]]
+    malformed: bool
+
+
+def parse_tool_calls_text(text: str) -> ParsedTurn:
+    """The ``<tool_call>{json}</tool_call>`` blocks of ``text``. Each must hold a JSON object with a string ``name``
+    and an object ``arguments`` (a JSON string of an object is accepted, as some models write it); anything else, or
+    an opening tag without its closing one, makes the turn malformed."""
+    calls = []
+    for block in TOOL_CALL_PATTERN.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            return ParsedTurn([], malformed=True)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return ParsedTurn([], malformed=True)
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return ParsedTurn([], malformed=True)
+        if not isinstance(arguments, dict):
+            return ParsedTurn([], malformed=True)
+        calls.append((call["name"], arguments))
+    if text.count("<tool_call>") != len(calls) or text.count("</tool_call>") != len(calls):
+        return ParsedTurn([], malformed=True)
+    return ParsedTurn(calls, malformed=False)
+
+
+class ChatTurns:
+    """A tokenizer's chat template as the turn loop uses it: the prompt's ids, the ids that follow an assistant turn
+    with tool messages, and parsing a turn's calls. Built once at start-up; the constructor checks the template
+    (ConfigError, one line, naming why): it must render the tools, end an assistant turn with the EOS token, and be
+    prefix-preserving."""
+
+    def __init__(self, tokenizer, tools: Sequence[dict]):
+        self.tokenizer, self.tools = tokenizer, list(tools)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError("rollout.tools / rollout.environment need a tokenizer with a chat template that renders "
+                              "tools; this tokenizer has no chat_template")
+        probe = [{"role": "user", "content": "Hi."}]
+        if (render_ids(tokenizer, probe, tools=[_DUMMY_TOOL], add_generation_prompt=True)
+                == render_ids(tokenizer, probe, tools=None, add_generation_prompt=True)):
+            raise ConfigError("rollout.tools / rollout.environment: the tokenizer's chat template renders no tools "
+                              "(apply_chat_template(tools=...) writes the same prompt as without them); use a "
+                              "tokenizer whose template supports tools")
+        self.eos_id = tokenizer.eos_token_id
+        self._opening = [{"role": "user", "content": "Hi."},
+                         {"role": "assistant", "content": "<think>\nA.\n</think>\n\nB."}]
+        opening_ids = self.render(self._opening)
+        if self.eos_id not in opening_ids[len(self.render(probe, generation_prompt=True)):]:
+            raise ConfigError("rollout.tools / rollout.environment: the chat template does not end an assistant "
+                              f"turn with the EOS token {tokenizer.eos_token!r}, so a turn's end cannot be found in "
+                              "the sampled ids; set the tokenizer's eos_token to the template's end-of-turn token")
+        last_eos = len(opening_ids) - 1 - opening_ids[::-1].index(self.eos_id)
+        self.after_eos = opening_ids[last_eos + 1:]
+        """What the template writes after an assistant turn's EOS (ChatML: ``\\n``)."""
+        self._opening_ids = opening_ids
+        self._check_prefix_preserving()
+
+    def render(self, messages: Sequence[dict], *, generation_prompt: bool = False) -> list[int]:
+        return render_ids(self.tokenizer, messages, tools=self.tools, add_generation_prompt=generation_prompt)
+
+    def _check_prefix_preserving(self) -> None:
+        """Rendering a longer conversation must start with the shorter one's ids (a template that rewrites history,
+        e.g. strips earlier ``<think>`` blocks, breaks token-in/token-out)."""
+        tool = [{"role": "tool", "name": "fsdptrain_probe", "content": "C."}]
+        second = [{"role": "assistant", "content": "<think>\nD.\n</think>\n\nE."}]
+        steps = [self._opening, self._opening + tool, self._opening + tool + second]
+        for shorter, longer in zip(steps, steps[1:]):
+            short_ids = self.render(shorter, generation_prompt=shorter[-1]["role"] == "tool")
+            if self.render(longer)[:len(short_ids)] != short_ids:
+                raise ConfigError("rollout.tools / rollout.environment: the tokenizer's chat template is not "
+                                  "prefix-preserving (rendering a longer conversation changes the ids of its earlier "
+                                  "turns, e.g. it strips earlier <think> blocks), so the trained ids would not be "
+                                  "the sampled ones; use a template that renders history unchanged")
+
+    def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The ids generation starts from: the prompt's messages with the generation prompt."""
+        return self.render(messages, generation_prompt=True)
+
+    def tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
+        """The ids that follow an assistant turn's EOS when ``tool_messages`` answer it: the template's separator
+        after the EOS, the tool messages, and the next generation prompt."""
+        full = self.render([*self._opening, *tool_messages], generation_prompt=True)
+        if full[:len(self._opening_ids)] != self._opening_ids:
+            raise ConfigError("the tokenizer's chat template is not prefix-preserving for tool messages (rendering them "
+                              "changes the ids of the turns before)")
+        return self.after_eos + full[len(self._opening_ids):]
+
+    def parse(self, sampled_ids: Sequence[int], *, prefix_ids: Sequence[int]) -> ParsedTurn:
+        """The calls of one assistant turn (its sampled ids, EOS included or not): the tokenizer's
+        ``parse_response`` when it has a ``response_template``, else :func:`parse_tool_calls_text` of the text
+        decoded with special tokens kept."""
+        if getattr(self.tokenizer, "response_template", None) is not None:
+            try:
+                message = self.tokenizer.parse_response(list(sampled_ids), prefix=list(prefix_ids), tools=self.tools)
+            except Exception:  # the tokenizer's parser rejects what the model wrote: a malformed call
+                return ParsedTurn([], malformed=True)
+            calls = []
+            for call in message.get("tool_calls") or []:
+                function = call.get("function", call)
+                arguments = function.get("arguments", {})
+                if not isinstance(function.get("name"), str) or not isinstance(arguments, dict):
+                    return ParsedTurn([], malformed=True)
+                calls.append((function["name"], arguments))
+            return ParsedTurn(calls, malformed=False)
+        return parse_tool_calls_text(self.tokenizer.decode(list(sampled_ids), skip_special_tokens=False))
+
+
+@dataclass
+class Trajectory:
+    """One sample's multi-turn trajectory; see the module docstring. ``messages`` are the conversation after the
+    prompt (assistant turns as written, with their parsed ``tool_calls``; tool messages as appended)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    num_turns: int = 0
+    num_calls: int = 0
+    num_failed_calls: int = 0
+    num_timed_out_calls: int = 0
+    num_malformed: int = 0
+    num_cut_results: int = 0
+    num_tool_tokens: int = 0
+    truncation: Optional[str] = None
+    done: bool = False
+
+    def end(self, truncation: Optional[str] = None) -> None:
+        self.truncation, self.done = truncation, True
+
+
+@dataclass(frozen=True)
+class TurnCaps:
+    max_turns: int
+    max_new_tokens: int
+    max_tool_response_tokens: int
+
+
+Generate = Callable[[list[list[int]], int, int], list[tuple[list[int], bool]]]
+"""``generate(inputs, max_new_tokens, turn) -> [(new_ids, ended_by_eos)]``, one per input."""
+CallTools = Callable[[list[tuple[int, str, dict]]], list]
+"""``call_tools([(sample, name, arguments)]) -> [result]`` with ``result.content``, ``.failed``, ``.timed_out``."""
+
+
+def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Generate, call_tools: CallTools,
+              caps: TurnCaps) -> list[Trajectory]:
+    """The trajectories of ``prompts`` (prompt ids each), all advanced turn by turn together; see the module
+    docstring for what each cap does."""
+    trajectories = [Trajectory(prompt_ids=list(p)) for p in prompts]
+    tokenizer = chat.tokenizer
+    for turn in range(caps.max_turns):
+        active = [t for t in trajectories if not t.done]
+        if not active:
+            break
+        index = {id(t): i for i, t in enumerate(trajectories)}
+        budgets = [caps.max_new_tokens - len(t.response_ids) for t in active]
+        outputs = generate([t.prompt_ids + t.response_ids for t in active], max(budgets), turn)
+        pending: list[tuple[Trajectory, list[tuple[str, dict]]]] = []
+        for t, budget, (new_ids, ended) in zip(active, budgets, outputs):
+            if len(new_ids) > budget:
+                new_ids, ended = new_ids[:budget], False
+            prefix = t.prompt_ids + t.response_ids
+            t.response_ids += new_ids
+            t.response_mask += [1] * len(new_ids)
+            t.num_turns += 1
+            text_ids = new_ids[:-1] if ended else new_ids
+            message = {"role": "assistant", "content": tokenizer.decode(text_ids, skip_special_tokens=False)}
+            t.messages.append(message)
+            if not ended:
+                t.end("length")
+                continue
+            parsed = chat.parse(new_ids, prefix_ids=prefix)
+            if parsed.malformed:
+                t.num_malformed += 1
+                t.end()
+                continue
+            if not parsed.calls:
+                t.end()
+                continue
+            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": arguments}}
+                                     for name, arguments in parsed.calls]
+            if turn == caps.max_turns - 1:
+                t.end("max_turns")
+                continue
+            pending.append((t, parsed.calls))
+        requests = [(index[id(t)], name, arguments) for t, calls in pending for name, arguments in calls]
+        results = iter(call_tools(requests) if requests else [])
+        for t, calls in pending:
+            _append_tool_results(chat, t, calls, [next(results) for _ in calls], caps)
+    return trajectories
+
+
+def _append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, dict]], results: list,
+                         caps: TurnCaps) -> None:
+    """Append the tool messages answering one turn's calls (each result cut to ``max_tool_response_tokens``), or end
+    the trajectory as ``tool_overflow`` when their segment would not fit the response budget."""
+    tokenizer = chat.tokenizer
+    tool_messages = []
+    num_cut = 0
+    for (name, _), result in zip(calls, results):
+        content = result.content
+        content_ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+        if len(content_ids) > caps.max_tool_response_tokens:
+            content = tokenizer.decode(content_ids[:caps.max_tool_response_tokens], skip_special_tokens=False)
+            num_cut += 1
+        tool_messages.append({"role": "tool", "name": name, "content": content})
+    segment = chat.tool_segment_ids(tool_messages)
+    t.num_calls += len(calls)
+    t.num_failed_calls += sum(r.failed for r in results)
+    t.num_timed_out_calls += sum(r.timed_out for r in results)
+    t.num_cut_results += num_cut
+    if len(t.response_ids) + len(segment) >= caps.max_new_tokens:  # no room left for the model to answer
+        t.messages.extend({**m, "appended": False} for m in tool_messages)
+        t.end("tool_overflow")
+        return
+    t.response_ids += segment
+    t.response_mask += [0] * len(segment)
+    t.num_tool_tokens += len(segment)
+    t.messages.extend(tool_messages)

@@ -1,0 +1,165 @@
+"""Multi-turn training end to end (docs/multi-turn.md): the real CLI trains a tiny model written here, whose
+character-level ChatML tokenizer (tests/chatml.py) holds a whole tool call as one added token, so a random policy
+calls tools from the first step; with a tool and with an environment class; resume after step 2 equals the
+uninterrupted run; 1 and 2 ranks give the same metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.chatml import chatml_tokenizer
+from tests.conftest import metric_kinds, without_diagnostics
+
+ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+INCREMENT_CALL = '<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>'
+
+TOOLS_PY = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+'''
+
+ENV_PY = '''
+class Counter:
+    """A counter the model increments; its reward is the count."""
+
+    def reset(self, **columns):
+        self.count = 0
+        return " (start at 0)"
+
+    def increment(self, by: int) -> int:
+        """Increment the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+'''
+
+REWARD_PY = '''
+def said_five(prompts, completions, completion_ids, answer, **kwargs):
+    """1 when a tool message of the conversation holds the answer."""
+    return [float(any(m["role"] == "tool" and m["content"] == answer for m in c)) for c in completions]
+
+
+def saw_environments(prompts, completions, completion_ids, environments, **kwargs):
+    """The environment's count again, read through the environments= argument."""
+    return [float(e.count) for e in environments]
+'''
+
+
+def write_inputs(folder: Path) -> Path:
+    """The model folder, the prompts, the tools, the environment and the rewards, under ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = chatml_tokenizer(extra_tokens=(ADD_CALL, INCREMENT_CALL))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # A large constant first embedding dimension makes every final hidden state point about the same way, so
+        # lm_head's first column acts as a bias: the two call tokens and EOS get about 14% each, any other token
+        # under 1%. The policy is nearly context-free but calls tools from the first step, over several turns.
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[[2, len(tokenizer) - 2, len(tokenizer) - 1], 0] = 0.57
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b)}
+            for a in range(4) for b in range(4)]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "tools.py").write_text(TOOLS_PY)
+    (folder / "env.py").write_text(ENV_PY)
+    (folder / "rewards.py").write_text(REWARD_PY)
+    return folder
+
+
+def common(folder: Path) -> tuple[str, ...]:
+    return ("model=local", f"model.path={folder / 'model'}", "algorithm=grpo", "data=prompts",
+            f"data.path={folder / 'prompts.jsonl'}", "data.num_eval_prompts=2", "rollout.max_new_tokens=160",
+            "rollout.max_turns=3", "rollout.prompts_per_step=2", "rollout.n=4", "trainer.eval_every=0",
+            "logging.progress=false")
+
+
+TOOL = ("rollout.tools=[tools.py:add]", "reward.functions=[rewards.py:said_five]")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    kinds = metric_kinds(run_dir)
+    return [without_diagnostics(json.loads(line), kinds) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_rows(got: list[dict], want: list[dict], *, tol: float) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key in w:
+            assert abs(g[key] - w[key]) <= tol * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
+
+
+@pytest.mark.slow
+def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
+    from tests.conftest import run_cli
+    from tests.e2e.test_resume_export import copy_checkpoint
+
+    write_inputs(tmp_path)
+    args = (*common(tmp_path), *TOOL, "trainer.steps=3", "checkpoint.every=2")
+    one = run_cli("train", *args, "trainer.run_name=one", cwd=tmp_path)
+    assert one.returncode == 0, one.stdout + one.stderr
+    reference = rows(tmp_path / "runs" / "one")
+    assert [r["step"] for r in reference] == [0, 1, 2]
+    first = reference[0]
+    # Tools were called and failed (increment is no tool here), the mask kept tool tokens out of the counts.
+    assert first["tools/call_frequency"] > 0 and 0 < first["tools/failure_frequency"] < 1
+    assert first["tools/response_tokens/mean"] > 0 and first["turns/max"] >= 2
+    samples = [json.loads(s) for s in (tmp_path / "runs" / "one" / "samples.jsonl").read_text().splitlines()]
+    assert any(m["role"] == "tool" for s in samples for m in s["turns"])
+    assert "calls add(" in one.stdout  # the first step's printout shows the calls
+
+    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
+    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
+
+    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+
+
+@pytest.mark.slow
+def test_environment_class_trains_with_its_reward(tmp_path):
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    result = run_cli("train", *common(tmp_path), "rollout.environment=env.py:Counter",
+                     "reward.functions=[rewards.py:saw_environments]", "reward.weights=[0.5]", "trainer.steps=3",
+                     "trainer.run_name=env", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = rows(tmp_path / "runs" / "env")
+    assert len(metrics) == 3
+    for row in metrics:  # get_reward and the environments= argument read the same instances
+        assert row["reward/Counter/mean"] == row["reward/saw_environments/mean"]
+        assert row["reward/mean"] == pytest.approx(1.5 * row["reward/Counter/mean"], abs=1e-12)
+    assert metrics[0]["reward/Counter/mean"] > 0 and metrics[0]["tools/call_frequency"] > 0
+
+
+def test_a_tokenizer_without_a_tools_template_is_one_line_and_exit_2(cli, tmp_path):
+    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    result = cli("train", "rollout.tools=[tools.py:add]", "trainer.run_name=bad")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "chat template" in result.stderr, result.stderr
+    assert not (tmp_path / "runs" / "bad").exists()
