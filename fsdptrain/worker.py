@@ -89,8 +89,13 @@ def _option(options: list[str], name: str) -> str | None:
 
 def run_and_exit(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> None:
     """Run this rank and leave through the one exit path, whatever happens (internal errors keep their traceback)."""
+    from fsdptrain.train.signals import StoppedInUserCode
+
     try:
         code = run_rank(command, cfg, run_dir, options)
+    except StoppedInUserCode as err:
+        print(f"error: {err}", file=sys.stderr)
+        code = err.exit_code
     except KeyboardInterrupt:
         print("interrupted: stopped at once, nothing saved", file=sys.stderr)
         code = 130
