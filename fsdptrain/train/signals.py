@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Iterator, Optional
 
+from fsdptrain.distributed.rank_errors import another_rank_failed
 from fsdptrain.rewards.pool import reset_signals_in_child
 from fsdptrain.train.console import log
 
@@ -87,6 +88,9 @@ class StopRequest:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._left.set()
             raise StoppedInUserCode(self._signum, self._user_code or "the user's code", self.grace_s)
+        if not self.requested and another_rank_failed():  # the launcher stopping this rank: the other one reports
+            self.requested = True
+            return
         if not self.requested:
             self._signum = signum
             if self._user_code is not None:
