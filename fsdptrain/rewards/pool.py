@@ -121,6 +121,9 @@ def _kill_own_group() -> None:
 
 def _worker_main(conn, specs: Sequence[str], parent_pid: int) -> None:
     os.setsid()  # a group of its own, killed as one (module docstring)
+    # Daemonic only for the parent's bookkeeping: the user's function may start processes (a multiprocessing.Pool),
+    # which multiprocessing refuses to a daemonic process; they end with this worker's group.
+    multiprocessing.current_process().daemon = False
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     from fsdptrain.registry.errors import ConfigError

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 from fsdptrain.distributed.rank_errors import another_rank_failed
 from fsdptrain.rewards.pool import reset_signals_in_child
-from fsdptrain.train.console import log
+from fsdptrain.distributed.torchrun import env_rank
 
 USER_CODE_GRACE_S = 10.0
 """Seconds a reward call may still run after a stop signal before it is abandoned."""
@@ -32,6 +32,12 @@ HARD_EXIT_S = 5.0
 """Seconds after the grace at which a rank whose user code blocks signals leaves through ``os._exit``."""
 
 _fork_handler_registered = False
+
+
+def log(message: str) -> None:
+    """Print on rank 0 only (torch-free, so that this module stays light for the processes that import it)."""
+    if env_rank() == 0:
+        print(message, flush=True)
 
 
 class StoppedInUserCode(BaseException):
