@@ -53,7 +53,7 @@ def load_file(path: Path, *, spec: str, what: str):
     is imported, so ``import helpers`` finds ``path/to/helpers.py`` (in the training process and in reward workers
     alike); the folder is taken off ``sys.path`` again afterwards. Anything the import raises (a syntax error, a missing
     module, ``1/0`` at top level, ``sys.exit()``) is a ConfigError naming the file and the line of the file where it
-    happened; a Ctrl-C passes through.
+    happened; a Ctrl-C passes through. No bytecode cache is written next to the file.
     """
     if not path.is_file():
         raise ConfigError(f"{what}: file {str(path)!r} not found (from {spec!r})")
@@ -66,8 +66,9 @@ def load_file(path: Path, *, spec: str, what: str):
         raise ConfigError(f"{what}: cannot load {str(path)!r} as a Python file (from {spec!r})")
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[module_name] = module
-    folder = str(resolved.parent)
+    folder, write_bytecode = str(resolved.parent), sys.dont_write_bytecode
     sys.path.insert(0, folder)
+    sys.dont_write_bytecode = True  # no __pycache__ in the user's folder: fsdptrain writes only its run folder
     try:
         file_spec.loader.exec_module(module)
     except SyntaxError as err:
@@ -80,6 +81,7 @@ def load_file(path: Path, *, spec: str, what: str):
                           f"{describe_exception(err)} (from {spec!r})") from None
     finally:
         sys.path.remove(folder)
+        sys.dont_write_bytecode = write_bytecode
     return module
 
 

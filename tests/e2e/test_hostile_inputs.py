@@ -107,3 +107,63 @@ def test_every_load_refuses_a_folders_code_even_past_the_check(tmp_path):
     with pytest.raises(ValueError, match="trust_remote_code"):
         resolve_config(path=str(folder), config=None)
     assert not marker.exists()
+
+
+# ---- the user's reward file (items 3 and 4) ----------------------------------------------------------------------
+
+REWARD_FILE = """\
+import os, time
+
+import helpers  # a module next to this file, as `python task/rw.py` would find it
+
+
+def length(prompts, completions, completion_ids, **kwargs):
+    return [helpers.score(c) for c in completions]
+
+
+def hang(prompts, completions, completion_ids, **kwargs):
+    open(os.path.join(os.path.dirname(__file__), f"pid_{os.getpid()}"), "w").close()
+    time.sleep(600)
+"""
+
+
+def _task_folder(root: Path) -> Path:
+    task = root / "task"
+    task.mkdir()
+    (task / "helpers.py").write_text("def score(c):\n    return float(len(c))\n")
+    (task / "rw.py").write_text(REWARD_FILE)
+    (task / "no_module.py").write_text("import no_such_module\n")
+    (task / "exits.py").write_text("import sys\n\nCONST = 1\nsys.exit(3)\n")
+    return task
+
+
+def test_a_reward_file_that_fails_to_import_is_one_line_and_nothing_is_written(tmp_path):
+    task = _task_folder(tmp_path)
+    before = sorted(p.name for p in task.iterdir())
+    for spec, culprit in [
+        ("task/no_module.py:f", "importing 'task/no_module.py' failed at line 1: ModuleNotFoundError: No module "
+                                "named 'no_such_module' (from 'task/no_module.py:f')"),
+        ("task/exits.py:f", "importing 'task/exits.py' failed at line 4: it called sys.exit(3)"),
+    ]:
+        line = one_error_line(run_cli("train", *TINY, "trainer.steps=1", f"reward.functions=[{spec}]", cwd=tmp_path))
+        assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["task"]  # no run folder
+    assert sorted(p.name for p in task.iterdir()) == before  # not even a __pycache__
+
+
+def test_check_reward_imports_a_sibling_module_and_bounds_every_call(tmp_path):
+    # Workers import rw.py (and helpers.py next to it) before their first call; `hang` times out at 3 s on every call
+    # and check-reward makes no call of its own without that deadline (it used to call each function once more).
+    task = _task_folder(tmp_path)
+    result = subprocess.run(
+        [*cli_command(), "check-reward", "logging.progress=false", "rollout.prompts_per_step=2", "rollout.n=2",
+         "rollout.max_new_tokens=4", "reward.functions=[task/rw.py:length,task/rw.py:hang]",
+         "reward.num_workers=2", "reward.timeout_s=3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)  # safety net: the run takes seconds
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "length " in result.stdout and "hang: every call timed out" in result.stdout, result.stdout
+    pids = [int(p.name[4:]) for p in task.glob("pid_*")]
+    assert len(pids) >= 2  # one call per prompt group, each in a worker that was killed at its deadline
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]
