@@ -99,12 +99,11 @@ class StopRequest:
             return
         if not self.requested:
             self._signum = signum
-            if self._user_code is not None:
-                log(f"{signal.Signals(signum).name}: {self._user_code} is running; it has {self.grace_s:g} s to "
-                    f"return, then the run stops without saving this step (Ctrl-C again to stop at once)")
-            else:
-                log(f"{signal.Signals(signum).name}: stopping at the next step boundary after a checkpoint "
-                    "(Ctrl-C again to stop at once, without saving)")
+            running = "" if self._user_code is None else (
+                f"; {self._user_code} is running: it has {self.grace_s:g} s to return, else the run stops without "
+                "saving this step")
+            log(f"{signal.Signals(signum).name}: stopping at the next step boundary after a checkpoint{running} "
+                "(Ctrl-C again to stop at once, without saving)")
         self.requested = True
         if self._user_code is not None:
             self._arm()
