@@ -31,12 +31,15 @@ def report_failure(text: str, *, rank: int) -> None:
     """``text`` (the user's traceback, if any, and the one ``error:`` line) for the user: into the launcher's error
     folder when there is one, else to stderr."""
     folder = os.environ.get(ERROR_DIR_ENV)
-    if folder is None:
-        print(text, file=sys.stderr)
-        return
-    partial = Path(folder) / f".rank{rank}.partial"
-    partial.write_text(f"{time.time()!r}\n{text}\n")
-    partial.replace(Path(folder) / f"rank{rank}.txt")  # whole or absent: the launcher may read it any time
+    if folder is not None:
+        partial = Path(folder) / f".rank{rank}.partial"
+        try:
+            partial.write_text(f"{time.time()!r}\n{text}\n")
+            partial.replace(Path(folder) / f"rank{rank}.txt")  # whole or absent: the launcher may read it any time
+            return
+        except OSError:  # a full disk, say: say it here rather than not at all
+            pass
+    print(text, file=sys.stderr)
 
 
 def another_rank_failed() -> bool:
@@ -58,8 +61,9 @@ def first_failure(folder: Path) -> Optional[tuple[int, str]]:
 
 
 def peer_lost(err: BaseException, depth: int = 0) -> bool:
-    """True when ``err`` (or what caused it) is a collective failing because another rank's process is gone."""
-    if err is None or depth > 8:
+    """True when ``err`` (or what caused it) is a collective failing because another rank's process is gone (only in
+    a world of several ranks, as torch's launchers announce it in ``WORLD_SIZE``)."""
+    if err is None or depth > 8 or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return False
     if isinstance(err, RuntimeError) and any(marker in str(err) for marker in _PEER_LOST_MARKERS):
         return True

@@ -37,7 +37,10 @@ def test_without_the_launcher_a_rank_prints_its_message(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: x\n"
 
 
-def test_a_collective_that_failed_because_a_peer_died_is_collateral():
+def test_a_collective_that_failed_because_a_peer_died_is_collateral(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not peer_lost(RuntimeError(GLOO))  # one process has no peer: an error of its own
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert peer_lost(RuntimeError(GLOO))
     try:
         try:
