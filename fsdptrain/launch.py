@@ -12,10 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
+
+from fsdptrain.distributed.rank_errors import ERROR_DIR_ENV, PEER_LOST_EXIT, first_failure
 
 LAUNCHER_PID_ENV = "FSDPTRAIN_LAUNCHER_PID"
 """The pid of the process that launched the ranks (set by :func:`launch_local`, read by each rank)."""
@@ -53,20 +56,39 @@ def launch_local(nproc: int, worker_args: list[str]) -> int:
     )
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # inherited by the ranks: they die with this process
     previous = {sig: signal.signal(sig, _forward_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)}
+    errors = tempfile.TemporaryDirectory(prefix="fsdptrain-errors-")
+    os.environ[ERROR_DIR_ENV] = errors.name  # where a failing rank leaves its message (rank_errors.py)
     try:
         elastic_launch(config, sys.executable)("-m", "fsdptrain.worker", *worker_args)
     except ChildFailedError as err:
-        codes = [failure.exitcode for failure in err.failures.values()]
-        positive = [code for code in codes if code > 0]
-        return min(positive) if positive else 1
+        return _report_first_failure(Path(errors.name), {f.local_rank: f.exitcode for f in err.failures.values()})
     except SignalException as err:
+        failed = first_failure(Path(errors.name))  # e.g. a reward call abandoned after SIGTERM
+        if failed is not None:
+            print(failed[1], file=sys.stderr)
         return 128 + int(err.sigval)
     except _StoppedBeforeStart as err:
         return 128 + err.signum
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        del os.environ[ERROR_DIR_ENV]
+        errors.cleanup()
     return 0
+
+
+def _report_first_failure(errors: Path, codes: dict[int, int]) -> int:
+    """Print the message of the first rank that reported one and return that rank's exit code; ranks that stopped
+    only because of it (:data:`PEER_LOST_EXIT`, or killed by the launcher) are not reported. Without any report: the
+    smallest positive exit code that is not collateral (a rank's own output already said why), else 1."""
+    failed = first_failure(errors)
+    if failed is not None:
+        rank, text = failed
+        print(text, file=sys.stderr)
+        if codes.get(rank, 0) > 0:
+            return codes[rank]
+    own = [code for code in codes.values() if code > 0 and code != PEER_LOST_EXIT]
+    return min(own) if own else 1
 
 
 class _StoppedBeforeStart(Exception):

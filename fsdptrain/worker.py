@@ -16,6 +16,7 @@ import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.distributed.rank_errors import ERROR_DIR_ENV, PEER_LOST_EXIT, peer_lost, report_failure
 from fsdptrain.distributed.torchrun import env_rank
 from fsdptrain.distributed.world import exit_process
 
@@ -25,9 +26,10 @@ COMMANDS = ("train", "check-metrics", "check-reward")
 def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> int:
     """Run ``command`` ("train" or "check-metrics") on this rank; return its exit code.
 
-    A user's mistake found only here (a bad data row, a model folder that does not load) is a usage error: rank 0
-    prints its one line and every rank returns 2. A reward function that fails at run time stops every rank (the
-    ranks agree on it); the rank where it failed prints the user's traceback and one line, and every rank returns 2.
+    A user's mistake found only here (a bad data row, a model folder that does not load) is a usage error: its one
+    line is reported (:func:`fsdptrain.distributed.rank_errors.report_failure`; by rank 0 only without our launcher)
+    and every rank returns 2. A reward function that fails at run time stops every rank (the ranks agree on it); the
+    rank where it failed reports the user's traceback and one line, and every rank returns 2.
     """
     from fsdptrain.config import ConfigError
     from fsdptrain.rewards.runner import RewardError, RewardFailedOnAnotherRank
@@ -50,13 +52,12 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
 
         return check_metrics(cfg, json_path=_option(options, "--json"))
     except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
+        if rank == 0 or ERROR_DIR_ENV in os.environ:  # the launcher reports the first rank's, once
+            report_failure(f"error: {err}", rank=rank)
         return 2
     except RewardError as err:
-        if err.user_traceback:
-            print(err.user_traceback.rstrip("\n"), file=sys.stderr)
-        print(f"error: {err}", file=sys.stderr)
+        report_failure((err.user_traceback.rstrip("\n") + "\n" if err.user_traceback else "") + f"error: {err}",
+                       rank=rank)
         return 2
     except RewardFailedOnAnotherRank:  # the rank where it failed prints the error
         return 2
@@ -64,8 +65,9 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
         if isinstance(err, (KeyboardInterrupt, SystemExit)) or not _disk_full(err):
             raise
         if rank == 0:
-            print(f"error: no space left on the device while writing {run_dir}; the run stopped and earlier "
-                  "checkpoints are intact: free some space and resume with trainer.resume=auto", file=sys.stderr)
+            report_failure(f"error: no space left on the device while writing {run_dir}; the run stopped and "
+                           "earlier checkpoints are intact: free some space and resume with trainer.resume=auto",
+                           rank=rank)
         return 1
 
 
@@ -89,14 +91,22 @@ def _option(options: list[str], name: str) -> str | None:
 
 def run_and_exit(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> None:
     """Run this rank and leave through the one exit path, whatever happens (internal errors keep their traceback)."""
+    from fsdptrain.train.signals import StoppedInUserCode
+
     try:
         code = run_rank(command, cfg, run_dir, options)
+    except StoppedInUserCode as err:
+        report_failure(f"error: {err}", rank=env_rank())
+        code = err.exit_code
     except KeyboardInterrupt:
         print("interrupted: stopped at once, nothing saved", file=sys.stderr)
         code = 130
-    except BaseException:  # an internal error: keep its traceback, then leave through the one exit path
-        traceback.print_exc()
-        code = 1
+    except BaseException as err:  # an internal error: keep its traceback, then leave through the one exit path
+        if peer_lost(err):  # collateral of another rank's failure, which that rank reports (rank_errors.py)
+            code = PEER_LOST_EXIT
+        else:
+            traceback.print_exc()
+            code = 1
     exit_process(code)
 
 

@@ -4,7 +4,8 @@ On every rank, build what ``fsdptrain train`` builds (data, reward functions, mo
 ``rollout.prompts_per_step`` prompts ``rollout.n`` times each with the current model, score them through the same
 code as training, and report over all ranks, per function and for the weighted total: mean, population std, and the
 share of prompt groups whose samples all scored the same (GRPO's group baseline learns nothing from those). Rank 0
-also prints a few of its samples and the time each function takes for one call on its samples.
+also prints a few of its samples and the mean time of each function's calls during that scoring (no
+extra call: every call ran under reward.timeout_s when one is set).
 
 Exit 1 when every group's totals are all equal (nothing to learn), 0 otherwise (docs/your-task.md).
 """
@@ -20,7 +21,6 @@ from omegaconf import DictConfig
 
 from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.distributed import world
-from fsdptrain.rewards.pool import run_call
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.console import log, print_samples
 from fsdptrain.train.rollout_sources import PromptSource
@@ -70,11 +70,9 @@ def check_reward(cfg: DictConfig) -> int:
         local = [spread(scores.raw[name], groups) for name in names] + [spread(scores.total, groups)]
         stats = torch.tensor(local, dtype=torch.float64)
         merged = world.all_reduce_sum(stats.flatten()).reshape(stats.shape).tolist()
-        timings = []
-        for f in source.functions:  # one in-process call over this rank's samples, timed
-            t0 = time.perf_counter()
-            run_call(f.fn, batch.select(range(len(batch))))
-            timings.append(time.perf_counter() - t0)
+        # the calls the scoring made (bounded by reward.timeout_s in workers): no extra call without a deadline
+        seconds = source.runner.call_seconds if source.runner is not None else {}
+        timings = {name: seconds.get(name, []) for name in names}
     finally:
         source.close()
     log(f"check-reward: {len(rollouts) * info.world_size} samples ({cfg.rollout.prompts_per_step} prompts x "
@@ -82,8 +80,9 @@ def check_reward(cfg: DictConfig) -> int:
     log("reward spread (over all ranks):")
     for name, stats in zip(names + ["total (weighted)"], merged):
         log(_line(name, stats))
-    log("time of one call on rank 0's " + f"{len(batch)} samples: "
-        + ", ".join(f"{name} {t * 1000:.1f} ms" for name, t in zip(names, timings)))
+    log(f"time per call on rank 0 ({len(batch)} samples; mean over the calls that returned): "
+        + ", ".join(f"{name} {sum(t) / len(t) * 1000:.1f} ms ({len(t)} calls)" if t else f"{name}: every call timed out"
+                    for name, t in timings.items()))
     if info.is_main:
         print_samples(None, 0, source.samples)
     nothing = merged[-1][3] == merged[-1][4]

@@ -178,7 +178,7 @@ class RewardConfig:
     num_workers: int = bounded(0, ge=0)
     """Worker processes per rank that run the functions (0: in the training process, once per step)."""
     timeout_s: Optional[float] = bounded(None, gt=0)
-    """Longest one call may run (needs num_workers >= 1); a timed-out call scores timeout_score. null: no limit."""
+    """Longest one call may run, not counting the worker's start-up imports (needs num_workers >= 1); a timed-out call scores timeout_score and its worker is killed with every process it started. null: no limit."""
     timeout_score: float = unbounded(0.0)
     """Score of each sample whose call timed out (counted in reward/<function>/num_timed_out)."""
     models: list[str] = field(default_factory=list)

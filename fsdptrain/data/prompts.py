@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from fsdptrain.config import ConfigError
+from fsdptrain.registry.errors import first_line
 from fsdptrain.data.prompt_files import read_table
 
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
@@ -77,7 +78,12 @@ def render_prompt(value, *, tokenizer, where: str) -> tuple[str, bool]:
             raise ConfigError(f"{where}: the prompt is a chat but the tokenizer has no chat template; give plain "
                               f"string prompts or a tokenizer with a chat_template")
         messages = [{"role": m["role"], "content": m["content"]} for m in value]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
+        except Exception as err:  # the template's own raise_exception(), or a role it does not handle
+            roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+            raise ConfigError(f"{where}: the tokenizer's chat template fails on this chat (roles {roles}): "
+                              f"{type(err).__name__}: {first_line(err)}") from None
     raise ConfigError(f"{where}: expected a string or a chat (a non-empty list of {{role, content}} messages with "
                       f"string values), got {_describe(value)}")
 

@@ -52,6 +52,24 @@ def check_model_folder(path: str, *, key: str = "model.path") -> None:
 
 
 
+def check_tokenizer_fits(tokenizer, path: str, *, key: str = "model.path") -> None:
+    """Raise ConfigError naming ``key`` when the folder's tokenizer cannot serve its model: it has neither a pad nor
+    an EOS token (generation could not end or pad a batch), or more tokens than the model's embedding has rows (an id
+    past the table would crash inside generate). The vocabulary size is config.json's (or its ``text_config``'s)."""
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ConfigError(f"{key}={path!r}: the tokenizer has neither a pad token nor an EOS token; set at least "
+                          f"eos_token (e.g. tokenizer.eos_token = '</s>') and save it with save_pretrained")
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return  # check_model_folder reports it
+    vocab_size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
+        raise ConfigError(f"{key}={path!r}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+                          f"{vocab_size} rows (config.json vocab_size); resize the model to the tokenizer "
+                          f"(model.resize_token_embeddings(len(tokenizer))) and save both")
+
+
 CODE_MAP_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 """The files in which a folder can name its own Python code (``auto_map``) for transformers to import."""
 

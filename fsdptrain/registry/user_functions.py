@@ -35,6 +35,9 @@ def load_callable(spec: str, *, what: str) -> Callable:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as err:
             raise ConfigError(f"{what}: cannot import module {module_part!r} (from {spec!r}): {err}") from None
+        except (Exception, SystemExit) as err:  # the module's own code failed while it was imported
+            raise ConfigError(f"{what}: importing module {module_part!r} failed: {describe_exception(err)} "
+                              f"(from {spec!r})") from None
     fn = getattr(module, name, None)
     if fn is None:
         raise ConfigError(f"{what}: {module_part!r} has no attribute {name!r} (from {spec!r})")
@@ -44,7 +47,14 @@ def load_callable(spec: str, *, what: str) -> Callable:
 
 
 def load_file(path: Path, *, spec: str, what: str):
-    """The module of the Python file at ``path``, executed once per process (cached under a private name)."""
+    """The module of the Python file at ``path``, executed once per process (cached under a private name).
+
+    The file is imported as ``python path/to/file.py`` would run it: its own folder is first on ``sys.path`` while it
+    is imported, so ``import helpers`` finds ``path/to/helpers.py`` (in the training process and in reward workers
+    alike); the folder is taken off ``sys.path`` again afterwards. Anything the import raises (a syntax error, a missing
+    module, ``1/0`` at top level, ``sys.exit()``) is a ConfigError naming the file and the line of the file where it
+    happened; a Ctrl-C passes through. No bytecode cache is written next to the file.
+    """
     if not path.is_file():
         raise ConfigError(f"{what}: file {str(path)!r} not found (from {spec!r})")
     resolved = path.resolve()
@@ -56,12 +66,42 @@ def load_file(path: Path, *, spec: str, what: str):
         raise ConfigError(f"{what}: cannot load {str(path)!r} as a Python file (from {spec!r})")
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[module_name] = module
+    folder, write_bytecode = str(resolved.parent), sys.dont_write_bytecode
+    sys.path.insert(0, folder)
+    sys.dont_write_bytecode = True  # no __pycache__ in the user's folder: fsdptrain writes only its run folder
     try:
         file_spec.loader.exec_module(module)
     except SyntaxError as err:
         del sys.modules[module_name]
-        raise ConfigError(f"{what}: {str(path)!r} line {err.lineno}: syntax error: {err.msg}") from None
+        where = f"line {err.lineno}" if err.filename == str(resolved) else f"{err.filename} line {err.lineno}"
+        raise ConfigError(f"{what}: {str(path)!r} {where}: syntax error: {err.msg} (from {spec!r})") from None
+    except (Exception, SystemExit) as err:
+        del sys.modules[module_name]
+        raise ConfigError(f"{what}: importing {str(path)!r} failed at line {_line_in(err, resolved)}: "
+                          f"{describe_exception(err)} (from {spec!r})") from None
+    finally:
+        sys.path.remove(folder)
+        sys.dont_write_bytecode = write_bytecode
     return module
+
+
+def describe_exception(err: BaseException) -> str:
+    """``TypeName: message`` of a user's exception on one line; ``sys.exit(code)`` reads as such."""
+    if isinstance(err, SystemExit):
+        return f"it called sys.exit({err.code!r})"
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _line_in(err: BaseException, file: Path) -> str:
+    """The line of ``file`` in ``err``'s traceback that was running when it was raised ("?" if none was)."""
+    line = "?"
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(file):
+            line = str(tb.tb_lineno)
+        tb = tb.tb_next
+    return line
 
 
 def check_signature(fn: Callable, *, spec: str, what: str, required: Sequence[str], var_keyword: bool = False) -> None:

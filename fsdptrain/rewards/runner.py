@@ -24,15 +24,17 @@ from typing import Optional, Sequence
 
 from fsdptrain.config import ConfigError
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rewards.pool import Call, Outcome, WorkerPool, run_call
+from fsdptrain.rewards.pool import START_TIMEOUT_S, Call, Outcome, WorkerPool, WorkerStartError, run_call
 
 
 class RewardError(RuntimeError):
-    """A reward function failed at run time. ``str()`` is one line (function, row, cause); ``user_traceback`` is the
+    """A reward function failed at run time. ``str()`` is one line (function, row when one is known, cause);
+    ``user_traceback`` is the
     traceback of the user's own code when it raised ("" otherwise), for display above that line."""
 
-    def __init__(self, function: str, row: int, cause: str, user_traceback: str = ""):
-        super().__init__(f"reward function {function!r} on row {row} (0-based): {cause}")
+    def __init__(self, function: str, row: Optional[int], cause: str, user_traceback: str = ""):
+        where = "" if row is None else f" on row {row} (0-based)"
+        super().__init__(f"reward function {function!r}{where}: {cause}")
         self.function, self.row, self.cause, self.user_traceback = function, row, cause, user_traceback
 
 
@@ -85,7 +87,8 @@ class RewardRunner:
     """Runs the configured functions on batches; close it (or use ``with``) so its worker processes end."""
 
     def __init__(self, functions: Sequence[RewardFunction], *, num_workers: int = 0,
-                 timeout_s: Optional[float] = None, timeout_score: float = 0.0):
+                 timeout_s: Optional[float] = None, timeout_score: float = 0.0,
+                 start_timeout_s: float = START_TIMEOUT_S):
         if num_workers < 0:
             raise ConfigError(f"reward.num_workers={num_workers} must be >= 0")
         if timeout_s is not None and not timeout_s > 0:
@@ -97,20 +100,33 @@ class RewardRunner:
             raise ConfigError(f"reward.timeout_score={timeout_score} must be a finite number")
         self.functions = list(functions)
         self.timeout_s, self.timeout_score = timeout_s, float(timeout_score)
-        self.pool = WorkerPool([f.spec for f in self.functions], num_workers) if num_workers > 0 else None
+        self.call_seconds: dict[str, list[float]] = {f.name: [] for f in self.functions}
+        """How long each function's calls of the last :meth:`score` ran (the function itself, not the transport)."""
+        try:  # the workers import the functions now, outside any call's deadline
+            self.pool = (WorkerPool([f.spec for f in self.functions], num_workers, start_timeout_s=start_timeout_s)
+                         if num_workers > 0 else None)
+        except WorkerStartError as err:
+            raise RewardError(self.functions[err.function].name, None, str(err)) from None
 
     def score(self, batch: RewardBatch) -> RewardScores:
         """Score every sample with every function; raises :class:`RewardError` on a failing function."""
         chunks = _group_chunks(batch.groups) if self.pool else [list(range(len(batch)))]
         calls = [(k, chunk) for k in range(len(self.functions)) for chunk in chunks]
         if self.pool:
-            outcomes = self.pool.map([Call(k, batch.select(chunk)) for k, chunk in calls], timeout_s=self.timeout_s)
+            try:
+                outcomes = self.pool.map([Call(k, batch.select(chunk)) for k, chunk in calls],
+                                         timeout_s=self.timeout_s)
+            except WorkerStartError as err:  # a replacement worker could not import
+                raise RewardError(self.functions[err.function].name, None, str(err)) from None
         else:
             outcomes = [run_call(self.functions[k].fn, batch.select(chunk)) for k, chunk in calls]
         raw = {f.name: [None] * len(batch) for f in self.functions}
         timed_out = {f.name: 0 for f in self.functions}
+        self.call_seconds = {f.name: [] for f in self.functions}
         for (k, chunk), outcome in zip(calls, outcomes):
             name = self.functions[k].name
+            if outcome.status != "timeout":
+                self.call_seconds[name].append(outcome.seconds)
             if outcome.status == "timeout":
                 timed_out[name] += len(chunk)
                 values = [self.timeout_score] * len(chunk)
@@ -155,7 +171,14 @@ def _check_value(value, name: str, row: int) -> Optional[float]:
         return None
     if not isinstance(value, numbers.Real):
         raise RewardError(name, row, f"returned {type(value).__name__} {value!r:.60}, not a number or None")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) beyond 1.8e308
+        size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
+        raise RewardError(name, row, f"returned {type(value).__name__}{size}, too large for a float") from None
+    except (TypeError, ValueError) as err:  # a Real whose float() fails
+        raise RewardError(name, row, f"returned {type(value).__name__}, which float() refuses "
+                                     f"({type(err).__name__}: {err})") from None
     if not math.isfinite(number):
         raise RewardError(name, row, f"returned {number}, not a finite number")
     return number

@@ -17,6 +17,7 @@ from fsdptrain.distributed.fsdp import build_policy, build_reference_model, buil
 from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.model.checks import check_tokenizer_fits
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
@@ -27,7 +28,8 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def build_tokenizer(cfg: DictConfig):
-    """The bundled tokenizer, or the one in the user's model folder (left padding; pad falls back to EOS)."""
+    """The bundled tokenizer, or the one in the user's model folder (left padding; pad falls back to EOS), checked
+    against the folder's model by :func:`fsdptrain.model.checks.check_tokenizer_fits`."""
     if cfg.model.path is None:
         from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
@@ -35,6 +37,7 @@ def build_tokenizer(cfg: DictConfig):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
+    check_tokenizer_fits(tokenizer, cfg.model.path)  # before any model is built: one line, exit 2
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

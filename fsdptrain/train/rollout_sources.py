@@ -47,6 +47,7 @@ from fsdptrain.rl.eval_metrics import sampled_eval_metrics
 from fsdptrain.rl.metrics import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.train.perf import phase
+from fsdptrain.train.signals import user_code
 from fsdptrain.train.console import log
 from fsdptrain.train.reward_scoring import ModelScores, score_with_reward_models
 from fsdptrain.train.build import DTYPES, Models
@@ -287,8 +288,10 @@ class PromptSource:
         if not self.functions:
             return RewardScores(raw={}, total=[0.0] * len(batch), num_timed_out={}, num_no_reward=0)
         scores, error = None, None
+        names = ", ".join(repr(f.name) for f in self.functions)
         try:
-            scores = self._runner().score(batch)
+            with user_code(f"a call of the reward functions {names}"):  # a stop signal gets a grace (signals.py)
+                scores = self._runner().score(batch)
         except RewardError as err:
             error = err
         if world.any_flag(error is not None):

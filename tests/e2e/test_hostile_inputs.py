@@ -107,3 +107,151 @@ def test_every_load_refuses_a_folders_code_even_past_the_check(tmp_path):
     with pytest.raises(ValueError, match="trust_remote_code"):
         resolve_config(path=str(folder), config=None)
     assert not marker.exists()
+
+
+# ---- the user's reward file (items 3 and 4) ----------------------------------------------------------------------
+
+REWARD_FILE = """\
+import os, time
+
+import helpers  # a module next to this file, as `python task/rw.py` would find it
+
+
+def length(prompts, completions, completion_ids, **kwargs):
+    return [helpers.score(c) for c in completions]
+
+
+def hang(prompts, completions, completion_ids, **kwargs):
+    open(os.path.join(os.path.dirname(__file__), f"pid_{os.getpid()}"), "w").close()
+    time.sleep(600)
+"""
+
+
+def _task_folder(root: Path) -> Path:
+    task = root / "task"
+    task.mkdir()
+    (task / "helpers.py").write_text("def score(c):\n    return float(len(c))\n")
+    (task / "rw.py").write_text(REWARD_FILE)
+    (task / "no_module.py").write_text("import no_such_module\n")
+    (task / "exits.py").write_text("import sys\n\nCONST = 1\nsys.exit(3)\n")
+    return task
+
+
+def test_a_reward_file_that_fails_to_import_is_one_line_and_nothing_is_written(tmp_path):
+    task = _task_folder(tmp_path)
+    before = sorted(p.name for p in task.iterdir())
+    for spec, culprit in [
+        ("task/no_module.py:f", "importing 'task/no_module.py' failed at line 1: ModuleNotFoundError: No module "
+                                "named 'no_such_module' (from 'task/no_module.py:f')"),
+        ("task/exits.py:f", "importing 'task/exits.py' failed at line 4: it called sys.exit(3)"),
+    ]:
+        line = one_error_line(run_cli("train", *TINY, "trainer.steps=1", f"reward.functions=[{spec}]", cwd=tmp_path))
+        assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["task"]  # no run folder
+    assert sorted(p.name for p in task.iterdir()) == before  # not even a __pycache__
+
+
+def test_check_reward_imports_a_sibling_module_and_bounds_every_call(tmp_path):
+    # Workers import rw.py (and helpers.py next to it) before their first call; `hang` times out at 3 s on every call
+    # and check-reward makes no call of its own without that deadline (it used to call each function once more).
+    task = _task_folder(tmp_path)
+    result = subprocess.run(
+        [*cli_command(), "check-reward", "logging.progress=false", "rollout.prompts_per_step=2", "rollout.n=2",
+         "rollout.max_new_tokens=4", "reward.functions=[task/rw.py:length,task/rw.py:hang]",
+         "reward.num_workers=2", "reward.timeout_s=3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)  # safety net: the run takes seconds
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "length " in result.stdout and "hang: every call timed out" in result.stdout, result.stdout
+    pids = [int(p.name[4:]) for p in task.glob("pid_*")]
+    assert len(pids) >= 2  # one call per prompt group, each in a worker that was killed at its deadline
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]
+
+
+def test_a_chat_template_that_fails_on_the_datas_roles_is_one_line_before_any_model(tmp_path):
+    # The tokenizer checks (no pad nor EOS, more tokens than the embedding) are tests/unit/test_tokenizer_checks.py.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+    folder = tmp_path / "m"
+    tokenizer = load_bundled_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] != 'user' %}"
+                               "{{ raise_exception('only user messages') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = [[{"role": "user", "content": "repeat 1"}], [{"role": "system", "content": "be brief"},
+                                                        {"role": "user", "content": "repeat 2"}]]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": r, "answer": "1"}) + "\n" for r in rows))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    result = run_cli("train", *TINY, "trainer.steps=1", "model=local", f"model.path={folder}", "data=prompts",
+                     "data.path=train.jsonl", "data.num_eval_prompts=0", "reward.functions=[exact_match]",
+                     "trainer.run_name=chat", cwd=tmp_path)
+    line = one_error_line(result)
+    assert line == ("error: train.jsonl: row 1 (0-based), column 'prompt': the tokenizer's chat template fails on this "
+                    "chat (roles system, user): TemplateError: only user messages"), line
+    assert "policy:" not in result.stdout  # no model was built (its line comes first once one is)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    run = tmp_path / "runs" / "chat"
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+
+
+# ---- several ranks (item 8) and a stop signal during a hung reward call (item 4) ----------------------------------
+
+RANK_FILE = """\
+import os, sys, time
+
+
+def leaves_on_rank_1(prompts, completions, completion_ids, **kwargs):
+    if os.environ["RANK"] == "1":
+        print("rank 1: the reward's own last words", file=sys.stderr, flush=True)
+        os._exit(7)  # a process that ends without an exception (a crash in a C extension looks the same)
+    return [1.0] * len(completions)
+
+
+def hangs_on_rank_1(prompts, completions, completion_ids, **kwargs):
+    if os.environ["RANK"] == "1":
+        open(os.path.join(os.path.dirname(__file__), "ready"), "w").close()
+        time.sleep(600)
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.mark.slow  # two 2-rank runs, ~15 s each on a quiet machine
+def test_a_failure_on_one_rank_ends_every_rank_with_that_ranks_message_only(tmp_path):
+    import os
+    import signal
+    import time
+
+    (tmp_path / "rw.py").write_text(RANK_FILE)
+    args = ["train", "--nproc", "2", *TINY, "trainer.steps=2", "reward.functions=[rw.py:leaves_on_rank_1]"]
+    result = run_cli(*args, "trainer.run_name=crash", cwd=tmp_path)
+    assert result.returncode == 7, result.stderr[-3000:]
+    assert result.stderr.strip() == "rank 1: the reward's own last words", result.stderr[-3000:]  # no gloo error
+
+    # SIGTERM while rank 1's reward call hangs: rank 0 stops in its next collective, rank 1 after the grace (10 s);
+    # the launcher reports rank 1's line once and exits 128 + SIGTERM.
+    args[-1] = "reward.functions=[rw.py:hangs_on_rank_1]"
+    err = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen([*cli_command(), *args, "trainer.run_name=hang"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 300  # safety net: `ready` appears once rank 1's call runs
+        while not (tmp_path / "ready").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "ready").exists()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)  # safety net: the grace is 10 s
+    finally:
+        proc.kill()
+    err.seek(0)
+    stderr = err.read()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert stderr.strip() == (
+        "error: SIGTERM: a call of the reward functions 'hangs_on_rank_1' did not return within 10 s of the signal; "
+        "stopped without saving this step (the last checkpoint stays)"), stderr[-3000:]
+    assert not (tmp_path / "runs" / "hang" / "checkpoints").exists()

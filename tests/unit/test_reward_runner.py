@@ -1,15 +1,18 @@
 """Reward functions: loading by name, the weighted total with None, every run-time failure as one RewardError, and
 worker processes that time out, get replaced and leave nothing behind."""
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.rewards.loading import load_reward_functions, require_module
+from fsdptrain.rewards.loading import RewardFunction, load_reward_functions, require_module
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardRunner
 
 USER_FILE = '''
@@ -54,6 +57,38 @@ def pid(prompts, completions, completion_ids, **kwargs):
 def exits(prompts, completions, completion_ids, **kwargs):
     import os
     os._exit(3)
+
+def leaves(prompts, completions, completion_ids, **kwargs):
+    import sys
+    sys.exit(3)
+
+def huge(prompts, completions, completion_ids, **kwargs):
+    return [10**400] * len(completions)
+
+def hang_when_told(prompts, completions, completion_ids, **kwargs):
+    # readiness for the tests: once the call runs (and its children exist), write their pids, then hang
+    import os, subprocess, multiprocessing
+    ready = os.environ.get("REWARD_READY_FILE")
+    if ready is None or not completions[0].startswith("b"):
+        return [2.0] * len(completions)
+    children = [subprocess.Popen(["sleep", "600"]).pid]
+    if os.environ.get("REWARD_FORK_POOL"):
+        pool = multiprocessing.get_context("fork").Pool(2)
+        children += [p.pid for p in pool._pool]
+    if os.environ.get("REWARD_FORK_CHILD"):  # a forked child that says when it runs its own code
+        child = multiprocessing.get_context("fork").Process(target=_forked_child, args=(ready + ".child",))
+        child.start()
+        while not os.path.exists(ready + ".child"):
+            time.sleep(0.01)
+        children.append(child.pid)
+    with open(ready + ".tmp", "w") as f:
+        f.write(" ".join(map(str, [os.getpid(), *children])))
+    os.replace(ready + ".tmp", ready)
+    time.sleep(600)
+
+def _forked_child(ready):
+    open(ready, "w").close()
+    time.sleep(600)
 '''
 
 
@@ -96,6 +131,9 @@ def test_bools_count_as_one_and_zero(user):
                 "(the call covered 4 samples)"),
     ("text", "reward function 'text' on row 10 (0-based): returned str 'high', not a number or None"),
     ("nan", "reward function 'nan' on row 10 (0-based): returned nan, not a finite number"),
+    ("leaves", "reward function 'leaves' on row 10 (0-based): raised SystemExit(3) (a reward function returns its "
+               "values; it must not exit) (the call covered 4 samples)"),
+    ("huge", "reward function 'huge' on row 10 (0-based): returned int of 1329 bits, too large for a float"),
 ])
 def test_each_runtime_failure_is_one_reward_error(user, name, message):
     with RewardRunner(load_reward_functions([user(name)])) as runner:
@@ -120,6 +158,144 @@ def test_errors_name_the_samples_row_in_workers_too(user):
     assert str(err.value) == ("reward function 'boom' on row 10 (0-based): raised ValueError: no luck with a "
                               "(the call covered 2 samples)")
     assert "in helper" in err.value.user_traceback and "pool.py" not in err.value.user_traceback
+    with RewardRunner(load_reward_functions([user("leaves")]), num_workers=1) as runner:
+        pids = runner.pool.pids
+        with pytest.raises(RewardError, match=r"^reward function 'leaves' on row 10 \(0-based\): raised SystemExit\(3\) "):
+            runner.score(batch())
+        assert runner.pool.pids == pids  # the worker took sys.exit as the function's error, and lives on
+
+
+def test_a_reward_file_is_imported_as_python_runs_it_and_a_failing_import_is_one_line(tmp_path):
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "helpers.py").write_text("def score(c):\n    return float(len(c))\n")
+    (task / "rw.py").write_text("import helpers\n\ndef f(prompts, completions, completion_ids, **kwargs):\n"
+                                "    return [helpers.score(c) for c in completions]\n")
+    path_before = list(sys.path)
+    functions = load_reward_functions([f"{task}/rw.py:f"])  # `python task/rw.py` finds helpers.py: so do we
+    assert sys.path == path_before  # the folder was on sys.path only while importing
+    with RewardRunner(functions) as here, RewardRunner(functions, num_workers=1) as pooled:
+        assert here.score(batch()).total == pooled.score(batch()).total == [1.0, 3.0, 2.0, 1.0]
+    for body, culprit in [("import no_such_module\n", "line 1: ModuleNotFoundError: No module named 'no_such_module'"),
+                          ("X = 1\nCONST = 1/0\n", "line 2: ZeroDivisionError: division by zero"),
+                          ("import sys\n\nsys.exit(3)\n", "line 3: it called sys.exit(3)")]:
+        (task / "bad.py").write_text(body)
+        with pytest.raises(ConfigError) as err:
+            load_reward_functions([f"{task}/bad.py:f"])
+        assert str(err.value) == (f"reward.functions: importing '{task}/bad.py' failed at {culprit} "
+                                  f"(from '{task}/bad.py:f')")
+        assert sys.path == path_before
+
+
+def test_workers_import_before_their_first_call_within_their_own_bound(tmp_path):
+    slow = tmp_path / "slow_import.py"
+    slow.write_text("import time\ntime.sleep(float(open(__file__ + '.s').read()))\n\n"
+                    "def f(prompts, completions, completion_ids, **kwargs):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "slow_import.py.s").write_text("3")
+    # Built by hand: the parent never imports the file here, only the workers do.
+    functions = [RewardFunction(name="f", spec=f"{slow}:f", fn=None, weight=1.0)]
+    # An import of 3 s, longer than the 1.5 s a call may take, does not count against any call's deadline.
+    with RewardRunner(functions, num_workers=2, timeout_s=1.5) as runner:
+        scores = runner.score(batch())
+    assert scores.num_timed_out == {"f": 0} and scores.total == [1.0] * 4
+    # An import that never ends is reported at the start-up bound, and the worker does not stay behind.
+    (tmp_path / "slow_import.py.s").write_text("600")
+    before = set(_children())  # multiprocessing's resource tracker may be one
+    start = time.monotonic()
+    with pytest.raises(RewardError) as err:
+        RewardRunner(functions, num_workers=1, timeout_s=1.5, start_timeout_s=1.0)
+    assert time.monotonic() - start < 60  # safety net only: the bound is 1 s
+    assert str(err.value) == (f"reward function 'f': a reward worker took longer than 1 s to import '{slow}:f' "
+                              f"(imports are bounded apart from reward.timeout_s)")
+    assert not [p for p in set(_children()) - before if _alive(p)]
+
+
+def test_a_timed_out_worker_is_killed_with_every_process_it_started(user, tmp_path, monkeypatch):
+    ready = tmp_path / "ready"
+    monkeypatch.setenv("REWARD_READY_FILE", str(ready))
+    monkeypatch.setenv("REWARD_FORK_POOL", "1")  # a fork-based multiprocessing.Pool inside the reward function
+    # 5 s: a generous bound for the call to start its children and write `ready`; the call itself hangs 600 s
+    with RewardRunner(load_reward_functions([user("hang_when_told")]), num_workers=1, timeout_s=5.0) as runner:
+        scores = runner.score(batch())
+        assert scores.num_timed_out == {"hang_when_told": 2}
+        pids = [int(p) for p in ready.read_text().split()]  # the worker, `sleep 600` and the pool's processes
+        assert len(pids) == 4
+        _wait_until_gone(pids[1:])  # SIGKILL to the group is sent; the worker's children are not ours to reap
+        assert not [p for p in pids if _alive(p)]
+
+
+def _wait_until_gone(pids: list[int], safety_net_s: float = 30.0) -> None:
+    deadline = time.monotonic() + safety_net_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+STOP_SCRIPT = """
+import os, sys
+if __name__ == "__main__":  # imports here: a spawned worker re-runs this file's top level
+    from fsdptrain.rewards.loading import load_reward_functions
+    from fsdptrain.rewards.runner import RewardBatch, RewardRunner
+    from fsdptrain.train.signals import StopRequest, StoppedInUserCode, user_code
+
+    StopRequest(grace_s=1.0).install()
+    runner = RewardRunner(load_reward_functions([sys.argv[1]]), num_workers=int(sys.argv[2]))
+    try:
+        with user_code("reward function 'hang_when_told'"):
+            runner.score(RewardBatch(["p"], ["b"], [[1]], [0], [0]))
+    except StoppedInUserCode as err:
+        runner.close()
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        os._exit(err.exit_code)
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_sigterm_during_a_hung_reward_call_stops_after_the_grace(user, tmp_path, num_workers):
+    script, ready = tmp_path / "trainer.py", tmp_path / "ready"
+    script.write_text(STOP_SCRIPT)
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "REWARD_READY_FILE": str(ready),
+           "REWARD_FORK_CHILD": "1"}
+    err = open(tmp_path / "stderr", "w+")  # a file, not a pipe: the user's `sleep 600` may hold a pipe open
+    proc = subprocess.Popen([sys.executable, str(script), user("hang_when_told"), str(num_workers)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    children = []
+    try:
+        deadline = time.monotonic() + 120  # safety net: the call writes `ready` once it (and its child) runs
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        caller, *children = [int(p) for p in ready.read_text().split()]
+        forked = children[-1]
+        if num_workers == 0:  # forked by the trainer's process: SIGTERM ends it (no handler of ours inherited)
+            os.kill(forked, signal.SIGTERM)
+            _wait_until_gone([forked])
+            assert not _alive(forked)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)  # safety net: the grace is 1 s
+    finally:
+        proc.kill()
+        for pid in children if num_workers == 0 else []:  # in-process, the user's children are the user's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    err.seek(0)
+    stderr = err.read()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "error: SIGTERM: reward function 'hang_when_told' did not return within 1 s of the signal; stopped without "
+        "saving this step (the last checkpoint stays)")
+    if num_workers:  # the worker went with everything it started
+        _wait_until_gone([caller, *children])
+        assert not [p for p in [caller, *children] if _alive(p)]
+
+
+def _children() -> list[int]:
+    """This process's child processes (from /proc)."""
+    found = []
+    for path in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        found += [int(p) for p in path.read_text().split()]
+    return found
 
 
 def test_workers_give_the_in_process_scores(user):
@@ -157,7 +333,7 @@ def test_a_worker_that_dies_is_an_error_and_the_pool_closes(user):
     assert not any(_alive(p) for p in pids + runner.pool.pids)
 
 
-def test_close_and_interrupts_leave_no_worker_behind(user):
+def test_close_and_interrupts_leave_no_worker_behind(user, tmp_path, monkeypatch):
     runner = RewardRunner(load_reward_functions([user("length")]), num_workers=3)
     pids = runner.pool.pids
     assert len(pids) == 3 and all(_alive(p) for p in pids)
@@ -165,12 +341,20 @@ def test_close_and_interrupts_leave_no_worker_behind(user):
     runner.close()  # idempotent
     assert not any(_alive(p) for p in pids) and runner.pool.pids == []
 
-    runner = RewardRunner(load_reward_functions([user("slow_on_b")]), num_workers=2)
+    monkeypatch.setenv("REWARD_READY_FILE", str(tmp_path / "ready"))
+    runner = RewardRunner(load_reward_functions([user("hang_when_told")]), num_workers=2)
     pids = runner.pool.pids
-    # A real Ctrl-C while a call hangs, sent to the main thread: a process-directed os.kill may be taken by another
-    # thread, and then the main thread sleeps in poll() until the 60 s call ends and the interrupt can be lost.
+    # A real Ctrl-C once the call hangs (its `ready` file exists, no timer racing a loaded machine), sent to the main
+    # thread: a process-directed os.kill may be taken by another thread, and then the main thread sleeps in poll().
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    ctrl_c = threading.Timer(3.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+
+    def ctrl_c_when_ready() -> None:
+        deadline = time.monotonic() + 120  # safety net only
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    ctrl_c = threading.Thread(target=ctrl_c_when_ready)
     ctrl_c.start()
     try:
         with pytest.raises(KeyboardInterrupt):
