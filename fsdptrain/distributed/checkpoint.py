@@ -58,6 +58,7 @@ import torch.distributed
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -190,14 +191,24 @@ def _check_names(models: Mapping[str, nn.Module], optimizers: Mapping[str, Optim
         )
 
 
+def _state_options(model: nn.Module) -> StateDictOptions:
+    """Frozen parameters (the base weights under LoRA) are not checkpointed: they never change and are rebuilt from
+    the model's source. Loading then leaves them as built (strict only when every parameter trains)."""
+    frozen = any(not param.requires_grad for param in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def _sharded_state(models: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer]) -> dict[str, Any]:
-    """{"models": {name: model state}, "optimizers": {name: optimizer state}} with FQN keys and DTensor shards."""
+    """{"models": {name: model state}, "optimizers": {name: optimizer state}} with FQN keys and DTensor shards;
+    trainable parameters only (`_state_options`)."""
     state: dict[str, Any] = {"models": {}, "optimizers": {}}
     for name, model in models.items():
+        options = _state_options(model)
         if name in optimizers:
-            state["models"][name], state["optimizers"][name] = get_state_dict(model, optimizers[name])
+            state["models"][name], state["optimizers"][name] = get_state_dict(model, optimizers[name],
+                                                                               options=options)
         else:
-            state["models"][name] = get_model_state_dict(model)
+            state["models"][name] = get_model_state_dict(model, options=options)
     return state
 
 
@@ -381,9 +392,10 @@ def load_checkpoint(
                 optimizers[name],
                 model_state_dict=state["models"][name],
                 optim_state_dict=state["optimizers"][name],
+                options=_state_options(model),
             )
         else:
-            set_model_state_dict(model, state["models"][name])
+            set_model_state_dict(model, state["models"][name], options=_state_options(model))
 
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
     for name, scheduler in schedulers.items():
