@@ -105,6 +105,8 @@ def export_lora(model: nn.Module, merged_dir: str | os.PathLike, *, adapter_dir:
     cls = unsharded_class(model)
     lora_config = copy.deepcopy(model.peft_config[ADAPTER_NAME])
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # frozen weights may be stored in the param dtype (`store_frozen_in`): merge and write in fp32
+    full_state = {name: t.float() if t.is_floating_point() else t for name, t in full_state.items()}
     if world.rank() == 0:
         with _no_progress_bars():
             if base_dir is not None:  # before merging: merging adds B A to the base weights in place

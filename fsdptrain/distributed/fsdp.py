@@ -218,6 +218,8 @@ def build_sharded_model(
         buffers = non_persistent_buffers(full)
         del full, backbone
     model = meta_model(kind, resolved, lora=lora)
+    if lora is not None:
+        store_frozen_in(model, param_dtype)
     parallelize(
         model,
         mesh=mesh,
@@ -233,6 +235,23 @@ def build_sharded_model(
     model.to_empty(device="cpu" if cpu_offload else device)
     _load_full_weights(model, full_state_dict=full_state_dict, buffers=buffers, device=device)
     return model.train()
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen parameters in ``dtype`` (the mixed-precision param dtype) instead of fp32: they take no
+    optimizer step, so they need no fp32 master copy, and forwards compute in ``dtype`` anyway. Under LoRA with
+    bf16 params the base weights then cost 2 bytes each per shard. FSDP2 asks a uniform dtype of the trainable
+    parameters of a unit only. Tied parameters stay tied (one replacement per parameter)."""
+    if dtype == torch.float32:
+        return
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or param.dtype == dtype:
+                continue
+            if id(param) not in replaced:  # the old parameter is kept referenced, so its id is never reused
+                replaced[id(param)] = (param, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            module._parameters[name] = replaced[id(param)][1]
 
 
 def build_policy(**kwargs: Any) -> PreTrainedModel:

@@ -189,15 +189,17 @@ def describe_model_memory(model: nn.Module, *, num_shards: int = 1) -> str:
     """One line: parameter count, weight size, largest layer (accelerate's `calculate_maximum_sizes`) and an
     estimate of the training state per rank when sharded `num_shards` ways.
 
-    The estimate counts fp32 weights of every parameter and fp32 gradients and AdamW's two fp32 moments of the
-    trainable ones (16 bytes per trainable parameter, 4 per frozen one) divided by `num_shards`, plus one unsharded largest layer (the all-gather); activations are not included.
+    The estimate counts the weights as stored (fp32; frozen ones under LoRA may be in the param dtype) and fp32
+    gradients and AdamW's two fp32 moments of the trainable ones (16 bytes per fp32 trainable parameter) divided by
+    `num_shards`, plus one unsharded largest layer (the all-gather); activations are not included.
     Works on a plain, meta or sharded model (DTensor sizes are global).
     """
     total_bytes, (largest_bytes, largest_names) = calculate_maximum_sizes(model)
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in trainable_parameters(model))
-    # fp32 weights of every parameter; fp32 gradients and AdamW's two fp32 moments of the trainable ones only
-    per_rank = (4 * num_params + 12 * num_trainable) / num_shards + largest_bytes
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # frozen ones may be bf16
+    # the weights as stored; fp32 gradients and AdamW's two fp32 moments of the trainable ones only
+    per_rank = (weight_bytes + 12 * num_trainable) / num_shards + largest_bytes
     largest = ", ".join(clean_name(name) for name in largest_names) or "-"
     trainable = "" if num_trainable == num_params else f" ({num_trainable / 1e6:.2f} M trainable)"
     return (
