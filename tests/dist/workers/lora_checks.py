@@ -159,6 +159,8 @@ def step_check(kind: str, mode: str, info, mesh, batch, counts, **options) -> di
     state_params = sum(p.numel() for p in optimizer.state)  # sharded numel of the parameters with AdamW state
     trainable = trainable_parameters(model)
     return {
+        "frozen_dtypes": sorted({str(p.dtype) for p in model.parameters() if not p.requires_grad}),
+        "trainable_dtypes": sorted({str(p.dtype) for p in trainable}),
         "grad_rel": worst_relative(grads, ref_grads),
         "update_rel": update_relative_error(before, after, ref_before, ref_after),
         "grad_names": sorted(grads),
@@ -315,6 +317,8 @@ def main() -> None:
                                                                 counts)
         results["checkpointing/policy/token-mean"] = step_check("policy", "token-mean", info, mesh, batch, counts,
                                                                 activation_checkpointing=True)
+        results["bf16/policy/token-mean"] = step_check("policy", "token-mean", info, mesh, batch, counts,
+                                                       param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         hsdp = world.build_mesh(dp_replicate=2, dp_shard=None, device_type="cpu")
         results["hsdp/policy/seq-mean-token-sum-norm"] = step_check("policy", "seq-mean-token-sum-norm", info, hsdp,
                                                                     batch, counts)
