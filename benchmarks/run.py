@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import fsdp_memory, generate  # noqa: E402
+from benchmarks import fsdp_memory, generate, lora_generate  # noqa: E402
 from benchmarks import loss as loss_bench  # noqa: E402
 from benchmarks.dist_util import REPO_ROOT  # noqa: E402
 
@@ -115,6 +115,7 @@ def dist_rows(args) -> list[dict]:
     return [row("FSDP2 per-rank params+grads+AdamW, 2 ranks / 1", mem["ratio"], "<= 0.55",
                 f"1 rank {mem['one']['max_rank_bytes'] / 2**20:.1f} MiB"),
             lora_memory_row(args),
+            lora_generate_row(args),
             row("generation tok/s, gathered once / per-token gathers (2 ranks)", gen["ratio"], ">= 1.0",
                 f"{gen['per_token']:.0f} -> {gen['gathered']:.0f} tok/s, same tokens {gen['same_tokens']}")]
 
@@ -130,6 +131,14 @@ def lora_memory_row(args) -> dict:
                f"full {full['max_rank_bytes'] / 2**20:.1f} MiB -> LoRA {lora['max_rank_bytes'] / 2**20:.1f} MiB "
                f"(params {lora['params'] / 2**20:.1f}, grads {lora['grads'] / 2**20:.2f}, AdamW "
                f"{lora['state'] / 2**20:.2f} MiB on rank 0)")
+
+
+def lora_generate_row(args) -> dict:
+    res = lora_generate.main(["--threads", str(args.threads)])
+    return row("LoRA r=16 generation: adapters separate / merged (+ merge, unmerge), CPU time",
+               res["speedup_with_merge"], None,
+               f"separate {res['separate_s']:.3f} s, merged {res['merged_s']:.3f} s + {res['merge_unmerge_s']:.3f} s "
+               f"to merge and unmerge; same tokens {res['same_tokens']} (the trainer keeps them separate)")
 
 
 def step_rows(args) -> list[dict]:
