@@ -16,7 +16,8 @@ from fsdptrain.config import schema as config_module
 from fsdptrain.config.fields import field_choices, field_range, flat_fields
 
 GROUP_INTROS = {
-    "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config.",
+    "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config; "
+    "`model.lora.*` trains LoRA adapters instead of every weight (see docs/lora.md).",
     "algorithm": "PPO/GRPO settings. Presets: `algorithm=ppo` (default, value model + GAE), `algorithm=grpo`.",
     "loss": "Loss aggregation (see docs/loss.md) and the fused loss's chunking.",
     "data": "Where experience comes from. Presets: `data=task` (default), `data=prompts` (your prompt files, see "
