@@ -122,9 +122,7 @@ def build_full_model(
         model.base_model.load_state_dict(backbone_from.base_model.state_dict())
     zero_dropout_modules(model)
     if lora is not None:
-        from fsdptrain.model.lora import apply_lora
-
-        apply_lora(model, lora, seed=seed)
+        lora.apply_to(model, seed=seed)
     return model.train()
 
 
@@ -134,10 +132,8 @@ def meta_model(kind: str, config: PretrainedConfig, *, lora=None) -> PreTrainedM
         model = model_class(kind).from_config(config_for(kind, config), dtype=torch.float32)
     zero_dropout_modules(model)
     if lora is not None:
-        from fsdptrain.model.lora import apply_lora
-
         with torch.device("meta"):
-            apply_lora(model, lora, seed=0)  # no values drawn on meta: the weights come from rank 0
+            lora.apply_to(model, seed=0)  # no values drawn on meta: the weights come from rank 0
     return model
 
 

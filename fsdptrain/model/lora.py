@@ -39,6 +39,10 @@ class LoraSettings:
     target_modules: Optional[tuple[str, ...]] = None
     trainable_head: bool = False
 
+    def apply_to(self, model: nn.Module, *, seed: int) -> nn.Module:
+        """`apply_lora` with these settings (what fsdptrain/model/build.py calls, without importing this module)."""
+        return apply_lora(model, self, seed=seed)
+
 
 def linear_module_names(model: nn.Module) -> list[str]:
     """The names (last path component) of the ``nn.Linear`` modules inside the decoder layers, sorted: what
