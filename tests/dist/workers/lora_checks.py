@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.checkpoint import load_checkpoint, save_checkpoint
@@ -43,10 +42,7 @@ from fsdptrain.model.attention_switch import generation_attention, set_attention
 from fsdptrain.model.build import TINY_CONFIG, build_full_model, trainable_parameters
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import (
     MiniBatch,
@@ -67,7 +63,7 @@ from tests.dist.workers.train_step_checks import (
     TOKEN_BUDGET,
     VALUE_SEED,
     global_batch,
-    padded,
+    reference_step,
     update_relative_error,
     worst_relative,
 )
@@ -100,31 +96,6 @@ def sharded(kind: str, config: dict, seed: int, lora: LoraSettings, mesh, refere
     model = build(path=None, config=config, seed=seed, mesh=mesh, lora=lora, **options)
     set_model_state_dict(model, dict(reference.state_dict()), options=StateDictOptions(full_state_dict=True))
     return model
-
-
-def reference_step(model: torch.nn.Module, kind: str, mode: str, batch, counts):
-    """The unsharded peft model on the whole padded batch: its gradients, weights before and after one AdamW step."""
-    prompts, responses, targets = batch
-    ids, attn, mask, f = padded(prompts, responses, targets)
-    norms = LossNormalizers(global_num_tokens=counts[0], global_num_seqs=counts[1], dp_size=1,
-                            loss_scale_factor=LOSS_SCALE_FACTOR)
-    out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    if kind == "policy":
-        logits = out[:, :-1].float() / SETTINGS["temperature"]
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss, _ = policy_loss(logp, f["old_logprobs"], f["advantages"], mask, norms=norms, agg_mode=mode,
-                              clip_ratio_low=SETTINGS["clip_ratio_low"], clip_ratio_high=SETTINGS["clip_ratio_high"],
-                              clip_ratio_c=SETTINGS["clip_ratio_c"], ref_logprobs=f["ref_logprobs"],
-                              kl_coef=SETTINGS["kl_coef"], kl_estimator=SETTINGS["kl_estimator"],
-                              entropy=entropy_from_logits(logits), entropy_coef=SETTINGS["entropy_coef"])
-    else:
-        loss, _ = value_loss(out[:, :-1, 0].float(), f["old_values"], f["returns"], mask, norms=norms, agg_mode=mode,
-                             cliprange_value=0.2)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    before = {n: v.detach().clone() for n, v in model.state_dict().items()}
-    build_optimizer(model, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-3).step()
-    return grads, before, {n: v.detach().clone() for n, v in model.state_dict().items()}
 
 
 def product_step(model, kind: str, mode: str, info, mesh, batch):
