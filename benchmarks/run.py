@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import fsdp_memory, generate, lora_generate  # noqa: E402
+from benchmarks import fsdp_memory, generate, lora_generate, lora_step  # noqa: E402
 from benchmarks import loss as loss_bench  # noqa: E402
 from benchmarks.dist_util import REPO_ROOT  # noqa: E402
 
@@ -114,8 +114,7 @@ def dist_rows(args) -> list[dict]:
     gen = generate.main(["--nproc", "2", "--repeats", "1", "--new-tokens", "16"])
     return [row("FSDP2 per-rank params+grads+AdamW, 2 ranks / 1", mem["ratio"], "<= 0.55",
                 f"1 rank {mem['one']['max_rank_bytes'] / 2**20:.1f} MiB"),
-            lora_memory_row(args),
-            lora_generate_row(args),
+
             row("generation tok/s, gathered once / per-token gathers (2 ranks)", gen["ratio"], ">= 1.0",
                 f"{gen['per_token']:.0f} -> {gen['gathered']:.0f} tok/s, same tokens {gen['same_tokens']}")]
 
@@ -139,6 +138,14 @@ def lora_generate_row(args) -> dict:
                res["speedup_with_merge"], None,
                f"separate {res['separate_s']:.3f} s, merged {res['merged_s']:.3f} s + {res['merge_unmerge_s']:.3f} s "
                f"to merge and unmerge; same tokens {res['same_tokens']} (the trainer keeps them separate)")
+
+
+def lora_rows(args) -> list[dict]:
+    """LoRA r=16 against full fine-tuning on the medium model's shape (docs/lora.md)."""
+    update = lora_step.main(["--threads", str(args.threads)])
+    return [lora_memory_row(args), lora_generate_row(args),
+            row("LoRA r=16 update CPU time / full fine-tuning (medium, plain model)", update["ratio"], None,
+                f"full {update['full_s']:.3f} s -> LoRA {update['lora_s']:.3f} s per update of 16 x 64 tokens")]
 
 
 def step_rows(args) -> list[dict]:
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     rows = []
-    for section in (train_step_row, loss_rows, dist_rows, step_rows):
+    for section in (train_step_row, loss_rows, dist_rows, lora_rows, step_rows):
         began, began_cpu = time.perf_counter(), _children_cpu_s()
         got = section(args)
         rows += got if isinstance(got, list) else [got]
