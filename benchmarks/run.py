@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import fsdp_memory, generate, lora_generate, lora_step  # noqa: E402
+from benchmarks import fsdp_memory, generate  # noqa: E402
+from benchmarks import lora as lora_bench  # noqa: E402
 from benchmarks import loss as loss_bench  # noqa: E402
 from benchmarks.dist_util import REPO_ROOT  # noqa: E402
 
@@ -133,7 +134,7 @@ def lora_memory_row(args) -> dict:
 
 
 def lora_generate_row(args) -> dict:
-    res = lora_generate.main(["--threads", str(args.threads)])
+    res = lora_bench.main(["generate", "--threads", str(args.threads)])
     return row("LoRA r=16 generation: adapters separate / merged (+ merge, unmerge), CPU time",
                res["speedup_with_merge"], None,
                f"separate {res['separate_s']:.3f} s, merged {res['merged_s']:.3f} s + {res['merge_unmerge_s']:.3f} s "
@@ -142,7 +143,7 @@ def lora_generate_row(args) -> dict:
 
 def lora_rows(args) -> list[dict]:
     """LoRA r=16 against full fine-tuning on the medium model's shape (docs/lora.md)."""
-    update = lora_step.main(["--threads", str(args.threads)])
+    update = lora_bench.main(["update", "--threads", str(args.threads)])
     return [lora_memory_row(args), lora_generate_row(args),
             row("LoRA r=16 update CPU time / full fine-tuning (medium, plain model)", update["ratio"], None,
                 f"full {update['full_s']:.3f} s -> LoRA {update['lora_s']:.3f} s per update of 16 x 64 tokens")]
