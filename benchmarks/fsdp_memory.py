@@ -1,7 +1,8 @@
 """FSDP2 per-rank training state (parameters + gradients + AdamW state) at N gloo ranks vs 1 (docs/performance.md).
 Not a test.
 
-    PYTHONPATH=. python benchmarks/fsdp_memory.py [--hidden 256 --layers 4 --vocab 8192]
+    PYTHONPATH=. python benchmarks/fsdp_memory.py [--hidden 256 --layers 4 --vocab 8192] [--lora-r 16]
+        [--param-dtype bfloat16]
 
 Counts the bytes of the local shards after one optimizer step (exact, not RSS: the host's allocator would blur it).
 """
@@ -20,6 +21,8 @@ def _parse(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank (alpha 2r) on all-linear")
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -43,7 +46,13 @@ def worker(args) -> None:
     config = {**TINY_CONFIG, "model_type": "qwen2", "vocab_size": args.vocab, "hidden_size": args.hidden,
               "intermediate_size": 4 * args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": 8,
               "num_key_value_heads": 4, "tie_word_embeddings": False}
-    model = build_policy(path=None, config=config, seed=0, mesh=mesh)
+    lora = None
+    if args.lora_r > 0:
+        from fsdptrain.model.lora import LoraSettings
+
+        lora = LoraSettings(r=args.lora_r, alpha=2.0 * args.lora_r, dropout=0.0)
+    model = build_policy(path=None, config=config, seed=0, mesh=mesh, lora=lora,
+                         param_dtype=getattr(torch, args.param_dtype))
     optimizer = build_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
     ids = torch.randint(0, args.vocab, (1, 64))
     model(input_ids=ids, use_cache=False).logits.float().square().mean().backward()
@@ -66,7 +75,8 @@ def main(argv=None) -> dict:
         return {}
     from benchmarks.dist_util import launch
 
-    flags = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab)]
+    flags = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab), "--lora-r",
+             str(args.lora_r), "--param-dtype", args.param_dtype]
     one, many = launch(__file__, 1, flags), launch(__file__, args.nproc, flags)
     ratio = many["max_rank_bytes"] / one["max_rank_bytes"]
     print(f"per-rank params+grads+AdamW: 1 rank {one['max_rank_bytes'] / 2**20:.1f} MiB, {args.nproc} ranks "

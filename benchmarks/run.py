@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import fsdp_memory, generate  # noqa: E402
+from benchmarks import lora as lora_bench  # noqa: E402
 from benchmarks import loss as loss_bench  # noqa: E402
 from benchmarks.dist_util import REPO_ROOT  # noqa: E402
 
@@ -114,8 +115,38 @@ def dist_rows(args) -> list[dict]:
     gen = generate.main(["--nproc", "2", "--repeats", "1", "--new-tokens", "16"])
     return [row("FSDP2 per-rank params+grads+AdamW, 2 ranks / 1", mem["ratio"], "<= 0.55",
                 f"1 rank {mem['one']['max_rank_bytes'] / 2**20:.1f} MiB"),
+
             row("generation tok/s, gathered once / per-token gathers (2 ranks)", gen["ratio"], ">= 1.0",
                 f"{gen['per_token']:.0f} -> {gen['gathered']:.0f} tok/s, same tokens {gen['same_tokens']}")]
+
+
+def lora_memory_row(args) -> dict:
+    """LoRA r=16 against full fine-tuning, per rank at 2 ranks, on the medium model's shape (bf16 params: the frozen
+    base weights are stored in the param dtype, docs/lora.md)."""
+    shape = ["--nproc", "2", "--hidden", "256", "--layers", "4", "--param-dtype", "bfloat16"]
+    full = fsdp_memory.main(shape)["many"]
+    lora = fsdp_memory.main([*shape, "--lora-r", "16"])["many"]
+    return row("LoRA r=16 per-rank params+grads+AdamW / full fine-tuning (medium, bf16, 2 ranks)",
+               lora["max_rank_bytes"] / full["max_rank_bytes"], "<= 0.15",
+               f"full {full['max_rank_bytes'] / 2**20:.1f} MiB -> LoRA {lora['max_rank_bytes'] / 2**20:.1f} MiB "
+               f"(params {lora['params'] / 2**20:.1f}, grads {lora['grads'] / 2**20:.2f}, AdamW "
+               f"{lora['state'] / 2**20:.2f} MiB on rank 0)")
+
+
+def lora_generate_row(args) -> dict:
+    res = lora_bench.main(["generate", "--threads", str(args.threads)])
+    return row("LoRA r=16 generation: adapters separate / merged (+ merge, unmerge), CPU time",
+               res["speedup_with_merge"], None,
+               f"separate {res['separate_s']:.3f} s, merged {res['merged_s']:.3f} s + {res['merge_unmerge_s']:.3f} s "
+               f"to merge and unmerge; same tokens {res['same_tokens']} (the trainer keeps them separate)")
+
+
+def lora_rows(args) -> list[dict]:
+    """LoRA r=16 against full fine-tuning on the medium model's shape (docs/lora.md)."""
+    update = lora_bench.main(["update", "--threads", str(args.threads)])
+    return [lora_memory_row(args), lora_generate_row(args),
+            row("LoRA r=16 update CPU time / full fine-tuning (medium, plain model)", update["ratio"], None,
+                f"full {update['full_s']:.3f} s -> LoRA {update['lora_s']:.3f} s per update of 16 x 64 tokens")]
 
 
 def step_rows(args) -> list[dict]:
@@ -131,6 +162,13 @@ def step_rows(args) -> list[dict]:
                 ">= 1.0", f"experience {median_after_first(always, 'perf/experience_s'):.3f} -> "
                 f"{median_after_first(auto, 'perf/experience_s'):.3f} s; step {median_after_first(always, 'perf/step_s'):.3f}"
                 f" -> {median_after_first(auto, 'perf/step_s'):.3f} s")]
+    lora = train_run(steps, *MEDIUM, "model.lora.r=16", "trainer.lr=1e-3", threads=args.threads)
+    lora_ratio = statistics.median(a["perf/step_s"] / b["perf/step_s"] for a, b in zip(lora[1:], auto[1:], strict=True))
+    rows.append(row("LoRA r=16 step time / full fine-tuning (medium model)", lora_ratio, None,
+                    f"update {median_after_first(auto, 'perf/update_s'):.3f} -> "
+                    f"{median_after_first(lora, 'perf/update_s'):.3f} s; generate "
+                    f"{median_after_first(auto, 'perf/generate_s'):.3f} -> "
+                    f"{median_after_first(lora, 'perf/generate_s'):.3f} s"))
     fp32 = auto  # the same run: the medium model in fp32 with the default (skipping) recompute setting
     bf16 = train_run(steps, *MEDIUM, "parallel.param_dtype=bfloat16", threads=args.threads)
     ratio = median_after_first(fp32, "perf/step_s") / median_after_first(bf16, "perf/step_s")
@@ -155,7 +193,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     rows = []
-    for section in (train_step_row, loss_rows, dist_rows, step_rows):
+    for section in (train_step_row, loss_rows, dist_rows, lora_rows, step_rows):
         began, began_cpu = time.perf_counter(), _children_cpu_s()
         got = section(args)
         rows += got if isinstance(got, list) else [got]

@@ -30,6 +30,31 @@ def check_inputs(cfg: DictConfig) -> None:
     if cfg.data.source == "jsonl":
         check_text_file(cfg.data.path, key="data.path")
     check_device(cfg)
+    if cfg.model.lora.r > 0:
+        check_lora_targets(cfg)
+
+
+def check_lora_targets(cfg: DictConfig) -> None:
+    """peft is installed, and ``model.lora.target_modules`` names linear modules of the model's decoder layers (the
+    architecture is built on the meta device: no weights are read)."""
+    import importlib.util
+
+    from fsdptrain.model.lora import PEFT_MISSING
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(PEFT_MISSING)
+    from fsdptrain.config.lora_rules import target_module_names
+    from fsdptrain.model.build import meta_model, resolve_config
+    from fsdptrain.model.lora import resolve_target_modules
+    from fsdptrain.train.build import build_tokenizer, tiny_model_config
+
+    source = (dict(path=cfg.model.path, config=None) if cfg.model.path is not None else
+              dict(path=None, config=tiny_model_config(cfg, build_tokenizer(cfg))))
+    names = target_module_names(cfg.model.lora.target_modules)
+    try:
+        resolve_target_modules(meta_model("policy", resolve_config(**source)), None if names is None else tuple(names))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_text_file(path: str, *, key: str) -> None:

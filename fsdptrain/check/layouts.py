@@ -38,6 +38,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
+from fsdptrain.model.build import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize
@@ -214,7 +215,7 @@ def simulated_dp(part: Part, ctx: Context) -> Run:
         losses.append(loss)
         shard_metrics.append(metrics)
     with torch.no_grad():
-        for param in part.model.parameters():
+        for param in trainable_parameters(part.model):
             if param.grad is not None:
                 param.grad.div_(num_shards)
     return Run(sum(losses) / num_shards, reduce_like_ranks(shard_metrics), gather_full_grads(part.model))
@@ -285,7 +286,7 @@ def trainer_clip(part: Part, pre_clip: Grads, max_norm: float) -> tuple[float, f
     on the gradient the layout left in the (sharded) model: the norm it returns, which ``*/grad_norm`` logs, and the
     coefficient it applied, measured as the gathered clipped norm over the gathered ``pre_clip`` norm. Collective."""
     before = grad_norm(pre_clip)  # first: on one process the gathered gradient may be the model's own tensor
-    logged = float(step.clip_grad_norm_(part.model.parameters(), max_norm))
+    logged = float(step.clip_grad_norm_(trainable_parameters(part.model), max_norm))
     after = grad_norm(gather_full_grads(part.model))
     return logged, (after / before if before > 0 else 1.0)
 

@@ -32,6 +32,7 @@ from fsdptrain.check.compare import Outcome
 from fsdptrain.check.layouts import clip_coefficient, grad_norm
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy
 from fsdptrain.distributed.fsdp import gather_full_grads, reshard_all, zero_grads
+from fsdptrain.model.build import trainable_parameters
 from fsdptrain.rl.metrics import comparable, finalize
 from fsdptrain.train.step import MiniBatch
 
@@ -46,7 +47,7 @@ class Snapshot:
         self.saved = []
         for model, optimizer in pairs:
             reshard_all(model)  # parameters() must yield the sharded tensors the optimiser holds
-            weights = [p.detach().clone() for p in model.parameters()]
+            weights = [p.detach().clone() for p in trainable_parameters(model)]
             state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                      for p, s in optimizer.state.items()}
             self.saved.append((model, optimizer, weights, state))
@@ -56,7 +57,7 @@ class Snapshot:
             reshard_all(model)
             zero_grads(model)
             with torch.no_grad():
-                for param, saved in zip(model.parameters(), weights):
+                for param, saved in zip(trainable_parameters(model), weights):
                     param.copy_(saved)
             optimizer.state.clear()
             optimizer.state.update({p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
@@ -84,7 +85,7 @@ def _step_by_hand(model, optimizer, max_norm: float) -> float:
     coef = clip_coefficient(norm, max_norm)
     reshard_all(model)
     with torch.no_grad():
-        for param in model.parameters():
+        for param in trainable_parameters(model):
             if param.grad is not None:
                 param.grad.mul_(coef)
     optimizer.step()

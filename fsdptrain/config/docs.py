@@ -13,10 +13,11 @@ import math
 
 from fsdptrain.config import SCHEMA_GROUPS
 from fsdptrain.config import schema as config_module
-from fsdptrain.config.fields import field_choices, field_item_range, field_range
+from fsdptrain.config.fields import field_choices, field_item_range, field_range, flat_fields
 
 GROUP_INTROS = {
-    "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config.",
+    "model": "The policy (and value) model: a local Hugging Face folder, or a tiny model built from this config; "
+    "`model.lora.*` trains LoRA adapters instead of every weight (see docs/lora.md).",
     "algorithm": "PPO/GRPO settings. Presets: `algorithm=ppo` (default, value model + GAE), `algorithm=grpo`.",
     "loss": "Loss aggregation (see docs/loss.md) and the fused loss's chunking.",
     "data": "Where experience comes from. Presets: `data=task` (default), `data=prompts` (your prompt files, see "
@@ -104,8 +105,7 @@ def render_configuration_md() -> str:
     for group, schema in SCHEMA_GROUPS.items():
         lines += [f"## {group}", "", GROUP_INTROS[group], "", "| field | default | valid | meaning |",
                   "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(schema):
-            lines.append(f"| `{group}.{f.name}` | `{_default_text(f)}` | {_valid_text(f)} | "
-                         f"{docs[schema.__name__][f.name]} |")
+        for dotted, f, _, owner in flat_fields(schema, group):
+            lines.append(f"| `{dotted}` | `{_default_text(f)}` | {_valid_text(f)} | {docs[owner.__name__][f.name]} |")
         lines.append("")
     return "\n".join(lines)

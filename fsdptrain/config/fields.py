@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 _INF = math.inf
 
@@ -83,3 +84,15 @@ def field_range(f: dataclasses.Field) -> Optional[Range]:
 def field_item_range(f: dataclasses.Field) -> Optional[Range]:
     """The range declared on each item of a list-of-ints field (:func:`each_bounded`), or None."""
     return f.metadata.get("each_range")
+
+
+def flat_fields(schema: type, prefix: str) -> Iterator[tuple[str, dataclasses.Field, Any, type]]:
+    """``(dotted name, field, type hint, owning dataclass)`` of every leaf field of ``schema`` under ``prefix``; a
+    field whose type is itself a dataclass (``model.lora``) is flattened into its own fields (``model.lora.r``)."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from flat_fields(hint, f"{prefix}.{f.name}")
+        else:
+            yield f"{prefix}.{f.name}", f, hint, schema

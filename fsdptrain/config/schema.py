@@ -37,6 +37,22 @@ RECOMPUTE_MODES = ("auto", "always")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DEFAULT_STEPS = 100
 """Training steps when neither trainer.steps nor trainer.epochs is set."""
+LORA_ALL_LINEAR = "all-linear"
+"""``model.lora.target_modules``: every linear module inside the decoder layers (never the output head or value head)."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = bounded(0, ge=0)
+    """LoRA rank of the policy's adapters; 0 trains every weight (full fine-tuning) (docs/lora.md)."""
+    alpha: float = bounded(16.0, gt=0)
+    """LoRA scaling numerator: the adapter's update is (alpha / r) * B A x."""
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input (0 keeps forwards deterministic, which check-metrics needs)."""
+    target_modules: Any = LORA_ALL_LINEAR
+    """The linear modules that get adapters: all-linear (every linear module of the decoder layers) or a list of module names such as [q_proj, v_proj]."""
+    critic: bool = False
+    """Train the PPO value model through its own adapters too (its value head always trains); false: every critic weight trains."""
 
 
 @dataclass
@@ -61,6 +77,8 @@ class ModelConfig:
     """Packed attention for training forwards: auto, flash_attn, torch_varlen or sdpa_segments (generation uses sdpa)."""
     value_init: str = choice("policy", VALUE_INITS)
     """Where the value model's backbone starts: policy (copy of the policy's weights), seed (fresh init) or reward_model (the first of reward.models)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (docs/lora.md)."""
 
 
 @dataclass

@@ -6,7 +6,6 @@ any rank starts.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
 from typing import Any
@@ -14,9 +13,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.drafter_rules import check_drafter
+from fsdptrain.config.lora_rules import check_lora
 from fsdptrain.registry.errors import ConfigError
 from fsdptrain.registry.plugins import import_plugins, registered
-from fsdptrain.config.fields import Range, field_choices, field_item_range, field_range
+from fsdptrain.config.fields import Range, field_choices, field_item_range, field_range, flat_fields
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
 __all__ = ["DEFAULT_STEPS", "RENAMED_KEYS", "ConfigError", "declared_range", "renamed_key_message", "reward_specs",
@@ -37,9 +37,8 @@ def renamed_key_message(dotted: str) -> str | None:
 
 def _schema_items():
     for group, schema in SCHEMA_GROUPS.items():
-        hints = typing.get_type_hints(schema)
-        for f in dataclasses.fields(schema):
-            yield f"{group}.{f.name}", f, hints[f.name]
+        for dotted, f, hint, _ in flat_fields(schema, group):
+            yield dotted, f, hint
 
 
 def _is(hint: Any, kind: type) -> bool:
@@ -52,9 +51,9 @@ def schema_fields(kind: type) -> list[str]:
 
 
 def declared_range(dotted: str) -> Range | None:
-    """The range declared on the schema field ``group.field`` (None for a field that is not a number)."""
-    group, name = dotted.split(".")
-    return field_range({f.name: f for f in dataclasses.fields(SCHEMA_GROUPS[group])}[name])
+    """The range declared on the schema field ``group.field`` (or ``group.sub.field``; None for a field that is not a
+    number)."""
+    return field_range({key: f for key, f, _ in _schema_items()}[dotted])
 
 
 def _choices_message(key: str, value: Any, choices: tuple[str, ...], user_function: bool) -> str:
@@ -254,7 +253,7 @@ def _check_loss_settings(alg: DictConfig) -> None:
                           f"algorithm.rollout_rejection_high={alg.rollout_rejection_high}")
 
 
-EXTENSION_RULES = (check_drafter,)
+EXTENSION_RULES = (check_drafter, check_lora)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
 

@@ -58,6 +58,7 @@ import torch.distributed
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -68,6 +69,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.files import fsync_dir
+from fsdptrain.model.build import clean_name
 
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
@@ -190,14 +192,32 @@ def _check_names(models: Mapping[str, nn.Module], optimizers: Mapping[str, Optim
         )
 
 
+def _frozen_names(model: nn.Module) -> set[str]:
+    """The state-dict names of the frozen parameters, tied aliases included (``lm_head.weight`` of a tied
+    embedding: DCP's ``ignore_frozen_params`` drops the parameter's first name only)."""
+    return {clean_name(name) for name, param in model.named_parameters(remove_duplicate=False)
+            if not param.requires_grad}
+
+
+def _state_options(model: nn.Module) -> StateDictOptions:
+    """Frozen parameters (the base weights under LoRA) are not checkpointed: they never change and are rebuilt from
+    the model's source. Loading then leaves them as built (strict only when every parameter trains)."""
+    return StateDictOptions(ignore_frozen_params=True, strict=not _frozen_names(model))
+
+
 def _sharded_state(models: Mapping[str, nn.Module], optimizers: Mapping[str, Optimizer]) -> dict[str, Any]:
-    """{"models": {name: model state}, "optimizers": {name: optimizer state}} with FQN keys and DTensor shards."""
+    """{"models": {name: model state}, "optimizers": {name: optimizer state}} with FQN keys and DTensor shards;
+    trainable parameters and buffers only (`_state_options`)."""
     state: dict[str, Any] = {"models": {}, "optimizers": {}}
     for name, model in models.items():
+        options = _state_options(model)
         if name in optimizers:
-            state["models"][name], state["optimizers"][name] = get_state_dict(model, optimizers[name])
+            state["models"][name], state["optimizers"][name] = get_state_dict(model, optimizers[name],
+                                                                               options=options)
         else:
-            state["models"][name] = get_model_state_dict(model)
+            state["models"][name] = get_model_state_dict(model, options=options)
+        for frozen in _frozen_names(model):
+            state["models"][name].pop(frozen, None)
     return state
 
 
@@ -381,9 +401,10 @@ def load_checkpoint(
                 optimizers[name],
                 model_state_dict=state["models"][name],
                 optim_state_dict=state["optimizers"][name],
+                options=_state_options(model),
             )
         else:
-            set_model_state_dict(model, state["models"][name])
+            set_model_state_dict(model, state["models"][name], options=_state_options(model))
 
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
     for name, scheduler in schedulers.items():

@@ -19,7 +19,8 @@ reduce-scattered with the rest of the root unit when backward finishes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ from fsdptrain.model.build import (
     meta_model,
     non_persistent_buffers,
     resolve_config,
+    trainable_parameters,
 )
+from fsdptrain.model.lora import LoraSettings, set_adapters_enabled
 
 # The embedded default: a tiny Llama that trains in seconds on a CPU.
 
@@ -186,13 +189,15 @@ def build_sharded_model(
     backbone_from_path: str | None = None,
     backbone_from_config: Mapping[str, Any] | PretrainedConfig | None = None,
     backbone_seed: int | None = None,
+    lora: LoraSettings | None = None,
 ) -> PreTrainedModel:
     """A model of `kind` ("policy", "value", "reference") with FSDP2 applied over `mesh`, weights from rank 0.
 
     Rank 0 builds the full model with `build_full_model` (from `path`, or from `config` and `seed`); if a backbone
     source is given (a path, or a config with `backbone_seed`), its base model's weights replace this model's base
-    model (a value model starting from the policy). All ranks then follow the order in the module docstring.
-    Collective: every rank of the default group must call it with the same arguments.
+    model (a value model starting from the policy). `lora`: LoRA adapters injected before sharding (rank 0 draws
+    them with the weights; FSDP2 shards frozen and trainable parameters in the same units and reduce-scatters the
+    gradients of the trainable ones only). All ranks then follow the order in the module docstring. Collective: every rank of the default group must call it with the same arguments.
     """
     on_cuda = mesh.device_type == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -208,11 +213,13 @@ def build_sharded_model(
                 config=backbone_from_config,
                 seed=seed if backbone_seed is None else backbone_seed,
             )
-        full = build_full_model(kind, path=path, config=config, seed=seed, backbone_from=backbone)
+        full = build_full_model(kind, path=path, config=config, seed=seed, backbone_from=backbone, lora=lora)
         full_state_dict = full.state_dict()
         buffers = non_persistent_buffers(full)
         del full, backbone
-    model = meta_model(kind, resolved)
+    model = meta_model(kind, resolved, lora=lora)
+    if lora is not None:
+        store_frozen_in(model, param_dtype)
     parallelize(
         model,
         mesh=mesh,
@@ -228,6 +235,23 @@ def build_sharded_model(
     model.to_empty(device="cpu" if cpu_offload else device)
     _load_full_weights(model, full_state_dict=full_state_dict, buffers=buffers, device=device)
     return model.train()
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen parameters in ``dtype`` (the mixed-precision param dtype) instead of fp32: they take no
+    optimizer step, so they need no fp32 master copy, and forwards compute in ``dtype`` anyway. Under LoRA with
+    bf16 params the base weights then cost 2 bytes each per shard. FSDP2 asks a uniform dtype of the trainable
+    parameters of a unit only. Tied parameters stay tied (one replacement per parameter)."""
+    if dtype == torch.float32:
+        return
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or param.dtype == dtype:
+                continue
+            if id(param) not in replaced:  # the old parameter is kept referenced, so its id is never reused
+                replaced[id(param)] = (param, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            module._parameters[name] = replaced[id(param)][1]
 
 
 def build_policy(**kwargs: Any) -> PreTrainedModel:
@@ -309,8 +333,9 @@ def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full gradient on the CPU on every rank (None-grad parameters are left out), keyed by the
     plain HF parameter names (tied parameters once). Collective: `DTensor.full_tensor()` all-gathers the shards."""
     grads = {}
+    trainable = {id(param) for param in trainable_parameters(model)}
     for name, param in model.named_parameters():
-        if param.grad is None:
+        if id(param) not in trainable or param.grad is None:
             continue
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         grads[clean_name(name)] = grad.detach().cpu()
@@ -329,6 +354,24 @@ def zero_grads(model: nn.Module) -> None:
     """
     reshard_all(model)
     model.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The block's forwards run ``model`` without its LoRA adapters: the base model, i.e. the reference policy
+    under LoRA, with no second copy of the weights (docs/lora.md). For no-grad forwards only.
+
+    peft's switch also flips the adapters' ``requires_grad``; FSDP2 copies that flag from the sharded parameter to
+    the unsharded one at each all-gather, so the flag is flipped on the sharded parameters: every unit is resharded
+    before the switch and again before switching back (the root never reshards after a forward by itself).
+    """
+    reshard_all(model)
+    set_adapters_enabled(model, False)
+    try:
+        yield
+    finally:
+        reshard_all(model)
+        set_adapters_enabled(model, True)
 
 
 def reshard_all(model: nn.Module) -> None:

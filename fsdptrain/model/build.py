@@ -99,13 +99,15 @@ def build_full_model(
     config: Mapping[str, Any] | PretrainedConfig | None,
     seed: int,
     backbone_from: nn.Module | None = None,
+    lora=None,
 ) -> PreTrainedModel:
     """The whole fp32 model on the CPU (no parallelism), dropout off.
 
     kind: "policy" / "reference" (AutoModelForCausalLM) or "value" (AutoModelForTokenClassification, 1 label).
     From `path` the weights are loaded (a value model from a causal-LM folder gets its head from the seed);
     from `config` they are drawn from `seed`. `backbone_from`: a model whose base model (the decoder without its
-    head) is copied into this one, e.g. a value model that starts from the policy's weights.
+    head) is copied into this one, e.g. a value model that starts from the policy's weights. `lora`: a
+    `fsdptrain.model.lora.LoraSettings`; its adapters are injected last, drawn from `seed` (docs/lora.md).
     """
     auto_class = model_class(kind)
     resolved = config_for(kind, resolve_config(path=path, config=config))
@@ -119,14 +121,30 @@ def build_full_model(
     if backbone_from is not None:
         model.base_model.load_state_dict(backbone_from.base_model.state_dict())
     zero_dropout_modules(model)
+    if lora is not None:
+        lora.apply_to(model, seed=seed)
     return model.train()
 
 
-def meta_model(kind: str, config: PretrainedConfig) -> PreTrainedModel:
+def meta_model(kind: str, config: PretrainedConfig, *, lora=None) -> PreTrainedModel:
+    """The architecture of `kind` on the meta device, with the adapters of `lora` (LoraSettings) when given."""
     with torch.device("meta"):
         model = model_class(kind).from_config(config_for(kind, config), dtype=torch.float32)
     zero_dropout_modules(model)
+    if lora is not None:
+        with torch.device("meta"):
+            lora.apply_to(model, seed=0)  # no values drawn on meta: the weights come from rank 0
     return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that train: those with ``requires_grad`` (docs/architecture.md, "Trainable parameters").
+
+    The one definition the optimizer, gradient clipping and its norm, the non-finite guard, the memory report,
+    checkpoints and check-metrics' gradients read: under LoRA the adapters (and a value head), else every weight.
+    A frozen weight gets no gradient buffer, no optimizer state and no place in a norm.
+    """
+    return [param for param in model.parameters() if param.requires_grad]
 
 
 def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -167,17 +185,22 @@ def describe_model_memory(model: nn.Module, *, num_shards: int = 1) -> str:
     """One line: parameter count, weight size, largest layer (accelerate's `calculate_maximum_sizes`) and an
     estimate of the training state per rank when sharded `num_shards` ways.
 
-    The estimate counts fp32 weights, fp32 gradients and AdamW's two fp32 moments (16 bytes per parameter) divided
-    by `num_shards`, plus one unsharded largest layer (the all-gather); activations are not included.
+    The estimate counts the weights as stored (fp32; frozen ones under LoRA may be in the param dtype) and fp32
+    gradients and AdamW's two fp32 moments of the trainable ones (16 bytes per fp32 trainable parameter) divided by
+    `num_shards`, plus one unsharded largest layer (the all-gather); activations are not included.
     Works on a plain, meta or sharded model (DTensor sizes are global).
     """
     total_bytes, (largest_bytes, largest_names) = calculate_maximum_sizes(model)
     num_params = sum(p.numel() for p in model.parameters())
-    per_rank = 16 * num_params / num_shards + largest_bytes
+    num_trainable = sum(p.numel() for p in trainable_parameters(model))
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # frozen ones may be bf16
+    # the weights as stored; fp32 gradients and AdamW's two fp32 moments of the trainable ones only
+    per_rank = (weight_bytes + 12 * num_trainable) / num_shards + largest_bytes
     largest = ", ".join(clean_name(name) for name in largest_names) or "-"
+    trainable = "" if num_trainable == num_params else f" ({num_trainable / 1e6:.2f} M trainable)"
     return (
-        f"{type(model).__name__}: {num_params / 1e6:.2f} M parameters, {_format_bytes(total_bytes)} of weights; "
-        f"largest layer {largest} ({_format_bytes(largest_bytes)}); training state per rank at {num_shards} "
+        f"{type(model).__name__}: {num_params / 1e6:.2f} M parameters{trainable}, {_format_bytes(total_bytes)} of "
+        f"weights; largest layer {largest} ({_format_bytes(largest_bytes)}); training state per rank at {num_shards} "
         f"shard(s) ~{_format_bytes(per_rank)} (fp32 weights, grads, 2 AdamW moments, one gathered layer; "
         f"activations not included)"
     )

@@ -6,18 +6,21 @@ Every rank runs these collectively, in the same order (docs/architecture.md).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 
+from fsdptrain.config.lora_rules import target_module_names
 from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
-from fsdptrain.distributed.fsdp import build_policy, build_reference_model, build_value_model
+from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
 from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.checks import check_tokenizer_fits
+from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
@@ -77,6 +80,31 @@ def needs_reference(cfg: DictConfig) -> bool:
     return cfg.algorithm.use_kl_loss or cfg.algorithm.kl_in_reward_coef > 0
 
 
+def lora_settings(cfg: DictConfig, *, critic: bool = False) -> Optional[LoraSettings]:
+    """The adapters of the policy (or, with ``critic``, of the value model, whose head then trains too) from
+    ``model.lora``; None when that model trains every weight."""
+    lora = cfg.model.lora
+    if lora.r == 0 or (critic and not lora.critic):
+        return None
+    names = target_module_names(lora.target_modules)
+    return LoraSettings(r=lora.r, alpha=float(lora.alpha), dropout=float(lora.dropout),
+                        target_modules=None if names is None else tuple(names), trainable_head=critic)
+
+
+@dataclass(frozen=True)
+class ReferencePolicy:
+    """Where the reference log-probs come from (docs/architecture.md, "The reference policy is an interface"): a
+    frozen sharded copy of the initial policy (full fine-tuning), or, under LoRA, the policy itself with its adapters
+    disabled for the forward, so the reference costs no parameter memory (docs/lora.md)."""
+
+    model: torch.nn.Module
+    adapters_off: bool = False
+
+    def forward_context(self):
+        """The context the reference's forwards run in (no-grad forwards only)."""
+        return adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext()
+
+
 @dataclass
 class Models:
     policy: torch.nn.Module
@@ -85,7 +113,7 @@ class Models:
     critic: Optional[torch.nn.Module] = None
     critic_optimizer: Optional[torch.optim.Optimizer] = None
     critic_scheduler: Optional[object] = None
-    reference: Optional[torch.nn.Module] = None
+    reference: Optional[ReferencePolicy] = None
     backend: str = "sdpa_segments"
     reward_specs: list[RewardModelSpec] = field(default_factory=list)
     """The checked folders of ``reward.models``, in order (tokenizers for re-tokenising the text)."""
@@ -109,7 +137,9 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
                     cpu_offload=cfg.parallel.cpu_offload, compile=cfg.parallel.compile,
                     compile_backend=cfg.parallel.compile_backend)
     seed = cfg.trainer.seed
-    policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing)
+    lora = lora_settings(cfg)
+    policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing,
+                          lora=lora)
     backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
     schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
@@ -124,10 +154,12 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
         critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, **adamw_settings(cfg))
         models.critic, models.critic_optimizer = critic, critic_opt
         models.critic_scheduler = build_scheduler(critic_opt, **schedule)
-    if needs_reference(cfg):
+    if needs_reference(cfg) and lora is not None:  # the policy without its adapters: no second copy
+        models.reference = ReferencePolicy(policy, adapters_off=True)
+    elif needs_reference(cfg):
         reference = build_reference_model(**source, **parallel, seed=seed)
         set_attention(reference, backend)
-        models.reference = reference
+        models.reference = ReferencePolicy(reference)
     for spec in models.reward_specs:
         reward_model = build_reward_model(spec, mesh=mesh, param_dtype=parallel["param_dtype"],
                                           reshard_after_forward=cfg.parallel.reshard_after_forward,
@@ -149,7 +181,7 @@ def _build_critic(cfg: DictConfig, source: dict, parallel: dict, tokenizer, rewa
         backbone = (dict(backbone_from_path=cfg.model.path) if cfg.model.path else
                     dict(backbone_from_config=source["config"], backbone_seed=cfg.trainer.seed))
     return build_value_model(**source, **parallel, seed=cfg.trainer.seed + 1, activation_checkpointing=checkpointing,
-                             **backbone)
+                             lora=lora_settings(cfg, critic=True), **backbone)
 
 
 def policy_settings(cfg: DictConfig) -> PolicyLossSettings:

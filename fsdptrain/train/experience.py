@@ -83,6 +83,15 @@ def policy_logprobs(model, rollouts, *, temperature: float, chunk_size: int, tok
     return packed_pass(model, rollouts, forward=forward, token_budget=token_budget, device=device)
 
 
+def reference_logprobs(reference, rollouts, **logprob_args) -> Optional[list[Tensor]]:
+    """Response log-probs under the reference policy (a `fsdptrain.train.build.ReferencePolicy`: a frozen copy, or
+    the policy with its adapters disabled), or None without one; arguments as `policy_logprobs`."""
+    if reference is None:
+        return None
+    with reference.forward_context():
+        return policy_logprobs(reference.model, rollouts, **logprob_args)
+
+
 def critic_values(model, rollouts, *, token_budget: int, device: torch.device) -> list[Tensor]:
     """Values at the response-scoring positions under the value model."""
     return packed_pass(model, rollouts, forward=value_token_outputs, token_budget=token_budget, device=device)
@@ -292,7 +301,7 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     metrics = merge_all([off_policy_metrics(old, behaviour, masks), metrics])
     if settings.rollout_correction == "none":  # without a correction the behaviour log-probs are the old policy's
         old = behaviour_or_old
-    ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None
+    ref = reference_logprobs(models.reference, rollouts, **logprob_args)
     kl_R = [o - r for o, r in zip(old, ref)] if ref is not None else None
     rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef, masks=masks)
     values = critic_values(models.critic, rollouts, token_budget=budget, device=device) if models.critic is not None else None
@@ -343,7 +352,7 @@ def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: Experience
     no values): no behaviour log-probs, no KL in the reward, no rollout correction (the caller guarantees it)."""
     masks = rollout_masks(rollouts)
     any_mask = any(m is not None for m in masks)
-    ref = policy_logprobs(models.reference, rollouts, **logprob_args) if models.reference is not None else None
+    ref = reference_logprobs(models.reference, rollouts, **logprob_args)
     rewards = token_rewards(rollouts, kl_R=None, kl_coef=0.0, masks=masks)
     needs_values = models.critic is not None and settings.adv_fn is ADV_ESTIMATOR_REGISTRY["gae"]
     values = (critic_values(models.critic, rollouts, token_budget=logprob_args["token_budget"],

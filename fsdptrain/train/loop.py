@@ -354,7 +354,8 @@ class Trainer:
 
     def export(self, run_dir: Path) -> None:
         """The final models as Hugging Face folders, and each extension's export (collective)."""
-        export_hf_models(run_dir, policy=self.models.policy, critic=self.models.critic, tokenizer=self.tokenizer)
+        export_hf_models(run_dir, policy=self.models.policy, critic=self.models.critic, tokenizer=self.tokenizer,
+                         base_path=self.cfg.model.path)
         for extension in self.extensions:
             extension.export(run_dir)
 

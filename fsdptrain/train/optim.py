@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fsdptrain.config.schema import LR_SCHEDULES
 from fsdptrain.distributed.world import any_flag
+from fsdptrain.model.build import trainable_parameters
 from fsdptrain.train.console import log
 
 
@@ -29,13 +30,13 @@ def build_optimizer(
     weight_decay: float,
     eps: float,
 ) -> torch.optim.AdamW:
-    """AdamW over the parameters of `model` that require grad (sharded DTensors under FSDP2: the optimizer state is
-    sharded with them)."""
+    """AdamW over the trainable parameters of `model` (`trainable_parameters`: under LoRA the adapters only; sharded
+    DTensors under FSDP2: the optimizer state is sharded with them)."""
     if not lr > 0:
         raise ValueError(f"learning rate must be > 0, got {lr}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable_parameters(model)
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameter")
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps)

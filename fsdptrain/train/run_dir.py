@@ -14,8 +14,9 @@ from typing import Callable, Optional, Protocol
 
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, newest_intact_checkpoint, save_checkpoint
-from fsdptrain.distributed.export import export_hf
+from fsdptrain.distributed.export import export_hf, export_lora
 from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
+from fsdptrain.model.lora import has_adapters
 from fsdptrain.train.console import log
 from fsdptrain.train.run_ownership import run_id
 
@@ -131,8 +132,21 @@ def keep_metrics_before(path: Path, step: int) -> None:
         write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
-def export_hf_models(run_dir: Path, *, policy, critic, tokenizer) -> None:
-    """The final policy (and critic) as Hugging Face folders with safetensors and the tokenizer (collective)."""
-    export_hf(policy, run_dir / "export" / "policy", tokenizer=tokenizer)
-    if critic is not None:
-        export_hf(critic, run_dir / "export" / "critic", tokenizer=tokenizer)
+def export_hf_models(run_dir: Path, *, policy, critic, tokenizer, base_path: Optional[str] = None) -> None:
+    """The final policy (and critic) as Hugging Face folders with safetensors and the tokenizer (collective).
+
+    A policy with LoRA adapters (docs/lora.md) is written merged to ``export/policy`` and as a peft adapter to
+    ``export/policy_adapter``, whose base is ``base_path`` (``model.path``) or, for a config-built model,
+    ``export/policy_base``; a critic with adapters is written merged."""
+    export = run_dir / "export"
+    if has_adapters(policy):
+        export_lora(policy, export / "policy", adapter_dir=export / "policy_adapter",
+                    base_dir=export / "policy_base" if base_path is None else None, base_path=base_path,
+                    tokenizer=tokenizer)
+    else:
+        export_hf(policy, export / "policy", tokenizer=tokenizer)
+    if critic is not None and has_adapters(critic):
+        export_lora(critic, export / "critic", adapter_dir=None, base_dir=None, base_path=base_path,
+                    tokenizer=tokenizer)
+    elif critic is not None:
+        export_hf(critic, export / "critic", tokenizer=tokenizer)

@@ -25,6 +25,7 @@ import torch
 from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
+from fsdptrain.model.build import trainable_parameters
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
@@ -203,7 +204,7 @@ def policy_and_auxiliary_loss(model, packed: PackedBatch, targets: Sequence[SeqT
 
 def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard) -> StepOutcome:
     """Clip to the true global norm and step, or skip the step on every rank when the norm is not finite."""
-    grad_norm = clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = clip_grad_norm_(trainable_parameters(model), grad_clip)
     skipped = guard.should_skip(grad_norm)
     if not skipped:
         optimizer.step()

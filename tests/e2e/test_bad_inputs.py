@@ -56,6 +56,8 @@ def _config_cases() -> list[Case]:
         Case("local-preset-without-path", ("model=local",), "model.path"),
         Case("overwrite-and-resume", ("trainer.overwrite=true", "trainer.resume=auto"), "trainer.overwrite"),
         Case("config-dir-missing", ("--config-dir", "{tmp}/nope"), "--config-dir"),
+        Case("lora-targets-match-nothing", ("model.lora.r=8", "model.lora.target_modules=[q_proj,qkv]"),
+             "'qkv' matches no linear module of LlamaForCausalLM; its linear modules are: down_proj, gate_proj"),
     ]
 
 

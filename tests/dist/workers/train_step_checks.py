@@ -88,9 +88,14 @@ def padded(prompts, responses, targets):
 
 def reference_grads_and_weights(kind: str, mode: str, batch, norms_counts):
     """The plain model on the whole padded batch: gradients, then the weights before and after one AdamW step."""
-    prompts, responses, targets = batch
     model = build_full_model("policy" if kind == "policy" else "value", path=None, config=CONFIG,
                              seed=POLICY_SEED if kind == "policy" else VALUE_SEED)
+    return reference_step(model, kind, mode, batch, norms_counts)
+
+
+def reference_step(model, kind: str, mode: str, batch, norms_counts):
+    """`reference_grads_and_weights` of a given plain ``model`` (a peft model too: its trainable parameters)."""
+    prompts, responses, targets = batch
     ids, attn, mask, f = padded(prompts, responses, targets)
     norms = LossNormalizers(global_num_tokens=norms_counts[0], global_num_seqs=norms_counts[1], dp_size=1,
                             loss_scale_factor=LOSS_SCALE_FACTOR)
