@@ -244,7 +244,7 @@ class PromptSource:
             return generate_responses(
                 models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
                 temperature=rollout.temperature if sample else 1.0, top_p=rollout.top_p if sample else 1.0,
-                do_sample=sample, generator_seed=seed, device=device)
+                do_sample=sample, generator_seed=seed, device=device, share_prompt_prefill=repeat > 1)
 
     def _score(self, models: Models, rows: list[PromptRow], groups: list[int], outputs, *, device,
                training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
