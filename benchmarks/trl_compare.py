@@ -200,7 +200,8 @@ def run_side(side: str, seed: int, args) -> dict:
         command = [sys.executable, __file__, "--side", side, "--seed", str(seed), "--out", str(out),
                    "--gguf", args.gguf, "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
                    "--max-new", str(args.max_new), "--lr", str(args.lr)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        # the caller's PYTHONPATH first: another checkout of fsdptrain there is what gets measured (before/after)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         if len(records) < args.steps:
