@@ -1,6 +1,6 @@
 """Write train.jsonl (2000 rows) and eval.jsonl (32 rows): two-digit additions as chat prompts for a chat model.
 
-    {"prompt": [{"role": "user", "content": "What is 23 + 45?"}], "answer": "68"}
+    {"prompt": [{"role": "user", "content": "What is 23 + 45? Answer with the number only."}], "answer": "68"}
 
 Both addends are between 10 and 99 (8,100 problems). The 32 evaluation problems are drawn first, with their own seed,
 and never appear in train.jsonl: the greedy evaluation measures held-out sums, not recall of the training rows.
@@ -15,10 +15,13 @@ from pathlib import Path
 
 PROBLEMS = [(a, b) for a in range(10, 100) for b in range(10, 100)]
 NUM_TRAIN, NUM_EVAL = 2000, 32
+INSTRUCTION = "Answer with the number only."
+"""Without it the untrained model explains instead of answering within 16 tokens (greedy held-out accuracy 0.00 vs
+0.16 with it, examples/real-model/README.md)."""
 
 
 def row(a: int, b: int) -> dict:
-    return {"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)}
+    return {"prompt": [{"role": "user", "content": f"What is {a} + {b}? {INSTRUCTION}"}], "answer": str(a + b)}
 
 
 def splits() -> tuple[list[dict], list[dict]]:

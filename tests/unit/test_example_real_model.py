@@ -28,7 +28,8 @@ def test_committed_files_are_what_make_data_writes_and_eval_is_held_out(tmp_path
     question = lambda row: row["prompt"][0]["content"]  # noqa: E731
     assert not {question(r) for r in train} & {question(r) for r in held_out}
     for row in train + held_out:
-        a, b = (int(x) for x in question(row).removeprefix("What is ").removesuffix("?").split(" + "))
+        a, b = (int(x) for x in question(row).removeprefix("What is ").removesuffix("? Answer with the number only.")
+                .split(" + "))
         assert 10 <= a <= 99 and 10 <= b <= 99 and row["answer"] == str(a + b)
 
 
