@@ -23,10 +23,10 @@ _CHUNK = 1 << 20
 
 def check_inputs(cfg: DictConfig) -> None:
     """The model folder, the data file, the device and the attention backend of ``cfg``."""
-    if cfg.model.path is not None:
-        from fsdptrain.model.checks import check_model_folder
+    if cfg.model.path is not None or cfg.model.gguf_file is not None:
+        from fsdptrain.model.checks import check_model_source
 
-        check_model_folder(cfg.model.path)
+        check_model_source(cfg.model.path, cfg.model.gguf_file)
     if cfg.data.source == "jsonl":
         check_text_file(cfg.data.path, key="data.path")
     check_device(cfg)

@@ -58,7 +58,11 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
-    """Local Hugging Face model folder (weights + config + tokenizer); null builds the tiny model below from its config."""
+    """Local Hugging Face model folder (weights + config + tokenizer), or a `.gguf` file (read through transformers
+    with the `gguf` extra, docs/your-task.md); null builds the tiny model below from its config."""
+    gguf_file: Optional[str] = None
+    """A `.gguf` file inside the folder `path` to load the policy, value model and tokenizer from, instead of the
+    folder's own weights; null: the folder's weights (or `path` itself when it is a `.gguf` file)."""
     arch: str = choice("llama", MODEL_ARCHS)
     """Architecture of the config-built model when `path` is null."""
     hidden_size: int = bounded(64, ge=1)

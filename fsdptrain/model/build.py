@@ -24,6 +24,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from fsdptrain.model.source import pretrained_args
+
 TINY_CONFIG: dict[str, Any] = {  # the embedded default: a tiny Llama that trains in seconds on a CPU
     "model_type": "llama",
     "vocab_size": 128,
@@ -41,15 +43,17 @@ _CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module"
 
 
 def resolve_config(*, path: str | None, config: Mapping[str, Any] | PretrainedConfig | None) -> PretrainedConfig:
-    """The transformers config of the model: from the folder `path`, or from `config` (a dict holding `model_type`
+    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/source.py), or from `config` (a dict holding `model_type`
     plus fields, or a config object; copied, never modified), with every dropout probability set to 0.
 
     Exactly one of `path` and `config` must be given.
     """
     if (path is None) == (config is None):
-        raise ValueError("give exactly one of model.path (a local Hugging Face folder) and a model config")
+        raise ValueError("give exactly one of model.path (a local Hugging Face folder or .gguf file) and a model config")
     if path is not None:
-        resolved = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never the folder's code (model/checks.py)
+        name, gguf = pretrained_args(path)
+        # never the folder's code (model/checks.py)
+        resolved = AutoConfig.from_pretrained(name, trust_remote_code=False, **gguf)
     elif isinstance(config, PretrainedConfig):
         resolved = copy.deepcopy(config)
     else:
@@ -115,7 +119,9 @@ def build_full_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if path is not None:
-            model = auto_class.from_pretrained(path, config=resolved, dtype=torch.float32, trust_remote_code=False)
+            name, gguf = pretrained_args(path)  # a GGUF file is dequantised to fp32 here
+            model = auto_class.from_pretrained(name, config=resolved, dtype=torch.float32, trust_remote_code=False,
+                                               **gguf)
         else:
             model = auto_class.from_config(resolved, dtype=torch.float32)
     if backbone_from is not None:

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 
 from fsdptrain.config import ConfigError
+from fsdptrain.model.source import gguf_package_problem, is_gguf, model_location
 from fsdptrain.registry.errors import first_line
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -21,6 +22,47 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _MAX_HEADER = 100 * 2**20
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_model_source(path: str | None, gguf_file: str | None) -> None:
+    """Raise ConfigError (one line) unless ``model.path`` / ``model.gguf_file`` name a usable model: a causal-LM
+    folder, a ``.gguf`` file, or a ``.gguf`` file inside a folder; a GGUF file also needs the ``gguf`` extra."""
+    if gguf_file is None:
+        if path is None:
+            return
+        if is_gguf(path):
+            check_gguf_file(path, key="model.path")
+        else:
+            check_model_folder(path)
+        return
+    if path is None:
+        raise ConfigError(f"model.gguf_file={gguf_file!r} needs model.path=<the folder that holds it>")
+    if is_gguf(path):
+        raise ConfigError(f"model.gguf_file={gguf_file!r} names a file inside a folder, but model.path={path!r} is "
+                          f"already a .gguf file: drop model.gguf_file")
+    if not is_gguf(gguf_file):
+        raise ConfigError(f"model.gguf_file={gguf_file!r} is not a .gguf file: name the .gguf file inside "
+                          f"model.path (or drop model.gguf_file to load the folder's own weights)")
+    if not Path(path).expanduser().is_dir():
+        raise ConfigError(f"model.path={path!r}: no such folder (model.gguf_file={gguf_file!r} is read from it)")
+    check_gguf_file(model_location(path, gguf_file), key="model.gguf_file")
+
+
+def check_gguf_file(location: str, *, key: str) -> None:
+    """A readable file that starts with the GGUF magic, and the ``gguf`` package to read it, or ConfigError."""
+    file = Path(location).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"{key}: {location!r}: no such file" if not file.exists() else
+                          f"{key}: {location!r} is a folder, not a .gguf file")
+    with file.open("rb") as handle:
+        if handle.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            raise ConfigError(f"{key}: {location!r} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+    problem = gguf_package_problem()
+    if problem is not None:
+        raise ConfigError(f"{key}: {location!r} is a GGUF file; reading it {problem}")
 
 
 def check_model_folder(path: str, *, key: str = "model.path") -> None:
@@ -32,7 +74,8 @@ def check_model_folder(path: str, *, key: str = "model.path") -> None:
                               f"fetch it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR")
         raise ConfigError(f"{key}={path!r}: no such folder")
     if not folder.is_dir():
-        raise ConfigError(f"{key}={path!r} is a file, not a folder: give the folder that holds config.json")
+        raise ConfigError(f"{key}={path!r} is a file, not a folder: give the folder that holds config.json "
+                          f"(or a .gguf file)")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{key}={path!r} has no config.json: not a Hugging Face model folder "

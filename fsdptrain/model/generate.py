@@ -8,6 +8,7 @@ different lengths keep stepping together.
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence
 
 import torch
@@ -51,6 +52,7 @@ def generate_responses(
     device: torch.device,
     row_seeds: Optional[Sequence[int]] = None,
     synced_gpus: Optional[bool] = None,
+    share_prompt_prefill: bool = False,
 ) -> list[tuple[list[int], list[int], bool]]:
     """Generate one response per prompt: ``(prompt_ids, response_ids, truncated)`` for each, in order.
 
@@ -66,6 +68,10 @@ def generate_responses(
     ``synced_gpus`` None lets transformers decide (on for an FSDP-wrapped model on several ranks: every rank steps
     until all are done); multi-turn rollouts pass False, since they generate with the weights gathered and each rank
     makes its own number of calls.
+
+    ``share_prompt_prefill``: the prompts repeat (a GRPO group's ``rollout.n`` copies): their cache is computed once
+    per distinct prompt (:func:`shared_prompt_cache`). Under FSDP the prefill is one more forward, so every rank must
+    pass the same value (the caller's repeat count, the same on every rank).
     """
     assert row_seeds is None or (not do_sample and len(row_seeds) == len(prompts)), "row_seeds: one per prompt, greedy"
     was_training = model.training
@@ -91,6 +97,7 @@ def generate_responses(
             pad_token_id=tokenizer.pad_token_id,
             use_cache=True,
             **({} if synced_gpus is None else {"synced_gpus": synced_gpus}),
+            **(shared_prompt_cache(model, input_ids, attention_mask) if share_prompt_prefill else {}),
             **sampling,
         )
     model.train(was_training)
@@ -103,3 +110,32 @@ def generate_responses(
         )
         results.append((prompt_ids, response_ids, truncated))
     return results
+
+
+def shared_prompt_cache(model, input_ids, attention_mask) -> dict:
+    """``{"cache": cache}`` holding the KV cache of every prompt token but the last, computed in one forward over the
+    distinct prompts and copied to their repeats; ``{}`` for a batch one token wide (nothing to cache) or a model
+    that returns no reorderable cache.
+
+    A GRPO batch holds each prompt ``rollout.n`` times; ``generate`` would run the whole prompt through the model for
+    every copy. With the cache given, ``generate`` runs only the uncached last prompt token of each row, then decodes
+    as before. Each row's cached keys and values are those of its own prompt at the same positions (the rows are
+    identical, padding included, and the positions are ``generate``'s: the mask's cumulative sum); only the batch
+    size of the prefill's matmuls changes, which may change the last bits of a logit.
+    """
+    if input_ids.shape[1] < 2:
+        return {}
+    unique_rows, inverse = torch.unique(torch.cat([input_ids, attention_mask], dim=1), dim=0, return_inverse=True)
+    first = torch.full((unique_rows.shape[0],), input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(input_ids.shape[0], device=input_ids.device), "amin")
+    prefix_ids, prefix_mask = input_ids[first, :-1], attention_mask[first, :-1]
+    position_ids = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 1)
+    out = model(input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1)
+    # transformers 5 names the cache `cache` (`past_key_values` before, and deprecated since)
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = getattr(out, name, None)
+    if cache is None or not hasattr(cache, "reorder_cache"):
+        return {}
+    cache.reorder_cache(inverse)
+    return {name: cache}

@@ -129,15 +129,28 @@ def token_logprobs_entropy(hidden_TH: Tensor, head_weight_VH: Tensor, head_bias_
                            packed: PackedRow, *, temperature: float, chunk_size: int, compute_entropy: bool = True
                            ) -> tuple[Tensor, Optional[Tensor]]:
     """Per-token log-prob of the next token and the policy's entropy over the packed row: `([T], [T] or None)`, from
-    the final hidden states and the output head.
+    the final hidden states and the output head, at the response-scoring positions (`packed.response_mask`); 0 at
+    every other position (prompt tokens, each sequence's last, the padding tail), which every loss masks.
 
-    Positions with no next token (each sequence's last, the padding tail) get target id 0; the losses mask them.
+    Only the `S` scored positions go through the output head (`_S`: those positions in row order): the head is a
+    V-wide matmul per position plus a softmax over V, and most positions of a row are prompt. Each scored position's
+    value is the same function of its own hidden state as over the whole row; the matmul's M dimension (and its
+    chunks) is S instead of T, which may change the last bits of a value and of the head's gradient sum.
     """
-    targets_T = torch.where(packed.label_mask[0], packed.labels[0], torch.zeros_like(packed.labels[0]))
-    return chunked_logprobs_entropy(
-        hidden_TH, head_weight_VH, targets_T.to(hidden_TH.device), temperature=temperature, chunk_size=chunk_size,
-        bias_V=head_bias_V, compute_entropy=compute_entropy,
+    device = hidden_TH.device
+    scored_S = packed.response_mask[0].to(device).nonzero().squeeze(1)
+    targets_S = packed.labels[0].to(device).index_select(0, scored_S)
+    logprobs_S, entropy_S = chunked_logprobs_entropy(
+        hidden_TH.index_select(0, scored_S), head_weight_VH, targets_S, temperature=temperature,
+        chunk_size=chunk_size, bias_V=head_bias_V, compute_entropy=compute_entropy,
     )
+    return _at_positions(logprobs_S, scored_S, hidden_TH.shape[0]), (
+        None if entropy_S is None else _at_positions(entropy_S, scored_S, hidden_TH.shape[0]))
+
+
+def _at_positions(values_S: Tensor, positions_S: Tensor, total_len: int) -> Tensor:
+    """`[T]`: `values_S` at `positions_S`, 0 elsewhere (differentiable in `values_S`)."""
+    return values_S.new_zeros(total_len).index_copy(0, positions_S, values_S)
 
 
 def policy_loss_of_hidden(hidden_TH: Tensor, head_weight_VH: Tensor, head_bias_V: Optional[Tensor],

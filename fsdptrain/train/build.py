@@ -22,6 +22,7 @@ from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.checks import check_tokenizer_fits
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
+from fsdptrain.model.source import model_location, pretrained_args
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import build_optimizer, build_scheduler
 from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
@@ -30,16 +31,22 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 """The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept."""
 
 
+def model_path(cfg: DictConfig) -> str | None:
+    """The run's pretrained model as one location (a folder or a .gguf file, model/source.py); None: config-built."""
+    return model_location(cfg.model.path, cfg.model.gguf_file)
+
+
 def build_tokenizer(cfg: DictConfig):
-    """The bundled tokenizer, or the one in the user's model folder (left padding; pad falls back to EOS), checked
-    against the folder's model by :func:`fsdptrain.model.checks.check_tokenizer_fits`."""
-    if cfg.model.path is None:
+    """The bundled tokenizer, or the one of the user's model folder or GGUF file (left padding; pad falls back to
+    EOS)."""
+    if model_path(cfg) is None:
         from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
         return load_bundled_tokenizer()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=False)
+    name, gguf = pretrained_args(model_path(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False, **gguf)
     check_tokenizer_fits(tokenizer, cfg.model.path)  # before any model is built: one line, exit 2
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -130,7 +137,8 @@ def adamw_settings(cfg: DictConfig) -> dict:
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
     """Policy, optional critic, reference and reward models, sharded over ``mesh``, on the packed attention backend;
     the learning-rate schedules span ``num_steps``."""
-    source = dict(path=cfg.model.path, config=None if cfg.model.path else tiny_model_config(cfg, tokenizer))
+    path = model_path(cfg)
+    source = dict(path=path, config=None if path else tiny_model_config(cfg, tokenizer))
     parallel = dict(mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
                     reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
                     reshard_after_forward=cfg.parallel.reshard_after_forward,
@@ -178,7 +186,7 @@ def _build_critic(cfg: DictConfig, source: dict, parallel: dict, tokenizer, rewa
                                                    activation_checkpointing=checkpointing)
     backbone = {}
     if cfg.model.value_init == "policy":
-        backbone = (dict(backbone_from_path=cfg.model.path) if cfg.model.path else
+        backbone = (dict(backbone_from_path=source["path"]) if source["path"] else
                     dict(backbone_from_config=source["config"], backbone_seed=cfg.trainer.seed))
     return build_value_model(**source, **parallel, seed=cfg.trainer.seed + 1, activation_checkpointing=checkpointing,
                              lora=lora_settings(cfg, critic=True), **backbone)

@@ -258,7 +258,8 @@ class PromptSource:
             return generate_responses(
                 models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
                 temperature=temperature, top_p=rollout.top_p if sample else 1.0,
-                do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds)
+                do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds,
+                share_prompt_prefill=repeat > 1 and row_seeds is None)
 
     def _score(self, models: Models, rows: list[PromptRow], groups: list[int], outputs, *, device,
                training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
