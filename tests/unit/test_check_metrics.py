@@ -479,6 +479,8 @@ def test_rejection_sampling_passes_and_catches_rejected_tokens_in_the_normaliser
     report = run_checks(clean, "token-mean", off_policy=False, experience=False, update=False)
     assert report.ok, "\n".join(report.failures)
     assert 0.1 < clean.batch.experience["experience/rollout_rs_rejected_token_frac"] < 0.9
+    compared = {c.metric for c in report.comparisons if c.layout == "experience" and c.passed}
+    assert {"experience/rollout_rs_rejected_token_frac", "experience/rollout_rs_rejected_seq_frac"} <= compared
     plant_rejected_tokens_in_the_normaliser(monkeypatch.setattr)
     planted = _session(*overrides)
     failures = _failing(run_checks(planted, "token-mean", off_policy=False, experience=False, update=False))
