@@ -216,12 +216,16 @@ UPDATE = "update/"
 
 
 def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, dict[str, float]]:
-    """The rollout-correction weights and ``experience/rollout_is_*`` that the product made for the batch (in
-    ``make_targets``, metrics reduced over the ranks as the step logs them) against :func:`reference_is_weights` and
-    :func:`reference_is_metrics` from the definitions: the reference's values, the product's outcome, the scales."""
+    """The rollout-correction weights and ``experience/rollout_is_*`` (and ``experience/rollout_rs_*`` of rejection
+    sampling) that the product made for the batch (in ``make_targets``, metrics reduced over the ranks as the step
+    logs them) against :func:`reference_is_weights`, :func:`reference_is_metrics` and :func:`rejection_metrics` from
+    the definitions: the reference's values, the product's outcome, the scales."""
+    want = rejection_metrics(batch) if batch.rejection is not None else {}
+    if batch.correction is None:
+        return want, Outcome("experience", dict(batch.experience), covers=("experience/",)), {}
     olds, behaviours, policy_masks = [t.old_logprobs for t in batch.full.targets], batch.behaviour, \
         batch.policy_token_masks()
-    want = reference_is_metrics(olds, behaviours, batch.correction, policy_masks)
+    want.update(reference_is_metrics(olds, behaviours, batch.correction, policy_masks))
     worst, largest = 0.0, 0.0
     for old, behaviour, target, policy in zip(olds, behaviours, batch.full.targets, policy_masks):
         if any(policy):
@@ -232,6 +236,16 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
     want[IS_DIFF] = 0.0
     got = {**{k: v for k, v in batch.experience.items() if k.startswith("experience/")}, IS_DIFF: worst}
     return want, Outcome("experience", got, covers=("experience/",)), {IS_DIFF: largest}
+
+
+def rejection_metrics(batch: CheckBatch) -> dict[str, float]:
+    """``experience/rollout_rs_*`` from the reference's own masks: the share of the policy's tokens it does not count,
+    and the share of sequences with a policy token left with none."""
+    policy, counted = batch.policy_token_masks(), batch.counted_masks()
+    num_policy = sum(sum(p) for p in policy)
+    seqs = [(p, c) for p, c in zip(policy, counted) if any(p)]
+    return {"experience/rollout_rs_rejected_token_frac": (num_policy - sum(sum(c) for c in counted)) / num_policy,
+            "experience/rollout_rs_rejected_seq_frac": sum(1 for _, c in seqs if not any(c)) / len(seqs)}
 
 
 def _context(session: CheckSession, batch, counts: Counts) -> Context:
@@ -314,13 +328,17 @@ class Found:
 
 
 def _correction_stage(found: Found, batch: CheckBatch, tol: dict) -> None:
-    """The rollout-correction weights and metrics against the reference's (:func:`_correction_outcome`)."""
+    """The rollout-correction weights, the rejection and their metrics against the reference's
+    (:func:`_correction_outcome`)."""
     want, got, is_scales = _correction_outcome(batch)
     found.reference.values.update(want)
     found.comparisons += compare(found.reference, got, scales=is_scales, **tol)
     if batch.planted_behaviour:
         found.notes.append("the rollouts carry no behaviour log-probs: the check gave them old + U(-1, 1) (seeded), "
-                           "so the importance weights are not all 1; the old log-probs stay the policy's own")
+                           + ("so the importance weights are not all 1; the old log-probs stay the policy's own"
+                              if batch.correction is not None else
+                              "so rejection sampling has ratios to reject; without a correction they are the old "
+                              "log-probs (the batch is off-policy)"))
 
 
 OFF_POLICY = "rollout_corr/"
@@ -403,7 +421,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
 
         found.stage("off-policy", off)
         names += ["off-policy: " + name for name in names]
-    if batch.correction is not None:
+    if batch.correction is not None or batch.rejection is not None:
         found.stage("experience", lambda: _correction_stage(found, batch, tol))
     if batch.carried_behaviour is not None:
         found.stage("off-policy diagnostics", lambda: _off_policy_diagnostics_stage(found, session, tol))

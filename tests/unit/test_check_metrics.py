@@ -315,7 +315,8 @@ def _buggy_accumulate(scale):
         plan = plan if plan is not None else plan_agreed(batch.lengths(), token_budget)
         total, collected = 0.0, []
         for pack in plan.packs:
-            packed = pack_sequences(batch.prompts, batch.responses, pack).to(device)
+            packed = pack_sequences(batch.prompts, batch.responses, pack,
+                                    response_masks=batch.response_masks()).to(device)
             loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
             loss = loss * scale(plan, norms)
             loss.backward()
@@ -386,8 +387,8 @@ def test_update_pass_runs_several_mini_batches_and_epochs_and_leaves_the_weights
     assert report.ok, "\n".join(report.failures)
     got = {c.metric: c for c in report.comparisons if c.layout == "mini-batches=2 x epochs=2"}
     ref = report.reference.values
-    # 4 prompt groups in 2 mini-batches: each update sees half the batch's response tokens, 8 sequences
-    assert ref["update/loss/global_num_tokens"] == sum(len(r) for r in ppo.batch.full.responses) / 2
+    # 4 prompt groups in 2 mini-batches: each update sees half the batch's policy tokens, 8 sequences
+    assert ref["update/loss/global_num_tokens"] == sum(sum(m) for m in ppo.batch.counted_masks()) / 2
     assert ref["update/loss/global_num_seqs"] == 8
     for name in ("update/actor/pg_loss", "update/actor/grad_norm", "update/critic/vf_loss", "update/critic/grad_norm",
                  "update/actor/probs_ratio_max", "update/loss/global_num_tokens"):
@@ -494,6 +495,8 @@ def test_rejection_sampling_passes_and_catches_rejected_tokens_in_the_normaliser
     report = run_checks(clean, "token-mean", off_policy=False, experience=False, update=False)
     assert report.ok, "\n".join(report.failures)
     assert 0.1 < clean.batch.experience["experience/rollout_rs_rejected_token_frac"] < 0.9
+    compared = {c.metric for c in report.comparisons if c.layout == "experience" and c.passed}
+    assert {"experience/rollout_rs_rejected_token_frac", "experience/rollout_rs_rejected_seq_frac"} <= compared
     plant_rejected_tokens_in_the_normaliser(monkeypatch.setattr)
     planted = _session(*overrides)
     failures = _failing(run_checks(planted, "token-mean", off_policy=False, experience=False, update=False))

@@ -265,3 +265,15 @@ def test_export_round_trip_reproduces_the_logits(tmp_path):
                 outs.append(model.compute_logits(run_drafter(model, features, packed)))
     assert torch.equal(outs[0], outs[1])
     assert math.isfinite(outs[0].sum().item())
+
+
+def test_the_drafter_predicts_the_policy_tokens_only():
+    # prompt [1, 2] + response [3, 4, 5, 6], a tool wrote 4 and 5: position t predicts token t+2, scored when that
+    # is a policy token (3 at t=0, 6 at t=3); the reference's mask, built from the definition, agrees
+    from fsdptrain.check.draft_per_sequence import sequence_draft_mask
+
+    packed = pack_sequences([[1, 2]], [[3, 4, 5, 6]], response_masks=[[1, 0, 0, 1]])
+    want = [True, False, False, True, False, False]
+    assert packed_draft_mask(packed, on="response").tolist() == want
+    assert sequence_draft_mask(2, 6, "response", [1, 0, 0, 1]).tolist() == want
+    assert count_draft_tokens_and_seqs(packed, on="response") == (2, 1)
