@@ -90,6 +90,7 @@ def test_full_matrix(cli, mode, algorithm, nproc):
     assert "check-metrics: PASS" in result.stdout
 
 
+@pytest.mark.slow  # CI time; tests/dist/test_whitening.py proves two ranks whiten with the global moments
 def test_whitening_over_the_local_rank_fails_on_2_ranks(cli, tmp_path):
     # Planted on the ranks: the whitening moments are not summed over ranks, so each rank whitens its own share.
     patch_dir = tmp_path / "patch"
@@ -142,7 +143,7 @@ DRAFTER_ROWS = ("drafter/loss", "drafter/top1_agreement", "drafter/accept_prob",
                 "drafter/grad_norm", "drafter/grad_max_diff")
 
 
-@pytest.mark.parametrize("nproc", ["1", "2"])
+@pytest.mark.parametrize("nproc", [pytest.param("1", marks=pytest.mark.slow), "2"])
 def test_drafter_rows_pass_in_every_layout(cli, tmp_path, nproc):
     out = tmp_path / "check.json"
     result = cli("check-metrics", "--nproc", nproc, "drafter.enabled=true", "--json", str(out), env=_env(),

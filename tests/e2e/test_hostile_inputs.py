@@ -169,6 +169,7 @@ def test_check_reward_imports_a_sibling_module_and_bounds_every_call(tmp_path):
                 and "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()]
 
 
+@pytest.mark.slow  # CI time; tests/unit/test_tokenizer_checks.py covers the check
 def test_a_chat_template_that_fails_on_the_datas_roles_is_one_line_before_any_model(tmp_path):
     # The tokenizer checks (no pad nor EOS, more tokens than the embedding) are tests/unit/test_tokenizer_checks.py.
     from transformers import LlamaConfig, LlamaForCausalLM

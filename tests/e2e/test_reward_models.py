@@ -121,6 +121,7 @@ def test_the_policy_learns_what_a_known_reward_model_rewards(cli, tmp_path):
     assert last > first + 0.2, [round(r, 3) for r in rewards]
 
 
+@pytest.mark.slow  # CI time; tests/dist/test_reward_model.py proves 2 ranks score as one process
 def test_two_ranks_score_and_step_as_one_process(cli, tmp_path, chat_reward_model):
     """`rollout.top_p` far below any token's probability makes sampling pick the most likely token whatever the rank's
     seed, so 1 and 2 ranks generate the same completions; the reward model's scores, the rewards and the whole update

@@ -189,6 +189,7 @@ def _rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow  # CI time (about 25 s); run by hand with pytest -m slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_torchrun_restarts_a_killed_rank_and_resumes_exactly(tmp_path):
     common = ("trainer.steps=6", "checkpoint.every=1", "trainer.resume=auto")

@@ -186,6 +186,7 @@ def test_tensorboard_backend_writes_events_or_names_the_missing_package(cli, tmp
         assert list((tmp_path / "runs" / "tb" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # CI time; the optional logging backends
 def test_wandb_and_mlflow_backends_log_offline(cli, tmp_path):
     env = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "WANDB_SILENT": "true"}
     result = cli("train", *TINY, "logging.backends=[jsonl,wandb,mlflow]", "trainer.run_name=trk", env=env)

@@ -28,11 +28,10 @@ from fsdptrain.model.drafter_export import ARCHITECTURE, export_drafter, load_dr
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, draft_mask, expected_accept_len
-from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, packed_draft_mask
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, scatter_responses
+from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, scatter_responses, token_logprobs_entropy
 from fsdptrain.train.step import packed_policy_loss
 from tests.backend_calls import call_counts, reset_call_counts
 
@@ -165,9 +164,8 @@ def test_policy_gradients_are_bit_identical_with_the_draft_loss_added():
     policy.zero_grad()
     features = capture_policy_features(policy, packed, feature_layers=drafter.feature_layers)
     head = policy.get_output_embeddings()
-    labels = torch.where(packed.label_mask[0], packed.labels[0], torch.zeros_like(packed.labels[0]))
-    logprobs, entropy = chunked_logprobs_entropy(features.final_hidden_TH, head.weight, labels,
-                                                 temperature=TEMPERATURE, chunk_size=4, bias_V=head.bias)
+    logprobs, entropy = token_logprobs_entropy(features.final_hidden_TH, head.weight, head.bias, packed,
+                                               temperature=TEMPERATURE, chunk_size=4)
     pg, _ = policy_loss(logprobs, scatter_responses([targets[i].old_logprobs for i in pack], packed),
                         scatter_responses([targets[i].advantages for i in pack], packed), packed.response_mask[0],
                         norms=norms, agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,

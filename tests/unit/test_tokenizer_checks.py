@@ -26,7 +26,7 @@ def _folder(path: Path, tokenizer, *, vocab_size: int) -> Path:
 
 
 def _build(path: Path):
-    return build_tokenizer(OmegaConf.create({"model": {"path": str(path)}}))
+    return build_tokenizer(OmegaConf.create({"model": {"path": str(path), "gguf_file": None}}))
 
 
 def test_a_tokenizer_that_cannot_serve_its_model_is_one_line(tmp_path):
