@@ -222,7 +222,8 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
     the definitions: the reference's values, the product's outcome, the scales."""
     want = rejection_metrics(batch) if batch.rejection is not None else {}
     if batch.correction is None:
-        return want, Outcome("experience", dict(batch.experience), covers=("experience/",)), {}
+        mine = {k: v for k, v in batch.experience.items() if k.startswith("experience/")}  # rollout_corr/*: own stage
+        return want, Outcome("experience", mine, covers=("experience/",)), {}
     olds, behaviours, policy_masks = [t.old_logprobs for t in batch.full.targets], batch.behaviour, \
         batch.policy_token_masks()
     want.update(reference_is_metrics(olds, behaviours, batch.correction, policy_masks))
