@@ -55,6 +55,7 @@ TEMPLATE = (
 """ChatML; tools are listed by name in a system turn (the model needs no schema to learn one tool)."""
 LOW, HIGH = 32, 99
 BATCH = 64
+MEASURE_EVERY = 200
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -110,7 +111,8 @@ class Demonstrations:
                 [0] * len(prompt) + [1] * len(turn) + [0] * len(segment) + [1] * len(answer))
 
 
-def warm_up(model, demos: Demonstrations, *, call_share: float, steps: int, lr: float, seed: int) -> None:
+def warm_up(model, demos: Demonstrations, *, call_share: float, steps: int, lr: float, seed: int,
+            eval_rows: list[dict]) -> None:
     """``steps`` batches of demonstrations: three in four list the tool, and ``call_share`` of those call it; the
     rest answer directly. AdamW at ``lr`` with a short linear warm-up and a cosine decay to a tenth."""
     rng = random.Random(seed)
@@ -136,6 +138,8 @@ def warm_up(model, demos: Demonstrations, *, call_share: float, steps: int, lr: 
         optimizer.zero_grad()
         if step % 100 == 0 or step == steps - 1:
             print(f"warm-up step {step}: loss {loss.item():.3f} ({time.time() - start:.0f}s)", flush=True)
+        if MEASURE_EVERY and step % MEASURE_EVERY == MEASURE_EVERY - 1:
+            print(f"  {report(model, demos, eval_rows)}", flush=True)
 
 
 @torch.no_grad()
@@ -151,24 +155,43 @@ def greedy(model, tok, inputs: list[list[int]], max_new_tokens: int) -> list[lis
 
 
 @torch.no_grad()
+def sequence_probability(model, inputs: list[list[int]], targets: list[list[int]]) -> float:
+    """The mean over rows of the probability that sampling at temperature 1 writes ``targets[r]`` after
+    ``inputs[r]`` (inputs of equal length, targets of equal length)."""
+    ids = torch.tensor([i + t for i, t in zip(inputs, targets)])
+    logp = torch.log_softmax(model(input_ids=ids).logits[:, len(inputs[0]) - 1:-1].float(), dim=-1)
+    return logp.gather(-1, torch.tensor(targets)[..., None]).sum((1, 2)).exp().mean().item()
+
+
+@torch.no_grad()
 def measure(model, demos: Demonstrations, rows: list[dict]) -> dict:
-    """Greedy decoding on ``rows``: the share of first tokens that open a call (with the tool listed), the share of
-    calls (started by hand) that copy both factors exactly, the share of answers after the right tool result that
-    copy it, and the share of direct answers (without tools) that are right."""
+    """On ``rows``, with the tool listed: the probability that the first token opens a call; the share of calls
+    (started by hand) that copy both factors exactly under greedy decoding, and the probability that sampling does;
+    the same for the answer after the right tool result. Without tools: the share of greedy direct answers that are
+    right, and the probability that sampling writes the right one."""
     model.eval()
     tok, open_id = demos.tok, demos.ids(OPEN)[0]
     prompts = [demos.tools.prompt_ids(r["prompt"]) for r in rows]
-    logits = model(input_ids=torch.tensor(prompts)).logits[:, -1]
-    calls = (logits.argmax(-1) == open_id).float().mean().item()
-    copied = greedy(model, tok, [p + [open_id] for p in prompts], 12)
-    call_ok = sum([open_id] + c == demos.call_ids(r) for c, r in zip(copied, rows)) / len(rows)
-    after = greedy(model, tok, [p + demos.call_ids(r) + demos.segment_ids(r) for p, r in zip(prompts, rows)], 8)
-    answer_ok = sum(a == demos.answer_ids(r) for a, r in zip(after, rows)) / len(rows)
-    direct = greedy(model, tok, [demos.plain.prompt_ids(r["prompt"]) for r in rows], 8)
-    direct_ok = sum(a == demos.answer_ids(r) for a, r in zip(direct, rows)) / len(rows)
+    calls = [demos.call_ids(r) for r in rows]
+    answers = [demos.answer_ids(r) for r in rows]
+    after = [p + c + demos.segment_ids(r) for p, c, r in zip(prompts, calls, rows)]
+    plain = [demos.plain.prompt_ids(r["prompt"]) for r in rows]
+    right = lambda outputs, targets: sum(o == t for o, t in zip(outputs, targets)) / len(rows)  # noqa: E731
+    result = {
+        "p_call": sequence_probability(model, prompts, [[open_id]] * len(rows)),
+        "call_copies_factors": right([[open_id] + c for c in greedy(model, tok, [p + [open_id] for p in prompts], 12)],
+                                     calls),
+        "p_call_copies": sequence_probability(model, [p + [open_id] for p in prompts], [c[1:] for c in calls]),
+        "answer_copies_result": right(greedy(model, tok, after, 8), answers),
+        "p_answer_copies": sequence_probability(model, after, answers),
+        "direct_right": right(greedy(model, tok, plain, 8), answers),
+        "p_direct_right": sequence_probability(model, plain, answers)}
     model.train()
-    return {"greedy_calls": calls, "call_copies_factors": call_ok, "answer_copies_result": answer_ok,
-            "direct_answer_right": direct_ok}
+    return result
+
+
+def report(model, demos: Demonstrations, rows: list[dict]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in measure(model, demos, rows).items())
 
 
 def main() -> None:
@@ -193,9 +216,9 @@ def main() -> None:
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
-    warm_up(model, demos, call_share=args.call_share, steps=args.steps, lr=args.lr, seed=args.seed + 1)
-    print("warmed up, greedy on the eval problems:",
-          ", ".join(f"{k} {v:.2f}" for k, v in measure(model, demos, problems["eval"]).items()), flush=True)
+    warm_up(model, demos, call_share=args.call_share, steps=args.steps, lr=args.lr, seed=args.seed + 1,
+            eval_rows=problems["eval"])
+    print(f"warmed up, on the eval problems: {report(model, demos, problems['eval'])}", flush=True)
     model.save_pretrained(args.out / "model")
     tok.save_pretrained(args.out / "model")
     print(f"wrote {args.out / 'model'}, {args.out / 'train.jsonl'}, {args.out / 'eval.jsonl'}")
