@@ -1,6 +1,6 @@
 """Write the calculator example's inputs: a tiny chat model that has seen the tool-call format, and the problems.
 
-    python examples/calculator/make_model.py [--out examples/calculator/work] [--steps 1200] [--call-share 0.5]
+    python examples/calculator/make_model.py [--out examples/calculator/work] [--steps 600] [--call-share 0.5]
 
 Writes ``OUT/model`` (a 4-layer Llama, about 0.8 M parameters, with a character-level ChatML tokenizer whose template
 renders tools), ``OUT/train.jsonl`` (2000 problems) and ``OUT/eval.jsonl`` (100): ``{"prompt": [{"role": "user",
@@ -54,7 +54,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}")
 """ChatML; tools are listed by name in a system turn (the model needs no schema to learn one tool)."""
 LOW, HIGH = 32, 99
-BATCH = 64
+BATCH = 32
 MEASURE_EVERY = 200
 
 
@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "work")
     parser.add_argument("--call-share", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
