@@ -2,13 +2,13 @@
 
     python examples/calculator/make_model.py [--out examples/calculator/work] [--steps 600] [--call-share 0.5]
 
-Writes ``OUT/model`` (a 4-layer Llama, about 0.8 M parameters, with a character-level ChatML tokenizer whose template
+Writes ``OUT/model`` (a 4-layer Llama, 0.88 M parameters, with a character-level ChatML tokenizer whose template
 renders tools), ``OUT/train.jsonl`` (2000 problems) and ``OUT/eval.jsonl`` (100): ``{"prompt": [{"role": "user",
 "content": "47*83=?"}], "answer": "3901"}``, both factors in 32..99 so every product has four digits.
 
 Why a warm-up: a model initialised at random cannot discover a tool call by sampling: the call has to copy both
-factors exactly, about 1 chance in 10^10 per try. So the model first imitates demonstrations (supervised, about a
-minute on the CPU). With the tool listed in the prompt, ``--call-share`` of them solve the problem with the
+factors exactly, about 1 chance in 10^10 per try. So the model first imitates demonstrations (supervised, a few
+minutes on the CPU). With the tool listed in the prompt, ``--call-share`` of them solve the problem with the
 calculator (the call copies the factors, the answer copies the tool's result) and the others write the product
 directly, which a model this small cannot compute; without tools they all write it directly. That sets how often the
 warmed-up model calls at first, and what it earns without the tool. RL then finds out that calling pays
