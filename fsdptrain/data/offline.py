@@ -5,7 +5,9 @@ membership and the rank that owns a group follow from it, never from the world s
 
 Offline JSONL rows: ``{"prompt": str, "response": str, "reward": float}`` and optionally ``"group"`` (any JSON
 scalar; rows sharing it are samples of one prompt), ``"truncated"`` (bool; otherwise EOS is appended to the response)
-and ``"behaviour_logprobs"`` (one float per response token, EOS included; then used as the old log-probs).
+``"behaviour_logprobs"`` (one float per response token, EOS included; then used as the old log-probs) and
+``"response_mask"`` (one 0 or 1 per response token, EOS included: 1 where the policy wrote the token, 0 where a
+tool, the environment or a chat separator did, as a multi-turn rollout's mask; at least one 1; absent: all ones).
 """
 
 from __future__ import annotations
@@ -46,7 +48,17 @@ def _parse_row(row: object, path: Path, line_no: int) -> dict:
     bad = [x for x in logprobs or [] if not (math.isfinite(x) and x <= 0)]
     if bad:
         raise _row_error(path, line_no, f"'behaviour_logprobs' must be finite log-probabilities <= 0, got {bad[0]!r}")
+    mask = row.get("response_mask")
+    if mask is not None and not (isinstance(mask, list) and all(type(x) is int and x in (0, 1) for x in mask)):
+        raise _row_error(path, line_no, f"'response_mask' must be a list of 0s and 1s, got {_brief(mask)}")
+    if mask is not None and 1 not in mask:
+        raise _row_error(path, line_no, "'response_mask' has no 1: the row holds no token of the policy")
     return row
+
+
+def _brief(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def load_jsonl_rollouts(
@@ -104,8 +116,12 @@ def _tokenize_row(row: dict, tokenizer, file: Path, line_no: int, max_response_l
     if logprobs is not None and len(logprobs) != len(response_ids):
         raise _row_error(file, line_no, f"'behaviour_logprobs' has {len(logprobs)} entries for "
                                         f"{len(response_ids)} response tokens (EOS included)")
+    mask: Optional[list[int]] = row.get("response_mask")
+    if mask is not None and len(mask) != len(response_ids):
+        raise _row_error(file, line_no, f"'response_mask' has {len(mask)} entries for "
+                                        f"{len(response_ids)} response tokens (EOS included)")
     key = row.get("group", f"__row{line_no}")
     group = group_index.setdefault(json.dumps(key), len(group_index))
     return Rollout(prompt_ids=list(prompt_ids), response_ids=list(response_ids), reward=float(row["reward"]),
-                   group=group, truncated=truncated, behaviour_logprobs=logprobs,
+                   group=group, truncated=truncated, behaviour_logprobs=logprobs, response_mask=mask,
                    prompt_text=row["prompt"], response_text=row["response"])

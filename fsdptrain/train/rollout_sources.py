@@ -432,5 +432,5 @@ class OfflineSource:
             for r in self.groups[source_group]:
                 out.append(Rollout(prompt_ids=r.prompt_ids, response_ids=r.response_ids, reward=r.reward,
                                    group=index, truncated=r.truncated, behaviour_logprobs=r.behaviour_logprobs,
-                                   prompt_text=r.prompt_text, response_text=r.response_text))
+                                   response_mask=r.response_mask, prompt_text=r.prompt_text, response_text=r.response_text))
         return out

@@ -157,6 +157,33 @@ def test_builtin_parser_reads_calls_and_rejects_broken_ones():
     assert parse_tool_calls_text("plain").calls == []
 
 
+HERMES_RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "defaults": {"role": "assistant"},
+    "fields": {"content": {"content": "text"},
+               "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                              "transform": {"type": "function", "function": "{content}"}}},
+}
+"""A transformers response template for the ``<tool_call>{json}</tool_call>`` format, written here."""
+
+
+def test_a_tokenizer_with_a_response_template_parses_calls_with_parse_response():
+    """With ``response_template`` set, calls come from the tokenizer's ``parse_response`` over the sampled ids: it
+    casts arguments by the tool's schema (``"7"`` -> 7 for an integer), which the built-in text parser does not, so
+    the result shows which path ran; what it rejects is a malformed turn."""
+    tok = chatml_tokenizer()
+    tok.response_template = HERMES_RESPONSE_TEMPLATE
+    chat = ChatTurns(tok, [t.schema for t in TOOLS])
+    prefix = chat.prompt_ids([{"role": "user", "content": "What is 2+7?"}])
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    two_calls = 'Sure.' + call("add", a=2, b="7") + call("shout", text="7")
+    assert chat.parse(ids(two_calls), prefix_ids=prefix).calls == [("add", {"a": 2, "b": 7}), ("shout", {"text": "7"})]
+    assert parse_tool_calls_text(two_calls).calls[0] == ("add", {"a": 2, "b": "7"})
+    assert chat.parse(ids("It is 9."), prefix_ids=prefix).calls == []
+    assert chat.parse(ids('<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>'), prefix_ids=prefix).malformed
+    assert chat.parse(ids('<tool_call>{"name": "add"}'), prefix_ids=prefix).malformed
+
+
 def test_templates_that_render_no_tools_or_rewrite_history_are_refused():
     with pytest.raises(ConfigError, match="renders no tools"):
         ChatTurns(chatml_tokenizer(CHATML_NO_TOOLS), [])

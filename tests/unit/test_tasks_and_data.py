@@ -84,6 +84,11 @@ def test_jsonl_rollouts_group_and_eos(tmp_path):
         ({"prompt": "copy 1 =", "response": "1"}, "'reward' must be a finite number"),
         ({"prompt": "copy 1 =", "response": "1", "reward": 1, "behaviour_logprobs": [0.0]}, "behaviour_logprobs"),
         ({"prompt": "copy 1 =", "response": "1 1 1 1 1 1 1 1 1", "reward": 1}, "rollout.max_new_tokens=8"),
+        ({"prompt": "copy 1 =", "response": "1", "reward": 1, "response_mask": [1]}, "'response_mask' has 1 entries for 2"),
+        ({"prompt": "copy 1 =", "response": "1", "reward": 1, "response_mask": [1, 2]}, "list of 0s and 1s, got [1, 2]"),
+        ({"prompt": "copy 1 =", "response": "1", "reward": 1, "response_mask": [True, 1]}, "list of 0s and 1s"),
+        ({"prompt": "copy 1 =", "response": "1", "reward": 1, "response_mask": "11"}, "list of 0s and 1s"),
+        ({"prompt": "copy 1 =", "response": "1", "reward": 1, "response_mask": [0, 0]}, "no token of the policy"),
     ],
 )
 def test_bad_row_names_file_and_line(tmp_path, bad, message):
@@ -95,6 +100,22 @@ def test_bad_row_names_file_and_line(tmp_path, bad, message):
     assert f"{path}:2:" in str(excinfo.value) and message in str(excinfo.value)
     rollouts, skipped = load_jsonl_rollouts(str(path), tok, max_response_length=8, skip_bad_rows=True)
     assert (len(rollouts), skipped) == (1, 1)
+
+
+def test_jsonl_response_mask_reaches_the_rollouts(tmp_path):
+    """An offline multi-turn row keeps its tool-token holes: the mask is read, checked against the response's ids
+    (EOS included) and handed on by the offline source; a row without one keeps None (all ones)."""
+    from fsdptrain.compose import compose_config
+    from fsdptrain.train.rollout_sources import OfflineSource
+
+    path = tmp_path / "r.jsonl"
+    _write(path, [{"prompt": "copy 1 2 =", "response": "1 9 2", "reward": 1.0, "response_mask": [1, 0, 1, 1]},
+                  {"prompt": "copy 3 =", "response": "3", "reward": 0.0}])
+    cfg = compose_config(["data=jsonl", f"data.path={path}", "rollout.max_new_tokens=8", "rollout.prompts_per_step=2"])
+    source = OfflineSource(cfg, load_bundled_tokenizer())
+    masked, plain = source.rollouts(None, 0, rank=0, world_size=1, device=None)
+    assert len(masked.response_ids) == 4 and masked.response_mask == [1, 0, 1, 1]
+    assert plain.response_mask is None
 
 
 def test_reward_to_go_sums_the_rewards_from_each_token_on():
