@@ -21,7 +21,7 @@ from torch import Tensor
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.registry.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, ROLLOUT_REJECTION_LEVELS
 from fsdptrain.rl.aggregate import SeqLayout, masked
-from fsdptrain.rl.metrics import Max, Mean, Metrics
+from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
 
 
 def rollout_correction_weights(
@@ -51,7 +51,13 @@ def rollout_correction_weights(
         rollout_is_mean (MEAN), rollout_is_max (MAX): the weights w' applied;
         rollout_is_ratio_max (MAX): the raw w before the cap;
         rollout_is_capped_frac (MEAN): share with w outside [L, C] (w > C without L): truncated by tis, zeroed by
-            mis.
+            mis;
+        rollout_is_min (MIN): the smallest w' applied;
+        rollout_is_std (DERIVED from sum w', sum w'^2, count): the population std of w';
+        rollout_is_eff_sample_size (DERIVED, same stats): `effective_sample_size`, in (0, 1].
+    Source of the last three: verl's rollout_corr metrics of the same names (verl/trainer/ppo/rollout_corr_helper.py
+    `compute_is_metrics`); verl takes the ESS of the weights clamped to [L, C] with L defaulting to 1/C, here it is
+    the ESS of the weights applied.
     """
     if mode not in ROLLOUT_CORRECTION_MODES:
         raise ValueError(
@@ -82,19 +88,67 @@ def rollout_correction_weights(
         w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         capped = torch.full_like(w, cap) if mode == "tis" else torch.zeros_like(w)
         applied = torch.where(over, capped, w)
+        moments = weight_moments(applied, unit_valid)
         metrics = Metrics({
             "rollout_is_mean": Mean.of(applied, unit_valid),
             "rollout_is_max": Max.of(applied, unit_valid),
             "rollout_is_ratio_max": Max.of(w, unit_valid),
             "rollout_is_capped_frac": Mean.of(over.to(w.dtype), unit_valid),
+            "rollout_is_min": Min.of(applied, unit_valid),
+            "rollout_is_std": Derived(moments, std_from_moments),
+            "rollout_is_eff_sample_size": Derived(moments, effective_sample_size),
         })
         if level == "sequence":
             applied = layout.broadcast(applied)
         return masked(applied, valid), metrics
 
 
+def weight_moments(w: Tensor, valid: Tensor) -> list[Tensor]:
+    """[sum w, sum w^2, count] over the valid units: the additive stats of `rollout_is_std` and the ESS."""
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    kept = torch.where(valid, w, zero)
+    return [kept.sum(), kept.square().sum(), valid.sum()]
+
+
+def effective_sample_size(stats: list[float]) -> float | None:
+    """The normalised effective sample size of importance weights from [sum w, sum w^2, count n]:
+
+        ESS / n = (sum w)^2 / (n * sum w^2) = mean(w)^2 / mean(w^2) = 1 / mean((w / mean w)^2)
+
+    (Kong 1992; verl's `rollout_is_eff_sample_size`): 1 when every weight is equal, 1/n when one weight carries
+    everything. Example: w = [1, 3]: 16 / (2 * 10) = 0.8. None when empty or every weight is 0.
+    """
+    sum_w, sum_w2, count = stats
+    if count <= 0 or sum_w2 <= 0.0:
+        return None
+    return sum_w * sum_w / (count * sum_w2)
+
+
 OUTSIDE_BAND = (0.5, 2.0)
 """The ratio band of `off_policy_diagnostics`' `ratio_outside_frac`: w outside [1/2, 2]."""
+
+
+def sequence_perplexity(logprobs: Tensor, mask: Tensor, *, cu_seqlens: Tensor | None = None) -> Metrics:
+    """The perplexity of the sampled tokens under one policy, per sequence, averaged over the sequences with a valid
+    token. With m_i = mean over i's valid tokens of logp_t:
+
+        ppl (MEAN over sequences): exp(-m_i);      log_ppl (MEAN over sequences): -m_i.
+
+    A sequence is never split, so each per-sequence value is whole and the pooled means are exact under any split.
+    Detached. Source: verl's `training_ppl` / `rollout_ppl` and their `_log_ppl` (verl/trainer/ppo/rollout_corr_helper.py
+    `compute_offpolicy_metrics`). Example: logp = [ln 1/2, ln 1/2] and [ln 1/4]: ppl (2 + 4) / 2 = 3,
+    log_ppl (ln 2 + ln 4) / 2 = 1.5 ln 2.
+    """
+    layout = SeqLayout(logprobs.shape, cu_seqlens, logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        num_tokens_N = layout.seq_sum(valid.to(torch.int64))
+        mean_logp_N = layout.seq_sum(masked(logprobs.detach(), valid)) / num_tokens_N.clamp(min=1)
+        seq_valid_N = num_tokens_N > 0
+        return Metrics({
+            "ppl": Mean.of(torch.exp(-mean_logp_N), seq_valid_N),
+            "log_ppl": Mean.of(-mean_logp_N, seq_valid_N),
+        })
 
 
 def off_policy_diagnostics(
@@ -113,14 +167,24 @@ def off_policy_diagnostics(
         log_ppl_diff (MEAN over sequences with a valid token): mean_t(-old_logp) - mean_t(-behaviour_logp) per
             sequence, the gap in log-perplexity (> 0: the trainer finds the samples less likely than the sampler);
         ratio_outside_frac (MEAN over valid tokens): share of tokens whose w_t = exp(-d_t) lies outside [1/2, 2]
-            (decided in log space).
-    Each is a MEAN holding a total and a count of additive per-unit statistics: kl_k1, kl_k3 and ratio_outside_frac
+            (decided in log space);
+        training_ppl, training_log_ppl, rollout_ppl, rollout_log_ppl (MEAN over sequences): `sequence_perplexity`
+            of the old and of the behaviour log-probs;
+        log_ppl_abs_diff (MEAN over sequences): |gap_i|; log_ppl_diff_max / log_ppl_diff_min (MAX / MIN over
+            sequences): the extreme gaps;
+        ppl_ratio (MEAN over sequences): exp(gap_i), the ratio of sequence i's trainer to sampler perplexity;
+        chi2_token (MEAN over valid tokens): w_t^2 - 1, so the value is E_t[w^2] - 1, the chi-square divergence of
+            the old policy from the behaviour one, per token (w_t = exp(-d_t), d clamped to +-20);
+        chi2_seq (MEAN over sequences): W_i^2 - 1 with W_i = exp(-sum_t d_t) the sequence's ratio (the sum clamped
+            to +-20), so the value is E_i[W^2] - 1.
+    Each MEAN holds a total and a count of additive per-unit statistics: kl_k1, kl_k3 and ratio_outside_frac
     sum per-token values over the valid tokens and divide by their count; log_ppl_diff sums per-sequence gaps over the
     sequences with a valid token and divides by their count (a sequence is never split, so each gap is whole).
     Merging pools the totals and counts, so the value over a step is the token-mean (sequence-mean) over all of its
     tokens (sequences), never a mean of per-micro-batch or per-rank means: exact under any packing, micro-batching
     and split over ranks. A token-mean of the log-perplexity gap would be kl_k1 itself; verl's is per sequence.
-    Detached. Source: verl's rollout_corr/ metrics (`kl`, `k3_kl`, `log_ppl_diff`); the band share is this
+    Extremes (MIN/MAX) are exact too. Detached. Source: verl's rollout_corr/ metrics (`kl`, `k3_kl`, `log_ppl_diff`
+    and the names above, verl/trainer/ppo/rollout_corr_helper.py `compute_offpolicy_metrics`); the band share is this
     project's. The trainer logs them as `rollout_corr/*` (fsdptrain/train/experience.py `off_policy_metrics`).
     """
     layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
@@ -136,11 +200,20 @@ def off_policy_diagnostics(
         gap_N = layout.seq_sum(behaviour - old) / num_tokens_N.clamp(min=1)
         low, high = OUTSIDE_BAND
         outside = (d > -math.log(low)) | (d < -math.log(high))
+        seq_log_ratio_N = layout.seq_sum(old - behaviour).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return Metrics({
             "kl_k1": Mean.of(d, valid),
             "kl_k3": Mean.of(k3, valid),
             "log_ppl_diff": Mean.of(gap_N, seq_valid_N),
             "ratio_outside_frac": Mean.of(outside.to(d.dtype), valid),
+            **sequence_perplexity(old, valid, cu_seqlens=cu_seqlens).prefixed("training_"),
+            **sequence_perplexity(behaviour, valid, cu_seqlens=cu_seqlens).prefixed("rollout_"),
+            "log_ppl_abs_diff": Mean.of(gap_N.abs(), seq_valid_N),
+            "log_ppl_diff_max": Max.of(gap_N, seq_valid_N),
+            "log_ppl_diff_min": Min.of(gap_N, seq_valid_N),
+            "ppl_ratio": Mean.of(torch.exp(gap_N.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), seq_valid_N),
+            "chi2_token": Mean.of(torch.exp(-2.0 * d_clamped) - 1.0, valid),
+            "chi2_seq": Mean.of(torch.exp(2.0 * seq_log_ratio_N) - 1.0, seq_valid_N),
         })
 
 
@@ -170,7 +243,9 @@ def rollout_rejection_mask(
 
     Metrics (exact under any split over ranks and micro-batches):
         rollout_rs_rejected_token_frac (MEAN over valid tokens): share of the valid tokens rejected;
-        rollout_rs_rejected_seq_frac (MEAN over sequences with a valid token): share left with no valid token.
+        rollout_rs_rejected_seq_frac (MEAN over sequences with a valid token): share left with no valid token;
+        rollout_rs_ratio_mean (MEAN over valid tokens): the ratio r each token was judged by (a sequence's r on each
+            of its tokens; exp of log r clamped to +-20), verl's `rollout_rs_mean`.
     """
     if level not in ROLLOUT_REJECTION_LEVELS:
         raise ValueError(f"unknown rollout rejection level {level!r}; choose one of "
@@ -196,5 +271,44 @@ def rollout_rejection_mask(
         metrics = Metrics({
             "rollout_rs_rejected_token_frac": Mean.of((valid & ~inside).to(torch.float64), valid),
             "rollout_rs_rejected_seq_frac": Mean.of(emptied_N.to(torch.float64), seq_valid_N),
+            "rollout_rs_ratio_mean": Mean.of(torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), valid),
         })
         return keep, metrics
+
+
+def rollout_veto_mask(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    threshold: float,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """The token veto: the mask with every sequence that holds a catastrophic token turned off, and its metrics.
+
+    A valid token t is catastrophic when its ratio r_t = exp(old_logp_t - behaviour_logp_t) < threshold (decided in
+    log space: d_t < log threshold); a sequence with one such token leaves the loss whole, as a masked one. Detached.
+    Source: verl's `rollout_token_veto_threshold` (verl/trainer/ppo/rollout_corr_helper.py,
+    `compute_rollout_correction_and_rejection_mask`, step 4). Example: d = [0, ln 1e-5] and [0, 0], threshold 1e-4:
+    the first sequence is vetoed, token share 1/4, sequence share 1/2.
+
+    Metrics (exact under any split over ranks and micro-batches):
+        rollout_veto_seq_frac (MEAN over sequences with a valid token): share vetoed (verl's
+            `rollout_is_veto_fraction`, which counts every row);
+        rollout_veto_token_frac (MEAN over valid tokens): share of catastrophic tokens (verl's
+            `rollout_is_catastrophic_token_fraction`).
+    """
+    if not threshold > 0:
+        raise ValueError(f"the rollout veto threshold must be > 0, got {threshold}")
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        d = masked(old_logprobs.detach().double(), valid) - masked(behaviour_logprobs.detach().double(), valid)
+        catastrophic = valid & (d < math.log(threshold))
+        vetoed_N = layout.seq_sum(catastrophic.to(torch.int64)) > 0
+        seq_valid_N = layout.seq_sum(valid.to(torch.int64)) > 0
+        keep = valid & ~layout.broadcast(vetoed_N)
+        return keep, Metrics({
+            "rollout_veto_seq_frac": Mean.of(vetoed_N.to(torch.float64), seq_valid_N),
+            "rollout_veto_token_frac": Mean.of(catastrophic.to(torch.float64), valid),
+        })

@@ -1,0 +1,102 @@
+"""verl.trainer.ppo.rollout_corr_helper, translated to fsdptrain.fsdptrain.rl.rollout_correction.
+
+verl argument / metric -> fsdptrain:
+    rollout_is="token"|"sequence", rollout_is_threshold=C -> rollout_correction_weights(mode="tis", level, cap=C)
+    rollout_rs="token"|"sequence"|"geometric" (and the newer "token_k1", "seq_sum_k1", "seq_mean_k1"),
+        rollout_rs_threshold=H, rollout_rs_threshold_lower=L -> rollout_rejection_mask(level, low=L, high=H);
+        fsdptrain has no default for L: verl's default 1/H is passed explicitly here
+    rollout_token_veto_threshold=T -> rollout_veto_mask(threshold=T)
+    metrics: kl_k1 -> kl, kl_k3 -> k3_kl, rollout_rs_rejected_token_frac -> rollout_rs_masked_fraction,
+        rollout_rs_rejected_seq_frac -> rollout_rs_seq_masked_fraction, rollout_rs_ratio_mean -> rollout_rs_mean,
+        rollout_veto_seq_frac -> rollout_is_veto_fraction,
+        rollout_veto_token_frac -> rollout_is_catastrophic_token_fraction; every other name is fsdptrain's own.
+"""
+
+from __future__ import annotations
+
+from fsdptrain.rl.metrics import finalize
+from fsdptrain.rl.rollout_correction import (
+    off_policy_diagnostics,
+    rollout_correction_weights,
+    rollout_rejection_mask,
+    rollout_veto_mask,
+    sequence_perplexity,
+)
+from verl.protocol import DataProto
+
+VERL_NAMES = {
+    "kl_k1": "kl",
+    "kl_k3": "k3_kl",
+    "rollout_rs_rejected_token_frac": "rollout_rs_masked_fraction",
+    "rollout_rs_rejected_seq_frac": "rollout_rs_seq_masked_fraction",
+    "rollout_rs_ratio_mean": "rollout_rs_mean",
+    "rollout_veto_seq_frac": "rollout_is_veto_fraction",
+    "rollout_veto_token_frac": "rollout_is_catastrophic_token_fraction",
+}
+RS_LEVELS = {"token": "token", "sequence": "sequence", "geometric": "geometric",
+             "token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+SUPPORTED_ROLLOUT_RS_OPTIONS = tuple(RS_LEVELS)
+
+
+def _verl(metrics) -> dict[str, float]:
+    return {VERL_NAMES.get(k, k): v for k, v in finalize(metrics).items()}
+
+
+def _bounds(threshold, lower):
+    """verl's threshold forms: a number H (lower L or 1/H), or the string "L_H"."""
+    if isinstance(threshold, str) and "_" in threshold:
+        low, high = (float(x) for x in threshold.split("_"))
+        return low, high
+    high = float(threshold)
+    return (float(lower) if lower is not None else 1.0 / high), high
+
+
+def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask):
+    if rollout_log_prob is None:
+        return _verl(sequence_perplexity(old_log_prob, response_mask).prefixed("training_"))
+    return _verl(off_policy_diagnostics(old_log_prob, rollout_log_prob, response_mask))
+
+
+def _rejections(old, rollout, mask, rollout_rs, threshold, lower):
+    """Each comma-separated option of verl's rollout_rs, one fsdptrain rejection each, applied in turn."""
+    metrics: dict[str, float] = {}
+    options = rollout_rs.split(",")
+    thresholds = str(threshold).split(",") if len(options) > 1 else [threshold]
+    for option, th in zip(options, thresholds, strict=True):
+        if option not in RS_LEVELS:
+            raise ValueError(f"fsdptrain has no rejection level for verl's rollout_rs={option!r}")
+        low, high = _bounds(th, lower)
+        keep, found = rollout_rejection_mask(old, rollout, mask, level=RS_LEVELS[option], low=low, high=high)
+        mask = keep.to(mask.dtype)
+        named = _verl(found)
+        metrics.update(named)
+        if len(options) > 1 or option != RS_LEVELS[option]:
+            metrics[f"rollout_rs_{option}_mean"] = named["rollout_rs_mean"]
+    return mask, metrics
+
+
+def compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob, response_mask, rollout_is=None,
+                                                  rollout_is_threshold=2.0, rollout_rs=None,
+                                                  rollout_rs_threshold=None, rollout_rs_threshold_lower=None,
+                                                  rollout_token_veto_threshold=None, **_):
+    metrics: dict[str, float] = {}
+    weights = None
+    if rollout_is is not None:
+        weights, found = rollout_correction_weights(old_log_prob, rollout_log_prob, response_mask, mode="tis",
+                                                    level=rollout_is, cap=float(rollout_is_threshold))
+        weights = weights.to(old_log_prob.dtype)
+        metrics.update(_verl(found))
+    mask = response_mask
+    if rollout_rs is not None:
+        if rollout_rs_threshold is None:
+            raise ValueError("rollout_rs_threshold must be explicitly provided when rollout_rs is enabled")
+        mask, found = _rejections(old_log_prob, rollout_log_prob, mask, rollout_rs, rollout_rs_threshold,
+                                  rollout_rs_threshold_lower)
+        metrics.update(found)
+    if rollout_token_veto_threshold is not None:
+        keep, found = rollout_veto_mask(old_log_prob, rollout_log_prob, mask, threshold=rollout_token_veto_threshold)
+        mask = keep.to(response_mask.dtype)
+        metrics.update(_verl(found))
+    metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
+    proto = DataProto.from_dict({"rollout_is_weights": weights}) if weights is not None else None
+    return proto, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
