@@ -69,6 +69,7 @@ from fsdptrain.check.reference import (
     reference_is_weights,
     reference_off_policy_metrics,
     reference_policy,
+    reference_rejection_ratio_mean,
     reference_rollout_metrics,
 )
 from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report
@@ -241,12 +242,15 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
 
 def rejection_metrics(batch: CheckBatch) -> dict[str, float]:
     """``experience/rollout_rs_*`` from the reference's own masks: the share of the policy's tokens it does not count,
-    and the share of sequences with a policy token left with none."""
+    and the share of sequences with a policy token left with none; and the mean ratio the tokens were judged by
+    (:func:`reference_rejection_ratio_mean`)."""
     policy, counted = batch.policy_token_masks(), batch.counted_masks()
     num_policy = sum(sum(p) for p in policy)
     seqs = [(p, c) for p, c in zip(policy, counted) if any(p)]
     return {"experience/rollout_rs_rejected_token_frac": (num_policy - sum(sum(c) for c in counted)) / num_policy,
-            "experience/rollout_rs_rejected_seq_frac": sum(1 for _, c in seqs if not any(c)) / len(seqs)}
+            "experience/rollout_rs_rejected_seq_frac": sum(1 for _, c in seqs if not any(c)) / len(seqs),
+            "experience/rollout_rs_ratio_mean": reference_rejection_ratio_mean(batch.trainer_old, batch.behaviour,
+                                                                               policy, batch.rejection.level)}
 
 
 def _context(session: CheckSession, batch, counts: Counts) -> Context:

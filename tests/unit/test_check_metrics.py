@@ -433,10 +433,13 @@ def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides
     assert ref["experience/rollout_is_capped_frac"] > 0 and ref["experience/rollout_is_mean"] != 1.0
     names = {c.metric for c in report.comparisons if c.layout == "experience"}
     assert {"experience/rollout_is_mean", "experience/rollout_is_max", "experience/rollout_is_ratio_max",
-            "experience/rollout_is_capped_frac", "experience/is_weights_max_diff"} <= names
+            "experience/rollout_is_capped_frac", "experience/is_weights_max_diff", "experience/rollout_is_min",
+            "experience/rollout_is_std", "experience/rollout_is_eff_sample_size"} <= names
     # the planted behaviour log-probs (old + U(-1, 1)) are off-policy: the diagnostics are logged and compared
     assert {"rollout_corr/kl_k1", "rollout_corr/kl_k3", "rollout_corr/log_ppl_diff",
-            "rollout_corr/ratio_outside_frac"} <= names
+            "rollout_corr/ratio_outside_frac", "rollout_corr/training_ppl", "rollout_corr/rollout_log_ppl",
+            "rollout_corr/log_ppl_abs_diff", "rollout_corr/log_ppl_diff_max", "rollout_corr/log_ppl_diff_min",
+            "rollout_corr/ppl_ratio", "rollout_corr/chi2_token", "rollout_corr/chi2_seq"} <= names
     assert 0 < ref["rollout_corr/ratio_outside_frac"] < 1 and ref["rollout_corr/kl_k3"] > 0
 
 
@@ -496,7 +499,8 @@ def test_rejection_sampling_passes_and_catches_rejected_tokens_in_the_normaliser
     assert report.ok, "\n".join(report.failures)
     assert 0.1 < clean.batch.experience["experience/rollout_rs_rejected_token_frac"] < 0.9
     compared = {c.metric for c in report.comparisons if c.layout == "experience" and c.passed}
-    assert {"experience/rollout_rs_rejected_token_frac", "experience/rollout_rs_rejected_seq_frac"} <= compared
+    assert {"experience/rollout_rs_rejected_token_frac", "experience/rollout_rs_rejected_seq_frac",
+            "experience/rollout_rs_ratio_mean"} <= compared
     plant_rejected_tokens_in_the_normaliser(monkeypatch.setattr)
     planted = _session(*overrides)
     failures = _failing(run_checks(planted, "token-mean", off_policy=False, experience=False, update=False))
