@@ -312,3 +312,78 @@ def rollout_veto_mask(
             "rollout_veto_seq_frac": Mean.of(vetoed_N.to(torch.float64), seq_valid_N),
             "rollout_veto_token_frac": Mean.of(catastrophic.to(torch.float64), valid),
         })
+
+
+def _seq_max_of_nonnegative(layout: SeqLayout, x: Tensor) -> Tensor:
+    """Per-sequence max `[n]` of a token tensor >= 0 that is 0 where not valid (a sequence with none: 0)."""
+    if not layout.packed:
+        return x.amax(dim=-1) if x.shape[-1] else x.new_zeros(x.shape[0])
+    out = torch.zeros(layout.num_seqs + 1, dtype=x.dtype, device=x.device)
+    return out.scatter_reduce(0, layout.seq_index_T, x.reshape(-1), reduce="amax")[: layout.num_seqs]
+
+
+DIVERGENCE_ESTIMATORS = ("k2", "k3")
+DIVERGENCE_REDUCTIONS = ("token", "sum", "mean", "max")
+
+
+def rollout_divergence_rejection_mask(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str,
+    reduction: str,
+    high: float,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Rejection by a divergence: the mask with the tokens (or whole sequences) whose divergence between the old and
+    the behaviour policy exceeds `high` turned off, and its metrics. Detached; a rejected token leaves the loss and
+    its normalisers exactly as a masked one.
+
+    With l_t = old_logp_t - behaviour_logp_t (clamped to +-20) over the valid tokens t of sequence i (n_i of them):
+        k2:  k_t = l_t^2 / 2;            k3:  k_t = exp(l_t) - 1 - l_t      (both >= 0, 0 iff the policies agree);
+        token: each token judged by k_t;  sum / mean / max: every token of i judged by sum_t k_t, sum_t k_t / n_i,
+        max_t k_t;
+    a unit is kept iff its statistic <= high. Source: verl's divergence rejection options (`rollout_rs=token_k2`,
+    `token_k3`, `seq_sum_k2`, `seq_sum_k3`, `seq_mean_k2`, `seq_mean_k3`, `seq_max_k2`, `seq_max_k3` with an upper
+    `rollout_rs_threshold`, verl/trainer/ppo/rollout_corr_helper.py `compute_rollout_rejection_mask`).
+    Example: l = [ln 2, 0] and [0, 0], k3, mean, high 0.1: k3 = [1 - ln 2, 0] = [0.307, 0], mean 0.153 > 0.1, so
+    sequence 0 is rejected.
+
+    Metrics (exact under any split over ranks and micro-batches):
+        rollout_rs_rejected_token_frac, rollout_rs_rejected_seq_frac (MEAN): as `rollout_rejection_mask`'s;
+        rollout_rs_divergence_mean (MEAN over valid tokens): the statistic each token was judged by (verl's
+            `rollout_rs_<option>_mean`).
+    """
+    if estimator not in DIVERGENCE_ESTIMATORS:
+        raise ValueError(f"unknown rejection divergence {estimator!r}; choose one of {', '.join(DIVERGENCE_ESTIMATORS)}")
+    if reduction not in DIVERGENCE_REDUCTIONS:
+        raise ValueError(f"unknown rejection reduction {reduction!r}; choose one of {', '.join(DIVERGENCE_REDUCTIONS)}")
+    if not high > 0:
+        raise ValueError(f"the divergence rejection bound must be > 0, got {high}")
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        log_r = masked(old_logprobs.detach().double(), valid) - masked(behaviour_logprobs.detach().double(), valid)
+        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k = 0.5 * log_r.square() if estimator == "k2" else torch.expm1(log_r) - log_r
+        k = masked(k, valid)
+        num_valid_N = layout.seq_sum(valid.to(torch.int64))
+        if reduction == "token":
+            stat = k
+        elif reduction == "max":
+            stat = layout.broadcast(_seq_max_of_nonnegative(layout, k))
+        else:
+            stat_N = layout.seq_sum(k)
+            if reduction == "mean":
+                stat_N = stat_N / num_valid_N.clamp(min=1)
+            stat = layout.broadcast(stat_N)
+        inside = stat <= high
+        keep = valid & inside
+        seq_valid_N = num_valid_N > 0
+        emptied_N = seq_valid_N & (layout.seq_sum(keep.to(torch.int64)) == 0)
+        return keep, Metrics({
+            "rollout_rs_rejected_token_frac": Mean.of((valid & ~inside).to(torch.float64), valid),
+            "rollout_rs_rejected_seq_frac": Mean.of(emptied_N.to(torch.float64), seq_valid_N),
+            "rollout_rs_divergence_mean": Mean.of(stat, valid),
+        })

@@ -414,3 +414,41 @@ def test_token_veto_by_hand():
     assert finalize(metrics) == {"rollout_veto_seq_frac": 0.0, "rollout_veto_token_frac": 0.0}
     with pytest.raises(ValueError, match="veto threshold must be > 0"):
         rollout_veto_mask(old, behaviour, torch.ones(2, 2), threshold=0.0)
+
+
+@pytest.mark.parametrize("estimator, reduction, high, keep, token_frac, seq_frac, stat_mean", [
+    # l = old - behaviour: sequence 0 [0, 1, -1], sequence 1 [0.5, 0.5] (REJ_*). k2 = l^2/2: [0, 1/2, 1/2], [1/8, 1/8]
+    ("k2", "token", 0.25, [[1, 0, 0], [1, 1, 0]], 2 / 5, 0.0, (1 + 0.25) / 5),
+    ("k2", "sum", 0.5, [[0, 0, 0], [1, 1, 0]], 3 / 5, 1 / 2, (3 * 1.0 + 2 * 0.25) / 5),      # sums 1 and 1/4
+    ("k2", "mean", 0.2, [[0, 0, 0], [1, 1, 0]], 3 / 5, 1 / 2, (3 / 3 + 2 * 0.125) / 5),     # means 1/3 and 1/8
+    ("k2", "max", 0.5, [[1, 1, 1], [1, 1, 0]], 0.0, 0.0, (3 * 0.5 + 2 * 0.125) / 5),       # maxes 1/2 and 1/8
+    # k3 = e^l - 1 - l: [0, e - 2, 1/e], [e^0.5 - 1.5] * 2; max of sequence 0 is e - 2 = 0.718
+    ("k3", "max", 0.5, [[0, 0, 0], [1, 1, 0]], 3 / 5, 1 / 2, (3 * (E - 2) + 2 * (E ** 0.5 - 1.5)) / 5),
+])
+def test_divergence_rejection_by_hand(estimator, reduction, high, keep, token_frac, seq_frac, stat_mean):
+    from fsdptrain.rl.rollout_correction import rollout_divergence_rejection_mask
+
+    kept, metrics = rollout_divergence_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, estimator=estimator,
+                                                      reduction=reduction, high=high)
+    assert kept.tolist() == [[bool(k) for k in row] for row in keep]
+    out = finalize(metrics)
+    assert out["rollout_rs_rejected_token_frac"] == pytest.approx(token_frac, abs=1e-12)
+    assert out["rollout_rs_rejected_seq_frac"] == pytest.approx(seq_frac, abs=1e-12)
+    assert out["rollout_rs_divergence_mean"] == pytest.approx(stat_mean, abs=1e-12)
+    packed, m_packed = rollout_divergence_rejection_mask(REJ_OLD.reshape(-1)[:5], REJ_BEHAVIOUR.reshape(-1)[:5],
+                                                         torch.ones(5), estimator=estimator, reduction=reduction,
+                                                         high=high, cu_seqlens=torch.tensor([0, 3, 5]))
+    assert packed.tolist() == kept[REJ_MASK.bool()].tolist()
+    assert finalize(m_packed) == pytest.approx(out, abs=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(estimator="k1", reduction="token", high=1.0), "unknown rejection divergence 'k1'"),
+    (dict(estimator="k2", reduction="min", high=1.0), "unknown rejection reduction 'min'"),
+    (dict(estimator="k2", reduction="token", high=0.0), "must be > 0"),
+])
+def test_divergence_rejection_refuses_bad_settings(kwargs, fragment):
+    from fsdptrain.rl.rollout_correction import rollout_divergence_rejection_mask
+
+    with pytest.raises(ValueError, match=fragment):
+        rollout_divergence_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, **kwargs)

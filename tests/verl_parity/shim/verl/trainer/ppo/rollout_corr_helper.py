@@ -2,9 +2,13 @@
 
 verl argument / metric -> fsdptrain:
     rollout_is="token"|"sequence", rollout_is_threshold=C -> rollout_correction_weights(mode="tis", level, cap=C)
-    rollout_rs="token"|"sequence"|"geometric" (and the newer "token_k1", "seq_sum_k1", "seq_mean_k1"),
-        rollout_rs_threshold=H, rollout_rs_threshold_lower=L -> rollout_rejection_mask(level, low=L, high=H);
-        fsdptrain has no default for L: verl's default 1/H is passed explicitly here
+    rollout_rs="token"|"sequence"|"geometric", rollout_rs_threshold=H, rollout_rs_threshold_lower=L
+        -> rollout_rejection_mask(level, low=L, high=H); fsdptrain has no default for L: verl's default 1/H is
+        passed explicitly here
+    verl's newer "token_k1"|"seq_sum_k1"|"seq_mean_k1" with "L_H" bound -log r to [ln L, ln H], that is the ratio r
+        to [1/H, 1/L] -> rollout_rejection_mask(token|sequence|geometric, low=1/H, high=1/L)
+    "token_k2"|"token_k3"|"seq_{sum,mean,max}_k{2,3}" with an upper H
+        -> rollout_divergence_rejection_mask(estimator=k2|k3, reduction=token|sum|mean|max, high=H)
     rollout_token_veto_threshold=T -> rollout_veto_mask(threshold=T)
     metrics: kl_k1 -> kl, kl_k3 -> k3_kl, rollout_rs_rejected_token_frac -> rollout_rs_masked_fraction,
         rollout_rs_rejected_seq_frac -> rollout_rs_seq_masked_fraction, rollout_rs_ratio_mean -> rollout_rs_mean,
@@ -18,6 +22,7 @@ from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.rollout_correction import (
     off_policy_diagnostics,
     rollout_correction_weights,
+    rollout_divergence_rejection_mask,
     rollout_rejection_mask,
     rollout_veto_mask,
     sequence_perplexity,
@@ -33,9 +38,12 @@ VERL_NAMES = {
     "rollout_veto_seq_frac": "rollout_is_veto_fraction",
     "rollout_veto_token_frac": "rollout_is_catastrophic_token_fraction",
 }
-RS_LEVELS = {"token": "token", "sequence": "sequence", "geometric": "geometric",
-             "token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
-SUPPORTED_ROLLOUT_RS_OPTIONS = tuple(RS_LEVELS)
+RS_LEVELS = {"token": "token", "sequence": "sequence", "geometric": "geometric"}
+K1_LEVELS = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
+DIVERGENCES = {f"{prefix}_{k}": (k, reduction) for k in ("k2", "k3")
+               for prefix, reduction in (("token", "token"), ("seq_sum", "sum"), ("seq_mean", "mean"),
+                                         ("seq_max", "max"))}
+SUPPORTED_ROLLOUT_RS_OPTIONS = (*RS_LEVELS, *K1_LEVELS, *DIVERGENCES)
 
 
 def _verl(metrics) -> dict[str, float]:
@@ -63,15 +71,27 @@ def _rejections(old, rollout, mask, rollout_rs, threshold, lower):
     options = rollout_rs.split(",")
     thresholds = str(threshold).split(",") if len(options) > 1 else [threshold]
     for option, th in zip(options, thresholds, strict=True):
-        if option not in RS_LEVELS:
-            raise ValueError(f"fsdptrain has no rejection level for verl's rollout_rs={option!r}")
-        low, high = _bounds(th, lower)
-        keep, found = rollout_rejection_mask(old, rollout, mask, level=RS_LEVELS[option], low=low, high=high)
+        if option in DIVERGENCES:
+            estimator, reduction = DIVERGENCES[option]
+            keep, found = rollout_divergence_rejection_mask(old, rollout, mask, estimator=estimator,
+                                                            reduction=reduction, high=float(th))
+            stat = "rollout_rs_divergence_mean"
+        elif option in K1_LEVELS:
+            low, high = _bounds(th, lower)
+            keep, found = rollout_rejection_mask(old, rollout, mask, level=K1_LEVELS[option], low=1.0 / high,
+                                                 high=1.0 / low)
+            stat = "rollout_rs_ratio_mean"
+        elif option in RS_LEVELS:
+            low, high = _bounds(th, lower)
+            keep, found = rollout_rejection_mask(old, rollout, mask, level=RS_LEVELS[option], low=low, high=high)
+            stat = "rollout_rs_ratio_mean"
+        else:
+            raise ValueError(f"fsdptrain has no rejection for verl's rollout_rs={option!r}")
         mask = keep.to(mask.dtype)
-        named = _verl(found)
-        metrics.update(named)
-        if len(options) > 1 or option != RS_LEVELS[option]:
-            metrics[f"rollout_rs_{option}_mean"] = named["rollout_rs_mean"]
+        values = finalize(found)
+        metrics.update(_verl(found))
+        if option not in RS_LEVELS:
+            metrics[f"rollout_rs_{option}_mean"] = values[stat]
     return mask, metrics
 
 
