@@ -1,6 +1,7 @@
 """verl.trainer.ppo.metric_utils, as far as fsdptrain has a counterpart.
 
-compute_data_metrics -> fsdptrain's typed metrics (Mean / Max / Min over sequences or tokens, explained_variance);
+compute_data_metrics -> fsdptrain's typed metrics (Mean / Max / Min over sequences or tokens) and value_loss's
+vf_explained_var;
 calc_maj_val -> fsdptrain.rl.eval_metrics.majority_index; process_validation_metrics -> sampled_eval_metrics
 (mean@n, maj@n at the full n; fsdptrain has no bootstrap). bootstrap_metric, compute_timing_metrics and
 compute_throughout_metrics have no fsdptrain counterpart (verl's bootstrap estimates and trainer bookkeeping;
@@ -14,9 +15,10 @@ from collections import defaultdict
 
 import torch
 
-from fsdptrain.rl.aggregate import SeqLayout
+from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, count_tokens_and_seqs
 from fsdptrain.rl.eval_metrics import majority_index, sampled_eval_metrics
-from fsdptrain.rl.metrics import Derived, Max, Mean, Min, explained_variance, finalize
+from fsdptrain.rl.metrics import Max, Mean, Min, finalize
+from fsdptrain.rl.value import value_loss
 
 
 def _compute_response_info(batch):
@@ -41,10 +43,10 @@ def compute_data_metrics(batch, use_critic=True):
     if use_critic:
         values, returns = b["values"], b["returns"]
         metrics.update(_stats("critic/values", values, mask))
-        d = returns - values
-        stats = [returns[mask].sum(), returns[mask].square().sum(), d[mask].sum(), d[mask].square().sum(),
-                 mask.sum()]
-        metrics["critic/vf_explained_var"] = Derived(stats, explained_variance)
+        num_tokens, num_seqs = count_tokens_and_seqs(mask)
+        _, critic = value_loss(values, values, returns, mask, norms=LossNormalizers(num_tokens, num_seqs),
+                               agg_mode="token-mean", cliprange_value=None)
+        metrics["critic/vf_explained_var"] = critic["vf_explained_var"]
     width = b["responses"].shape[-1]
     metrics.update(_stats("response_length", layout.seq_sum(mask.to(torch.float64)), every_seq))
     prompt_mask = b["attention_mask"][:, :-width].bool()
