@@ -265,15 +265,23 @@ def rollout_rejection_mask(
                 log_r_N = log_r_N / num_valid_N.clamp(min=1)
             log_r = layout.broadcast(log_r_N)
         inside = (log_r >= math.log(low)) & (log_r <= math.log(high))
-        keep = valid & inside
-        seq_valid_N = num_valid_N > 0
-        emptied_N = seq_valid_N & (layout.seq_sum(keep.to(torch.int64)) == 0)
-        metrics = Metrics({
-            "rollout_rs_rejected_token_frac": Mean.of((valid & ~inside).to(torch.float64), valid),
-            "rollout_rs_rejected_seq_frac": Mean.of(emptied_N.to(torch.float64), seq_valid_N),
-            "rollout_rs_ratio_mean": Mean.of(torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), valid),
-        })
-        return keep, metrics
+        ratio = torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return _rejected(valid, inside, layout, judged_by={"rollout_rs_ratio_mean": ratio})
+
+
+def _rejected(valid: Tensor, inside: Tensor, layout: SeqLayout, *, judged_by: dict[str, Tensor],
+              ) -> tuple[Tensor, Metrics]:
+    """The kept mask (valid and inside) and a rejection's metrics: the shares of valid tokens rejected and of
+    sequences with a valid token left with none (MEAN), and the MEAN over valid tokens of each statistic the tokens
+    were judged by."""
+    keep = valid & inside
+    seq_valid_N = layout.seq_sum(valid.to(torch.int64)) > 0
+    emptied_N = seq_valid_N & (layout.seq_sum(keep.to(torch.int64)) == 0)
+    return keep, Metrics({
+        "rollout_rs_rejected_token_frac": Mean.of((valid & ~inside).to(torch.float64), valid),
+        "rollout_rs_rejected_seq_frac": Mean.of(emptied_N.to(torch.float64), seq_valid_N),
+        **{name: Mean.of(stat, valid) for name, stat in judged_by.items()},
+    })
 
 
 def rollout_veto_mask(
@@ -378,12 +386,4 @@ def rollout_divergence_rejection_mask(
             if reduction == "mean":
                 stat_N = stat_N / num_valid_N.clamp(min=1)
             stat = layout.broadcast(stat_N)
-        inside = stat <= high
-        keep = valid & inside
-        seq_valid_N = num_valid_N > 0
-        emptied_N = seq_valid_N & (layout.seq_sum(keep.to(torch.int64)) == 0)
-        return keep, Metrics({
-            "rollout_rs_rejected_token_frac": Mean.of((valid & ~inside).to(torch.float64), valid),
-            "rollout_rs_rejected_seq_frac": Mean.of(emptied_N.to(torch.float64), seq_valid_N),
-            "rollout_rs_divergence_mean": Mean.of(stat, valid),
-        })
+        return _rejected(valid, stat <= high, layout, judged_by={"rollout_rs_divergence_mean": stat})
