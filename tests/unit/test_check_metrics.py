@@ -17,6 +17,7 @@ from fsdptrain.check.compare import Outcome, compare, self_checks
 from fsdptrain.check.layouts import reduce_like_ranks
 from fsdptrain.check.reference import Counts, explained_variance_direct, seq_share
 from fsdptrain.check.run import run_checks
+from fsdptrain.check.update_pass import _merge
 from fsdptrain.compose import compose_config
 from fsdptrain.distributed import world
 from fsdptrain.model import attention_backends
@@ -32,6 +33,16 @@ from tests.planted_bugs import (
 )
 
 # ---- the rules, by hand --------------------------------------------------------------------------------------------
+
+
+def test_update_merge_takes_every_update_s_names_and_an_empty_update_s_zero_loss():
+    # updates [empty, 3 tokens, empty, 1 token]: rejection left the first and third with no counted token, so they
+    # carry only their losses (0); each name comes from whichever update has it, the means pooled over tokens
+    per_update = [{"pg_loss": 0.0}, {"pg_loss": -0.4, "entropy": 2.0, "probs_ratio_max": 1.5},
+                  {"pg_loss": 0.0}, {"pg_loss": 0.8, "entropy": 6.0, "probs_ratio_max": 1.25}]
+    merged = _merge(per_update, [0, 3, 0, 1], "actor/")
+    assert merged == {"actor/pg_loss": pytest.approx(0.1, abs=1e-15), "actor/entropy": 3.0,
+                      "actor/probs_ratio_max": 1.5}
 
 
 def test_seq_share_follows_the_contract_by_hand():
