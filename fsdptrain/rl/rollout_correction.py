@@ -14,12 +14,19 @@ token in the loss's normalizers (rejection sampling, `rollout_rejection_mask`, r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
-from fsdptrain.registry.names import ROLLOUT_CORRECTION_LEVELS, ROLLOUT_CORRECTION_MODES, ROLLOUT_REJECTION_LEVELS
+from fsdptrain.registry.names import (
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_CORRECTION_MODES,
+    ROLLOUT_DIVERGENCE_REJECTIONS,
+    ROLLOUT_REJECTION_LEVELS,
+)
 from fsdptrain.rl.aggregate import SeqLayout, masked
 from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
 
@@ -255,18 +262,29 @@ def rollout_rejection_mask(
     layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
     valid = layout.valid(mask)
     with torch.no_grad():
-        d = masked(old_logprobs.detach().double(), valid) - masked(behaviour_logprobs.detach().double(), valid)
-        num_valid_N = layout.seq_sum(valid.to(torch.int64))
-        if level == "token":
-            log_r = d
-        else:
-            log_r_N = layout.seq_sum(d)
-            if level == "geometric":
-                log_r_N = log_r_N / num_valid_N.clamp(min=1)
-            log_r = layout.broadcast(log_r_N)
-        inside = (log_r >= math.log(low)) & (log_r <= math.log(high))
-        ratio = torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        return _rejected(valid, inside, layout, judged_by={"rollout_rs_ratio_mean": ratio})
+        d = _log_ratio(old_logprobs, behaviour_logprobs, valid)
+        inside, judged_by = _ratio_judgement(d, valid, layout, level=level, low=low, high=high)
+        return _rejected(valid, inside, layout, judged_by=judged_by)
+
+
+def _log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, valid: Tensor) -> Tensor:
+    """d = old_logp - behaviour_logp in float64, 0 where not valid."""
+    return masked(old_logprobs.detach().double(), valid) - masked(behaviour_logprobs.detach().double(), valid)
+
+
+def _ratio_judgement(d: Tensor, valid: Tensor, layout: SeqLayout, *, level: str, low: float, high: float
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+    """Which tokens the ratio rejection keeps (see :func:`rollout_rejection_mask`) and the ratio each was judged by."""
+    num_valid_N = layout.seq_sum(valid.to(torch.int64))
+    if level == "token":
+        log_r = d
+    else:
+        log_r_N = layout.seq_sum(d)
+        if level == "geometric":
+            log_r_N = log_r_N / num_valid_N.clamp(min=1)
+        log_r = layout.broadcast(log_r_N)
+    inside = (log_r >= math.log(low)) & (log_r <= math.log(high))
+    return inside, {"rollout_rs_ratio_mean": torch.exp(log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))}
 
 
 def _rejected(valid: Tensor, inside: Tensor, layout: SeqLayout, *, judged_by: dict[str, Tensor],
@@ -372,18 +390,98 @@ def rollout_divergence_rejection_mask(
     layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
     valid = layout.valid(mask)
     with torch.no_grad():
-        log_r = masked(old_logprobs.detach().double(), valid) - masked(behaviour_logprobs.detach().double(), valid)
-        log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        k = 0.5 * log_r.square() if estimator == "k2" else torch.expm1(log_r) - log_r
-        k = masked(k, valid)
-        num_valid_N = layout.seq_sum(valid.to(torch.int64))
-        if reduction == "token":
-            stat = k
-        elif reduction == "max":
-            stat = layout.broadcast(_seq_max_of_nonnegative(layout, k))
-        else:
-            stat_N = layout.seq_sum(k)
-            if reduction == "mean":
-                stat_N = stat_N / num_valid_N.clamp(min=1)
-            stat = layout.broadcast(stat_N)
-        return _rejected(valid, stat <= high, layout, judged_by={"rollout_rs_divergence_mean": stat})
+        d = _log_ratio(old_logprobs, behaviour_logprobs, valid)
+        inside, judged_by = _divergence_judgement(d, valid, layout, estimator=estimator, reduction=reduction,
+                                                  high=high)
+        return _rejected(valid, inside, layout, judged_by=judged_by)
+
+
+def _divergence_judgement(d: Tensor, valid: Tensor, layout: SeqLayout, *, estimator: str, reduction: str,
+                          high: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Which tokens the divergence rejection keeps (see :func:`rollout_divergence_rejection_mask`) and the statistic
+    each was judged by."""
+    log_r = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    k = masked(0.5 * log_r.square() if estimator == "k2" else torch.expm1(log_r) - log_r, valid)
+    if reduction == "token":
+        stat = k
+    elif reduction == "max":
+        stat = layout.broadcast(_seq_max_of_nonnegative(layout, k))
+    else:
+        stat_N = layout.seq_sum(k)
+        if reduction == "mean":
+            stat_N = stat_N / layout.seq_sum(valid.to(torch.int64)).clamp(min=1)
+        stat = layout.broadcast(stat_N)
+    return stat <= high, {"rollout_rs_divergence_mean": stat}
+
+
+def divergence_option(option: str) -> tuple[str, str]:
+    """verl's divergence option name (`algorithm.rollout_rejection_divergence`) as (estimator, reduction):
+    token_k2 -> (k2, token), seq_sum_k3 -> (k3, sum), seq_mean_k2 -> (k2, mean), seq_max_k3 -> (k3, max)."""
+    if option not in ROLLOUT_DIVERGENCE_REJECTIONS:
+        raise ValueError(f"unknown divergence rejection {option!r}; choose one of "
+                         f"{', '.join(ROLLOUT_DIVERGENCE_REJECTIONS)}")
+    head, estimator = option.rsplit("_", 1)
+    return estimator, "token" if head == "token" else head.removeprefix("seq_")
+
+
+@dataclass(frozen=True)
+class RejectionSettings:
+    """The rejections `algorithm.rollout_rejection*` turn on: by ratio (``level`` token, sequence, geometric or
+    none, kept in [``low``, ``high``]) and by divergence (``divergence``, one of verl's option names or none, kept
+    at most ``divergence_max``)."""
+
+    level: str = "none"
+    low: float = 0.5
+    high: float = 2.0
+    divergence: str = "none"
+    divergence_max: Optional[float] = None
+
+    @property
+    def active(self) -> bool:
+        return self.level != "none" or self.divergence != "none"
+
+
+def rollout_rejection(
+    old_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    settings: RejectionSettings,
+    *,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Every rejection ``settings`` turn on, each judged on the same valid tokens of ``mask`` (the ratio one as
+    :func:`rollout_rejection_mask`, the divergence one as :func:`rollout_divergence_rejection_mask`); a token is kept
+    iff every one keeps it, as verl keeps a token only when each of its comma-chained `rollout_rs` options passes.
+    Detached.
+
+    Metrics (exact under any split over ranks and micro-batches): rollout_rs_rejected_token_frac and
+    rollout_rs_rejected_seq_frac (MEAN) of the combined mask, as each function's; rollout_rs_ratio_mean and
+    rollout_rs_divergence_mean (MEAN over valid tokens) of the rejections that are on. Example: d = [ln 2, 0] on one
+    sequence, token ratios kept in [0.5, 2.5] and token_k2 at most 0.1: k2 = [0.240, 0], so the first token is
+    rejected by the divergence only; token share 1/2, sequence share 0.
+    """
+    if not settings.active:
+        raise ValueError("rollout_rejection needs a ratio level or a divergence option")
+    if settings.level != "none" and settings.level not in ROLLOUT_REJECTION_LEVELS:
+        raise ValueError(f"unknown rollout rejection level {settings.level!r}; choose one of "
+                         f"none, {', '.join(ROLLOUT_REJECTION_LEVELS)}")
+    if settings.level != "none" and not 0 < settings.low < settings.high:
+        raise ValueError(f"the rollout rejection bounds need 0 < low < high, got low={settings.low}, "
+                         f"high={settings.high}")
+    if settings.divergence != "none" and not (settings.divergence_max is not None and settings.divergence_max > 0):
+        raise ValueError(f"the divergence rejection bound must be > 0, got {settings.divergence_max}")
+    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
+    valid = layout.valid(mask)
+    with torch.no_grad():
+        d = _log_ratio(old_logprobs, behaviour_logprobs, valid)
+        inside, judged_by = torch.ones_like(valid), {}
+        if settings.level != "none":
+            kept, stats = _ratio_judgement(d, valid, layout, level=settings.level, low=settings.low,
+                                           high=settings.high)
+            inside, judged_by = inside & kept, {**judged_by, **stats}
+        if settings.divergence != "none":
+            estimator, reduction = divergence_option(settings.divergence)
+            kept, stats = _divergence_judgement(d, valid, layout, estimator=estimator, reduction=reduction,
+                                                high=settings.divergence_max)
+            inside, judged_by = inside & kept, {**judged_by, **stats}
+        return _rejected(valid, inside, layout, judged_by=judged_by)

@@ -452,3 +452,39 @@ def test_divergence_rejection_refuses_bad_settings(kwargs, fragment):
 
     with pytest.raises(ValueError, match=fragment):
         rollout_divergence_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, **kwargs)
+
+
+@pytest.mark.parametrize("option, parsed", [("token_k2", ("k2", "token")), ("token_k3", ("k3", "token")),
+                                            ("seq_sum_k2", ("k2", "sum")), ("seq_mean_k3", ("k3", "mean")),
+                                            ("seq_max_k2", ("k2", "max"))])
+def test_divergence_option_names_are_verl_s(option, parsed):
+    from fsdptrain.rl.rollout_correction import divergence_option
+
+    assert divergence_option(option) == parsed
+
+
+def test_ratio_and_divergence_rejections_together_by_hand():
+    # one sequence, d = [ln 2, 0]: ratios [2, 1] both in [0.5, 2.5]; token_k2 = [(ln 2)^2 / 2, 0] = [0.2402, 0]:
+    # the divergence (max 0.1) rejects the first token only; token share 1/2, no sequence emptied;
+    # ratio mean (2 + 1) / 2, divergence mean 0.2402 / 2. With the ratio band [0.5, 1.5] as well, it is still the
+    # first token only (each rejection judges the same tokens; a token goes when either rejects it).
+    from fsdptrain.rl.rollout_correction import RejectionSettings, rollout_rejection
+
+    old = torch.tensor([[math.log(2.0), 0.0]], dtype=torch.float64)
+    behaviour, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2)
+    k2 = 0.5 * math.log(2.0) ** 2
+    for high in (2.5, 1.5):
+        settings = RejectionSettings("token", 0.5, high, "token_k2", 0.1)
+        kept, metrics = rollout_rejection(old, behaviour, mask, settings)
+        assert kept.tolist() == [[False, True]]
+        assert finalize(metrics) == pytest.approx({"rollout_rs_rejected_token_frac": 0.5,
+                                                   "rollout_rs_rejected_seq_frac": 0.0,
+                                                   "rollout_rs_ratio_mean": 1.5,
+                                                   "rollout_rs_divergence_mean": k2 / 2}, abs=1e-12)
+    # the divergence alone: seq_sum_k2 of the sequence is k2 > 0.1, so both tokens go and the sequence is emptied
+    kept, metrics = rollout_rejection(old, behaviour, mask, RejectionSettings(divergence="seq_sum_k2",
+                                                                              divergence_max=0.1))
+    assert kept.tolist() == [[False, False]]
+    assert finalize(metrics) == pytest.approx({"rollout_rs_rejected_token_frac": 1.0,
+                                               "rollout_rs_rejected_seq_frac": 1.0,
+                                               "rollout_rs_divergence_mean": k2}, abs=1e-12)
