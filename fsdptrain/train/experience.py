@@ -185,8 +185,13 @@ def experience_settings(cfg) -> ExperienceSettings:
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
         rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
-        rejection=RejectionSettings(alg.rollout_rejection, alg.rollout_rejection_low, alg.rollout_rejection_high,
-                                    alg.rollout_rejection_divergence, alg.rollout_rejection_divergence_max))
+        rejection=rejection_settings(alg))
+
+
+def rejection_settings(alg) -> RejectionSettings:
+    """The rejections ``algorithm.rollout_rejection*`` turn on (by ratio, by divergence, both or none)."""
+    return RejectionSettings(alg.rollout_rejection, alg.rollout_rejection_low, alg.rollout_rejection_high,
+                             alg.rollout_rejection_divergence, alg.rollout_rejection_divergence_max)
 
 
 def _sum_over_ranks(stats: Tensor) -> Tensor:

@@ -8,7 +8,9 @@ verl argument / metric -> fsdptrain:
     verl's newer "token_k1"|"seq_sum_k1"|"seq_mean_k1" with "L_H" bound -log r to [ln L, ln H], that is the ratio r
         to [1/H, 1/L] -> rollout_rejection_mask(token|sequence|geometric, low=1/H, high=1/L)
     "token_k2"|"token_k3"|"seq_{sum,mean,max}_k{2,3}" with an upper H
-        -> rollout_divergence_rejection_mask(estimator=k2|k3, reduction=token|sum|mean|max, high=H)
+        -> algorithm.rollout_rejection_divergence=<the same name>, algorithm.rollout_rejection_divergence_max=H
+    one ratio option and one divergence option at most go through fsdptrain's config (composed and validated, then
+        the experience pass's rejection_settings and rollout_rejection); longer chains, one function each in turn
     rollout_token_veto_threshold=T -> rollout_veto_mask(threshold=T)
     metrics: kl_k1 -> kl, kl_k3 -> k3_kl, rollout_rs_rejected_token_frac -> rollout_rs_masked_fraction,
         rollout_rs_rejected_seq_frac -> rollout_rs_seq_masked_fraction, rollout_rs_ratio_mean -> rollout_rs_mean,
@@ -18,15 +20,19 @@ verl argument / metric -> fsdptrain:
 
 from __future__ import annotations
 
+from fsdptrain.compose import compose_config
+from fsdptrain.config import ConfigError
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.rollout_correction import (
     off_policy_diagnostics,
     rollout_correction_weights,
     rollout_divergence_rejection_mask,
+    rollout_rejection,
     rollout_rejection_mask,
     rollout_veto_mask,
     sequence_perplexity,
 )
+from fsdptrain.train.experience import rejection_settings
 from verl.protocol import DataProto
 
 VERL_NAMES = {
@@ -65,11 +71,54 @@ def compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask):
     return _verl(off_policy_diagnostics(old_log_prob, rollout_log_prob, response_mask))
 
 
+def _config_overrides(options: list[str], thresholds: list, lower) -> list[str]:
+    """verl's rollout_rs options as fsdptrain's config: one ratio option -> algorithm.rollout_rejection (k1 bounds
+    on -log r turned into ratio bounds), one divergence option -> algorithm.rollout_rejection_divergence."""
+    overrides = []
+    for option, th in zip(options, thresholds, strict=True):
+        if option in DIVERGENCES:
+            overrides += [f"algorithm.rollout_rejection_divergence={option}",
+                          f"algorithm.rollout_rejection_divergence_max={float(th)!r}"]
+            continue
+        low, high = _bounds(th, lower)
+        level, low, high = ((K1_LEVELS[option], 1.0 / high, 1.0 / low) if option in K1_LEVELS
+                            else (RS_LEVELS[option], low, high))
+        overrides += [f"algorithm.rollout_rejection={level}", f"algorithm.rollout_rejection_low={low!r}",
+                      f"algorithm.rollout_rejection_high={high!r}"]
+    return overrides
+
+
+def _through_config(old, rollout, mask, options, thresholds, lower):
+    """At most one ratio and one divergence option: composed and validated as fsdptrain's config, then the
+    experience pass's own `rejection_settings` and `rollout_rejection` (each option judged on the same tokens, a
+    token kept iff both keep it, as verl's chain). A setting fsdptrain's config refuses is verl's ValueError."""
+    try:
+        cfg = compose_config(_config_overrides(options, thresholds, lower))
+    except ConfigError as error:
+        raise ValueError(str(error)) from error
+    keep, found = rollout_rejection(old, rollout, mask, rejection_settings(cfg.algorithm))
+    values = finalize(found)
+    metrics = _verl(found)
+    for option in options:
+        if option not in RS_LEVELS:
+            stat = "rollout_rs_divergence_mean" if option in DIVERGENCES else "rollout_rs_ratio_mean"
+            metrics[f"rollout_rs_{option}_mean"] = values[stat]
+    return keep.to(mask.dtype), metrics
+
+
 def _rejections(old, rollout, mask, rollout_rs, threshold, lower):
-    """Each comma-separated option of verl's rollout_rs, one fsdptrain rejection each, applied in turn."""
+    """verl's comma-separated rollout_rs options: through fsdptrain's config when they are one ratio and one
+    divergence option at most, else one fsdptrain rejection function each, applied in turn."""
     metrics: dict[str, float] = {}
     options = rollout_rs.split(",")
     thresholds = str(threshold).split(",") if len(options) > 1 else [threshold]
+    unknown = [o for o in options if o not in SUPPORTED_ROLLOUT_RS_OPTIONS]
+    if unknown:
+        raise ValueError(f"fsdptrain has no rejection for verl's rollout_rs={unknown[0]!r}")
+    if len(thresholds) != len(options):
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs one threshold per option, got {threshold!r}")
+    if sum(o in DIVERGENCES for o in options) <= 1 and sum(o not in DIVERGENCES for o in options) <= 1:
+        return _through_config(old, rollout, mask, options, thresholds, lower)
     for option, th in zip(options, thresholds, strict=True):
         if option in DIVERGENCES:
             estimator, reduction = DIVERGENCES[option]
