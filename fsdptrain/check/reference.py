@@ -83,7 +83,8 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
     None: every token): ``(applied w'_P, raw w)``, one applied weight per policy token.
 
     Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[P]``. Sequence level:
-    w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token. tis: w' = min(w, C);
+    w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token; geometric level:
+    w = (prod_t w_t)^(1/P), their geometric mean, likewise. tis: w' = min(w, C);
     mis: w' = w if L <= w <= C else 0 (L = 0 without a lower bound). No clamp, no log-space decision: the definitions, not the product's
     ``rollout_correction_weights``.
     """
@@ -91,6 +92,8 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
     ratios = [math.exp(o - b) for o, b, k in zip(old_R.double().tolist(), behaviour_R.double().tolist(), keep) if k]
     ratios_R = torch.tensor(ratios, dtype=torch.float64)
     raw = ratios_R if correction.level == "token" else torch.prod(ratios_R).reshape(1)
+    if correction.level == "geometric":
+        raw = raw.pow(1.0 / len(ratios))
     cap = torch.tensor(correction.cap, dtype=torch.float64)
     applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(_outside(raw, correction), 0.0, raw)
     return (applied if correction.level == "token" else applied.expand(len(ratios))), raw

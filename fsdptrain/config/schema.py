@@ -134,7 +134,7 @@ class AlgorithmConfig:
     rollout_correction: str = choice("none", ("none", *names.ROLLOUT_CORRECTION_MODES))
     """Off-policy correction from behaviour log-probs: none, tis (truncated) or mis (masked importance weights)."""
     rollout_correction_level: str = choice("token", names.ROLLOUT_CORRECTION_LEVELS)
-    """Importance weights per token or per sequence (product of the token ratios)."""
+    """Importance weights per token, or per sequence: the product (sequence) or the geometric mean (geometric) of its token ratios."""
     rollout_correction_cap: float = bounded(2.0, gt=0)
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
     rollout_correction_low: Optional[float] = bounded(None, gt=0)

@@ -25,8 +25,9 @@ ROLLOUT_CORRECTION_MODES = ("tis", "mis")
 DRAFT_ON = ("response", "all")
 """`drafter.on`: the positions the drafter trains on, the response tokens only or every token (docs/drafter.md)."""
 
-ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
-"""Off-policy correction: one weight per token, or one per sequence from the product of its token ratios."""
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence", "geometric")
+"""Off-policy correction: one weight per token, or one per sequence from the product (sequence) or the geometric mean
+(geometric, verl's older `rollout_is_level="geometric"`) of its token ratios."""
 
 ROLLOUT_REJECTION_LEVELS = ("token", "sequence", "geometric")
 """`algorithm.rollout_rejection`: reject tokens by their own ratio, or whole sequences by the product or the geometric

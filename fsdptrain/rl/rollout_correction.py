@@ -46,6 +46,10 @@ def rollout_correction_weights(
 
     Token level: log w_t = old_logp_t - behaviour_logp_t. Sequence level: every valid token of sequence i has
     log w_i = sum over i's valid tokens of (old_logp - behaviour_logp), the log of the product of its token ratios.
+    Geometric level: log w_i = that sum / n_i (n_i valid tokens), the log of their geometric mean (verl's older
+    `rollout_is_level="geometric"`, verl/trainer/ppo/mismatch_helper.py); it is a sequence-level weight in every
+    other respect. Example: d = [ln 2, ln 8] and [ln 1/2], tis, C = 2: geometric weights 4 -> 2 on both tokens of
+    the first sequence, 1/2 on the second.
     With cap C and lower bound L (mis only; None: no lower bound):
         tis (truncated IS): w' = min(w, C);      mis (masked IS): w' = w if L <= w <= C else 0.
     mis with L is IcePop's masking (Ling team, "IcePop", 2025; verl's `rollout_is_threshold_lower`). tis takes no L:
@@ -53,8 +57,8 @@ def rollout_correction_weights(
     Decisions are taken in log space (log w > log C, log w < log L), so a ratio too large (or small) for exp is still
     capped exactly; the weights themselves use exp of the log-ratio clamped to +-20.
 
-    Metrics (token level: token-weighted over valid tokens; sequence level: sequence-weighted over sequences with a
-    valid token), all exact under any split over ranks and micro-batches:
+    Metrics (token level: token-weighted over valid tokens; sequence and geometric levels: sequence-weighted over
+    sequences with a valid token), all exact under any split over ranks and micro-batches:
         rollout_is_mean (MEAN), rollout_is_max (MAX): the weights w' applied;
         rollout_is_ratio_max (MAX): the raw w before the cap;
         rollout_is_capped_frac (MEAN): share with w outside [L, C] (w > C without L): truncated by tis, zeroed by
@@ -84,9 +88,12 @@ def rollout_correction_weights(
     valid = layout.valid(mask)
     with torch.no_grad():
         log_w = masked(old_logprobs.detach(), valid) - masked(behaviour_logprobs.detach(), valid)
-        if level == "sequence":
+        if level != "token":
+            num_valid_N = layout.seq_sum(valid.to(torch.int64))
             log_w = layout.seq_sum(log_w)  # [n]
-            unit_valid = layout.seq_sum(valid.to(torch.int64)) > 0
+            if level == "geometric":
+                log_w = log_w / num_valid_N.clamp(min=1)
+            unit_valid = num_valid_N > 0
         else:
             unit_valid = valid
         over = log_w > math.log(cap)
@@ -105,7 +112,7 @@ def rollout_correction_weights(
             "rollout_is_std": Derived(moments, std_from_moments),
             "rollout_is_eff_sample_size": Derived(moments, effective_sample_size),
         })
-        if level == "sequence":
+        if level != "token":
             applied = layout.broadcast(applied)
         return masked(applied, valid), metrics
 

@@ -488,3 +488,27 @@ def test_ratio_and_divergence_rejections_together_by_hand():
     assert finalize(metrics) == pytest.approx({"rollout_rs_rejected_token_frac": 1.0,
                                                "rollout_rs_rejected_seq_frac": 1.0,
                                                "rollout_rs_divergence_mean": k2}, abs=1e-12)
+
+
+def test_geometric_level_weights_by_hand():
+    # d = [ln 2, ln 8] and [ln 1/2]: geometric means sqrt(2 * 8) = 4 and 1/2, one weight per sequence on each of its
+    # tokens; tis C = 2 truncates 4 to 2. Sequence-weighted metrics: mean (2 + 1/2) / 2, max 2, min 1/2, raw max 4,
+    # capped share 1/2. The same in the packed layout. The reference's definition (prod r)^(1/n) agrees.
+    from fsdptrain.check.batch import IsCorrection
+    from fsdptrain.check.reference import reference_is_weights
+
+    old = torch.tensor([[math.log(2.0), math.log(8.0)], [math.log(0.5), 0.0]], dtype=torch.float64)
+    behaviour, mask = torch.zeros(2, 2, dtype=torch.float64), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights, metrics = rollout_correction_weights(old, behaviour, mask, mode="tis", level="geometric", cap=2.0)
+    assert weights.reshape(-1).tolist() == pytest.approx([2.0, 2.0, 0.5, 0.0], abs=1e-12)
+    out = finalize(metrics)
+    assert {k: out[k] for k in ("rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_ratio_max",
+                                "rollout_is_capped_frac")} == pytest.approx(
+        {"rollout_is_mean": 1.25, "rollout_is_max": 2.0, "rollout_is_min": 0.5, "rollout_is_ratio_max": 4.0,
+         "rollout_is_capped_frac": 0.5}, abs=1e-12)
+    packed, m_packed = rollout_correction_weights(old[mask.bool()], behaviour[mask.bool()], torch.ones(3), mode="tis",
+                                                  level="geometric", cap=2.0, cu_seqlens=torch.tensor([0, 2, 3]))
+    assert packed.tolist() == pytest.approx([2.0, 2.0, 0.5], abs=1e-12)
+    assert finalize(m_packed) == pytest.approx(out, abs=1e-12)
+    applied, raw = reference_is_weights(old[0], behaviour[0], IsCorrection("mis", "geometric", 5.0, None))
+    assert applied.tolist() == pytest.approx([4.0, 4.0], abs=1e-12) and raw.tolist() == pytest.approx([4.0])
