@@ -264,14 +264,8 @@ def rollout_rejection_mask(
     if level not in ROLLOUT_REJECTION_LEVELS:
         raise ValueError(f"unknown rollout rejection level {level!r}; choose one of "
                          f"{', '.join(ROLLOUT_REJECTION_LEVELS)}")
-    if not 0 < low < high:
-        raise ValueError(f"the rollout rejection bounds need 0 < low < high, got low={low}, high={high}")
-    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
-    valid = layout.valid(mask)
-    with torch.no_grad():
-        d = _log_ratio(old_logprobs, behaviour_logprobs, valid)
-        inside, judged_by = _ratio_judgement(d, valid, layout, level=level, low=low, high=high)
-        return _rejected(valid, inside, layout, judged_by=judged_by)
+    return rollout_rejection(old_logprobs, behaviour_logprobs, mask, RejectionSettings(level, low, high),
+                             cu_seqlens=cu_seqlens)
 
 
 def _log_ratio(old_logprobs: Tensor, behaviour_logprobs: Tensor, valid: Tensor) -> Tensor:
@@ -392,15 +386,9 @@ def rollout_divergence_rejection_mask(
         raise ValueError(f"unknown rejection divergence {estimator!r}; choose one of {', '.join(DIVERGENCE_ESTIMATORS)}")
     if reduction not in DIVERGENCE_REDUCTIONS:
         raise ValueError(f"unknown rejection reduction {reduction!r}; choose one of {', '.join(DIVERGENCE_REDUCTIONS)}")
-    if not high > 0:
-        raise ValueError(f"the divergence rejection bound must be > 0, got {high}")
-    layout = SeqLayout(old_logprobs.shape, cu_seqlens, old_logprobs.device)
-    valid = layout.valid(mask)
-    with torch.no_grad():
-        d = _log_ratio(old_logprobs, behaviour_logprobs, valid)
-        inside, judged_by = _divergence_judgement(d, valid, layout, estimator=estimator, reduction=reduction,
-                                                  high=high)
-        return _rejected(valid, inside, layout, judged_by=judged_by)
+    option = f"{'token' if reduction == 'token' else 'seq_' + reduction}_{estimator}"
+    return rollout_rejection(old_logprobs, behaviour_logprobs, mask,
+                             RejectionSettings(divergence=option, divergence_max=high), cu_seqlens=cu_seqlens)
 
 
 def _divergence_judgement(d: Tensor, valid: Tensor, layout: SeqLayout, *, estimator: str, reduction: str,
