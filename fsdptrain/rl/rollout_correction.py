@@ -46,10 +46,8 @@ def rollout_correction_weights(
 
     Token level: log w_t = old_logp_t - behaviour_logp_t. Sequence level: every valid token of sequence i has
     log w_i = sum over i's valid tokens of (old_logp - behaviour_logp), the log of the product of its token ratios.
-    Geometric level: log w_i = that sum / n_i (n_i valid tokens), the log of their geometric mean (verl's older
-    `rollout_is_level="geometric"`, verl/trainer/ppo/mismatch_helper.py); it is a sequence-level weight in every
-    other respect. Example: d = [ln 2, ln 8] and [ln 1/2], tis, C = 2: geometric weights 4 -> 2 on both tokens of
-    the first sequence, 1/2 on the second.
+    Geometric level: log w_i = that sum / n_i, the log of their geometric mean (verl's older
+    `rollout_is_level="geometric"`), a sequence-level weight in every other respect (docs/algorithms.md example).
     With cap C and lower bound L (mis only; None: no lower bound):
         tis (truncated IS): w' = min(w, C);      mis (masked IS): w' = w if L <= w <= C else 0.
     mis with L is IcePop's masking (Ling team, "IcePop", 2025; verl's `rollout_is_threshold_lower`). tis takes no L:
