@@ -46,8 +46,7 @@ def rollout_correction_weights(
 
     Token level: log w_t = old_logp_t - behaviour_logp_t. Sequence level: every valid token of sequence i has
     log w_i = sum over i's valid tokens of (old_logp - behaviour_logp), the log of the product of its token ratios.
-    Geometric level: log w_i = that sum / n_i, the log of their geometric mean (verl's older
-    `rollout_is_level="geometric"`), a sequence-level weight in every other respect (docs/algorithms.md example).
+    Geometric level (verl's older `rollout_is_level="geometric"`): log w_i = that sum / n_i, per sequence likewise.
     With cap C and lower bound L (mis only; None: no lower bound):
         tis (truncated IS): w' = min(w, C);      mis (masked IS): w' = w if L <= w <= C else 0.
     mis with L is IcePop's masking (Ling team, "IcePop", 2025; verl's `rollout_is_threshold_lower`). tis takes no L:
@@ -86,11 +85,9 @@ def rollout_correction_weights(
     valid = layout.valid(mask)
     with torch.no_grad():
         log_w = masked(old_logprobs.detach(), valid) - masked(behaviour_logprobs.detach(), valid)
-        if level != "token":
+        if level != "token":  # [n]: the sum of a sequence's log-ratios, or their mean (geometric)
             num_valid_N = layout.seq_sum(valid.to(torch.int64))
-            log_w = layout.seq_sum(log_w)  # [n]
-            if level == "geometric":
-                log_w = log_w / num_valid_N.clamp(min=1)
+            log_w = layout.seq_sum(log_w) / (num_valid_N.clamp(min=1) if level == "geometric" else 1)
             unit_valid = num_valid_N > 0
         else:
             unit_valid = valid
