@@ -13,6 +13,7 @@ import enum
 import math
 
 import numpy as np
+import pytest
 import torch
 
 import verl.trainer.ppo.core_algos as core
@@ -50,6 +51,14 @@ def test_rollout_correction_routes_to_fsdptrain():
     assert compute_offpolicy_metrics(old, None, torch.ones(2, 2)) == {"training_ppl": 1.0, "training_log_ppl": 0.0}
     _, _, named = compute_rollout_importance_weights(old, behaviour, torch.ones(2, 2), rollout_is_threshold=2.0)
     assert math.isclose(named["mismatch/mismatch_chi2_token"], (1 + 16 + 1 + 1) / 4 - 1, rel_tol=1e-6)
+    # a divergence option goes through fsdptrain's config: k2 of ln 4 is (ln 4)^2 / 2 = 0.96 > 0.5, rejected
+    _, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        old, behaviour, torch.ones(2, 2), rollout_rs="token_k2", rollout_rs_threshold=0.5)
+    assert mask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    assert math.isclose(metrics["rollout_corr/rollout_rs_token_k2_mean"], math.log(4.0) ** 2 / 8, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="rollout_rejection_divergence_max=0.0 must be a finite number > 0"):
+        compute_rollout_correction_and_rejection_mask(old, behaviour, torch.ones(2, 2), rollout_rs="token_k2",
+                                                      rollout_rs_threshold=0.0)
 
 
 def test_metric_utils_route_to_fsdptrain():
