@@ -84,8 +84,8 @@ def plant_rejected_tokens_in_the_normaliser(set_attr=setattr) -> None:
     before: dict[int, torch.Tensor] = {}
     rejected, counts = experience.rejected, step.local_counts
 
-    def remembering(old_R, behaviour_R, masks, **kw):
-        kept, metrics = rejected(old_R, behaviour_R, masks, **kw)
+    def remembering(old_R, behaviour_R, masks, *args, **kw):
+        kept, metrics = rejected(old_R, behaviour_R, masks, *args, **kw)
         for keep, mask, old in zip(kept, masks, old_R):
             before[id(keep)] = mask if mask is not None else torch.ones(old.numel(), dtype=torch.bool)
         return kept, metrics

@@ -38,6 +38,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
+from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
@@ -63,11 +64,14 @@ class RolloutFacts:
 
 @dataclass(frozen=True)
 class Rejection:
-    """The rejection sampling the checked batch's mask follows: level (token, sequence, geometric), [low, high]."""
+    """The rejection sampling the checked batch's mask follows: by ratio, level (token, sequence, geometric; none)
+    and [low, high]; by divergence, verl's option name (token_k2, ..., seq_max_k3; none) and its max."""
 
     level: str
     low: float
     high: float
+    divergence: str = "none"
+    divergence_max: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -250,8 +254,9 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     alg = trainer.cfg.algorithm
     correction = (IsCorrection(alg.rollout_correction, alg.rollout_correction_level, alg.rollout_correction_cap,
                                alg.rollout_correction_low) if alg.rollout_correction != "none" else None)
-    rejection = (Rejection(alg.rollout_rejection, alg.rollout_rejection_low, alg.rollout_rejection_high)
-                 if alg.rollout_rejection != "none" else None)
+    rejection = (Rejection(alg.rollout_rejection, alg.rollout_rejection_low, alg.rollout_rejection_high,
+                           alg.rollout_rejection_divergence, alg.rollout_rejection_divergence_max)
+                 if alg.rollout_rejection != "none" or alg.rollout_rejection_divergence != "none" else None)
     planted = (correction is not None or rejection is not None) and all(r.behaviour_logprobs is None for r in rollouts)
     if planted:  # weights of exactly 1 would prove nothing: a behaviour policy off by seeded noise, and again
         rollouts = with_behaviour(rollouts, [t.old_logprobs for t in targets], seed=BEHAVIOUR_SEED + info.rank)
@@ -353,22 +358,38 @@ def reference_counted(policy_masks: list[list[bool]], olds: list, behaviours: li
                       rejection: Optional[Rejection]) -> list[list[bool]]:
     """The tokens the reference counts: the policy's, less those rejection sampling rejects, from its definition in
     float64 over the policy's tokens: ratio r_t = exp(old_t - behaviour_t) per token, or prod r_t (sequence) or
-    (prod r_t)^(1/n) (geometric) for all of them; kept iff low <= r <= high."""
+    (prod r_t)^(1/n) (geometric) for all of them, kept iff low <= r <= high; and by divergence
+    (:func:`reference_divergences`), kept iff the statistic <= max. With both, a token must pass both."""
     if rejection is None:
         return [list(m) for m in policy_masks]
     out = []
     for mask, old, behaviour in zip(policy_masks, olds, behaviours):
         log_r = [float(o) - float(b) for o, b, m in zip(old.double().tolist(), behaviour.double().tolist(), mask)
                  if m]
+        inside = [True] * len(log_r)
         if rejection.level == "token":
-            ratios = iter(math.exp(x) for x in log_r)
-            keep = [m and rejection.low <= next(ratios) <= rejection.high for m in mask]
-        else:
+            inside = [rejection.low <= math.exp(x) <= rejection.high for x in log_r]
+        elif rejection.level != "none":
             total = sum(log_r) / (len(log_r) if rejection.level == "geometric" and log_r else 1)
-            inside = rejection.low <= math.exp(total) <= rejection.high
-            keep = [m and inside for m in mask]
-        out.append(keep)
+            inside = [rejection.low <= math.exp(total) <= rejection.high] * len(log_r)
+        if rejection.divergence != "none":
+            stats = reference_divergences(log_r, rejection.divergence)
+            inside = [i and k <= rejection.divergence_max for i, k in zip(inside, stats)]
+        judged = iter(inside)
+        out.append([m and next(judged) for m in mask])
     return out
+
+
+def reference_divergences(log_r: list[float], option: str) -> list[float]:
+    """Per policy token of one sequence, the divergence statistic verl's option judges it by, from the definitions
+    in float64 (l clamped to +-20): k2 = l^2 / 2, k3 = e^l - 1 - l; token_*: its own; seq_sum_*, seq_mean_*,
+    seq_max_*: the sum, mean, max over the sequence, on each of its tokens."""
+    clamped = [min(max(x, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP) for x in log_r]
+    k = [0.5 * x * x if option.endswith("k2") else math.exp(x) - 1.0 - x for x in clamped]
+    if option.startswith("token") or not k:
+        return k
+    reduce = {"seq_sum": sum, "seq_mean": lambda v: sum(v) / len(v), "seq_max": max}[option.rsplit("_", 1)[0]]
+    return [reduce(k)] * len(k)
 
 
 def with_behaviour(rollouts: list[Rollout], old_R: list[torch.Tensor], *, seed: int) -> list[Rollout]:

@@ -83,7 +83,8 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
     None: every token): ``(applied w'_P, raw w)``, one applied weight per policy token.
 
     Token level: w_t = pi_old(y_t) / pi_behaviour(y_t) = exp(old_t - behaviour_t), raw ``[P]``. Sequence level:
-    w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token. tis: w' = min(w, C);
+    w = prod_t w_t, the product of the token ratios (one raw weight, ``[1]``), on every token; geometric level:
+    w = (prod_t w_t)^(1/P), their geometric mean, likewise. tis: w' = min(w, C);
     mis: w' = w if L <= w <= C else 0 (L = 0 without a lower bound). No clamp, no log-space decision: the definitions, not the product's
     ``rollout_correction_weights``.
     """
@@ -91,6 +92,8 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
     ratios = [math.exp(o - b) for o, b, k in zip(old_R.double().tolist(), behaviour_R.double().tolist(), keep) if k]
     ratios_R = torch.tensor(ratios, dtype=torch.float64)
     raw = ratios_R if correction.level == "token" else torch.prod(ratios_R).reshape(1)
+    if correction.level == "geometric":
+        raw = raw.pow(1.0 / len(ratios))
     cap = torch.tensor(correction.cap, dtype=torch.float64)
     applied = torch.minimum(raw, cap) if correction.mode == "tis" else torch.where(_outside(raw, correction), 0.0, raw)
     return (applied if correction.level == "token" else applied.expand(len(ratios))), raw
@@ -99,8 +102,9 @@ def reference_is_weights(old_R: Tensor, behaviour_R: Tensor, correction: IsCorre
 def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor], correction: IsCorrection,
                          policy_masks: Optional[Sequence[Sequence[bool]]] = None) -> dict[str, float]:
     """``experience/rollout_is_*`` straight from the definitions over every valid unit of the batch (policy tokens at
-    token level, sequences with a policy token at sequence level): the plain mean and max of the applied weights,
-    the max of the raw ones and the share of raw weights outside [L, C]."""
+    token level, sequences with a policy token at sequence level): the plain mean, max and min of the applied
+    weights, their population std and normalised effective sample size (sum w)^2 / (n sum w^2), the max of the raw
+    ones and the share of raw weights outside [L, C]."""
     raw_U, applied_U = [], []
     policy_masks = policy_masks if policy_masks is not None else [[True] * o.numel() for o in olds]
     for old_R, behaviour_R, policy in zip(olds, behaviours, policy_masks):
@@ -110,36 +114,79 @@ def reference_is_metrics(olds: Sequence[Tensor], behaviours: Sequence[Tensor], c
         raw_U.append(raw)
         applied_U.append(applied if correction.level == "token" else applied[:1])
     raw, applied = torch.cat(raw_U), torch.cat(applied_U)
-    return {"experience/rollout_is_mean": float(applied.sum() / applied.numel()),
-            "experience/rollout_is_max": float(applied.max()),
-            "experience/rollout_is_ratio_max": float(raw.max()),
-            "experience/rollout_is_capped_frac": float(_outside(raw, correction).sum() / raw.numel())}
+    n, mean = applied.numel(), float(applied.sum() / applied.numel())
+    out = {"experience/rollout_is_mean": mean,
+           "experience/rollout_is_max": float(applied.max()),
+           "experience/rollout_is_ratio_max": float(raw.max()),
+           "experience/rollout_is_capped_frac": float(_outside(raw, correction).sum() / raw.numel()),
+           "experience/rollout_is_min": float(applied.min()),
+           "experience/rollout_is_std": math.sqrt(sum((float(a) - mean) ** 2 for a in applied) / n)}
+    squares = float(applied.square().sum())
+    if squares > 0:
+        out["experience/rollout_is_eff_sample_size"] = float(applied.sum()) ** 2 / (n * squares)
+    return out
 
 
 def reference_off_policy_metrics(olds: Sequence[Tensor], behaviours: Sequence[Optional[Tensor]],
                                  policy_masks: Sequence[Sequence[bool]]) -> dict[str, float]:
     """``rollout_corr/*`` straight from the definitions in float64 over every policy token (``policy_masks[i]``) of
     the batch whose sequence carried behaviour log-probs (``behaviours[i]`` None: left out), with d = behaviour_logp - old_logp:
-    the plain means of d (``kl_k1``), of exp(-d) + d - 1 (``kl_k3``, no clamp) and of [exp(-d) < 1/2 or > 2]
-    (``ratio_outside_frac``, decided on the ratio itself), and the mean over those sequences of
-    mean_t(-old) - mean_t(-behaviour) (``log_ppl_diff``). Empty when no such token exists."""
+    the plain means of d (``kl_k1``), of exp(-d) + d - 1 (``kl_k3``, no clamp), of [exp(-d) < 1/2 or > 2]
+    (``ratio_outside_frac``, decided on the ratio itself) and of exp(-2 d) - 1 (``chi2_token``, no clamp); and over
+    those sequences, with m_old and m_b the means of their old and behaviour log-probs and gap = m_b - m_old: the
+    plain means of gap (``log_ppl_diff``), |gap|, exp(gap) (``ppl_ratio``), exp(-m_old), -m_old, exp(-m_b), -m_b
+    (``training_ppl``, ``training_log_ppl``, ``rollout_ppl``, ``rollout_log_ppl``) and exp(2 s) - 1 with s = -sum d
+    clamped to +-20 as the metric's definition clamps it (``chi2_seq``), and the largest and smallest gap. Empty
+    when no such token exists."""
     d_A: list[float] = []
-    gaps_N: list[float] = []
+    seqs: list[tuple[float, float, float]] = []  # (m_old, m_b, s) per sequence
     for old_R, behaviour_R, mask in zip(olds, behaviours, policy_masks):
         if behaviour_R is None or old_R.numel() == 0:
             continue
-        d = [b - o for o, b, m in zip(old_R.double().tolist(), behaviour_R.double().tolist(), mask) if m]
-        if not d:
+        pairs = [(o, b) for o, b, m in zip(old_R.double().tolist(), behaviour_R.double().tolist(), mask) if m]
+        if not pairs:
             continue
+        d = [b - o for o, b in pairs]
         d_A += d
-        gaps_N.append(sum(d) / len(d))
+        seqs.append((sum(o for o, _ in pairs) / len(pairs), sum(b for _, b in pairs) / len(pairs),
+                     min(max(-sum(d), -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)))
     if not d_A:
         return {}
-    n = len(d_A)
+    n, num_seqs = len(d_A), len(seqs)
+    gaps = [m_b - m_old for m_old, m_b, _ in seqs]
+
+    def seq_mean(values) -> float:
+        return sum(values) / num_seqs
+
     return {"rollout_corr/kl_k1": sum(d_A) / n,
             "rollout_corr/kl_k3": sum(math.exp(-x) + x - 1.0 for x in d_A) / n,
-            "rollout_corr/log_ppl_diff": sum(gaps_N) / len(gaps_N),
-            "rollout_corr/ratio_outside_frac": sum(not 0.5 <= math.exp(-x) <= 2.0 for x in d_A) / n}
+            "rollout_corr/log_ppl_diff": seq_mean(gaps),
+            "rollout_corr/ratio_outside_frac": sum(not 0.5 <= math.exp(-x) <= 2.0 for x in d_A) / n,
+            "rollout_corr/training_ppl": seq_mean(math.exp(-m) for m, _, _ in seqs),
+            "rollout_corr/training_log_ppl": seq_mean(-m for m, _, _ in seqs),
+            "rollout_corr/rollout_ppl": seq_mean(math.exp(-m) for _, m, _ in seqs),
+            "rollout_corr/rollout_log_ppl": seq_mean(-m for _, m, _ in seqs),
+            "rollout_corr/log_ppl_abs_diff": seq_mean(abs(g) for g in gaps),
+            "rollout_corr/log_ppl_diff_max": max(gaps),
+            "rollout_corr/log_ppl_diff_min": min(gaps),
+            "rollout_corr/ppl_ratio": seq_mean(math.exp(g) for g in gaps),
+            "rollout_corr/chi2_token": sum(math.exp(-2.0 * x) - 1.0 for x in d_A) / n,
+            "rollout_corr/chi2_seq": seq_mean(math.exp(2.0 * s) - 1.0 for _, _, s in seqs)}
+
+
+def reference_rejection_ratio_mean(olds: Sequence[Tensor], behaviours: Sequence[Tensor],
+                                   policy_masks: Sequence[Sequence[bool]], level: str) -> float:
+    """``experience/rollout_rs_ratio_mean`` from its definition in float64: the plain mean over every policy token of
+    the batch of the ratio it is judged by, exp(l) with l = old_t - behaviour_t (token), their sum over its sequence
+    (sequence) or their mean (geometric), l clamped to +-20 as the metric's definition clamps it."""
+    ratios: list[float] = []
+    for old_R, behaviour_R, mask in zip(olds, behaviours, policy_masks):
+        log_r = [o - b for o, b, m in zip(old_R.double().tolist(), behaviour_R.double().tolist(), mask) if m]
+        if log_r and level != "token":
+            total = sum(log_r) / (len(log_r) if level == "geometric" else 1)
+            log_r = [total] * len(log_r)
+        ratios += [math.exp(min(max(x, -LOG_RATIO_CLAMP), LOG_RATIO_CLAMP)) for x in log_r]
+    return sum(ratios) / len(ratios)
 
 
 def _outside(raw: Tensor, correction: IsCorrection) -> Tensor:

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
-from fsdptrain.check.batch import CheckBatch, CheckSession, build_session
+from fsdptrain.check.batch import CheckBatch, CheckSession, build_session, reference_divergences
 from fsdptrain.check.compare import (
     Check,
     Comparison,
@@ -69,6 +69,7 @@ from fsdptrain.check.reference import (
     reference_is_weights,
     reference_off_policy_metrics,
     reference_policy,
+    reference_rejection_ratio_mean,
     reference_rollout_metrics,
 )
 from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report
@@ -241,12 +242,24 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
 
 def rejection_metrics(batch: CheckBatch) -> dict[str, float]:
     """``experience/rollout_rs_*`` from the reference's own masks: the share of the policy's tokens it does not count,
-    and the share of sequences with a policy token left with none."""
-    policy, counted = batch.policy_token_masks(), batch.counted_masks()
+    and the share of sequences with a policy token left with none; and the mean ratio the tokens were judged by
+    (:func:`reference_rejection_ratio_mean`) and the mean divergence statistic (:func:`reference_divergences`), of
+    the rejections that are on."""
+    policy, counted, rejection = batch.policy_token_masks(), batch.counted_masks(), batch.rejection
     num_policy = sum(sum(p) for p in policy)
     seqs = [(p, c) for p, c in zip(policy, counted) if any(p)]
-    return {"experience/rollout_rs_rejected_token_frac": (num_policy - sum(sum(c) for c in counted)) / num_policy,
+    want = {"experience/rollout_rs_rejected_token_frac": (num_policy - sum(sum(c) for c in counted)) / num_policy,
             "experience/rollout_rs_rejected_seq_frac": sum(1 for _, c in seqs if not any(c)) / len(seqs)}
+    if rejection.level != "none":
+        want["experience/rollout_rs_ratio_mean"] = reference_rejection_ratio_mean(batch.trainer_old, batch.behaviour,
+                                                                                  policy, rejection.level)
+    if rejection.divergence != "none":
+        stats = [k for old, behaviour, mask in zip(batch.trainer_old, batch.behaviour, policy)
+                 for k in reference_divergences([o - b for o, b, m in zip(old.double().tolist(),
+                                                                          behaviour.double().tolist(), mask) if m],
+                                                rejection.divergence)]
+        want["experience/rollout_rs_divergence_mean"] = sum(stats) / len(stats)
+    return want
 
 
 def _context(session: CheckSession, batch, counts: Counts) -> Context:

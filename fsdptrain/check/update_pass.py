@@ -10,7 +10,9 @@ number it logs with a reference that splits the step by hand:
 - mini-batch m holds the prompt groups g with ``g // (P / M) == m`` (P groups, M mini-batches);
 - per epoch and mini-batch, for the policy then the critic: the one-sequence-at-a-time reference loss with that
   mini-batch's own counts N_m and S_m (:mod:`fsdptrain.check.reference`), backward, the global norm of the gathered
-  gradient in float64, every gradient entry scaled by min(1, clip / (norm + 1e-6)), then the same AdamW step;
+  gradient in float64, every gradient entry scaled by min(1, clip / (norm + 1e-6)), then the same AdamW step; a
+  mini-batch with no counted token (rollout rejection dropped them all) takes no step and has norm 0
+  (docs/loss.md, "A mini-batch with no counted token");
 - the logged values: a loss (``pg_loss``, ``kl_loss``, ``vf_loss``) is the mean over the updates of each update's
   value; a mean is pooled over every valid token of every update; an extremum is taken over all of them;
   ``*/grad_norm`` and ``loss/global_num_tokens``, ``loss/global_num_seqs`` are means over the updates.
@@ -79,8 +81,12 @@ def _split(batch: CheckBatch, shape: UpdateShape, num_prompts: int) -> list[tupl
     return out
 
 
-def _step_by_hand(model, optimizer, max_norm: float) -> float:
-    """Clip by the float64 norm of the gathered gradient and step; the norm (collective)."""
+def _step_by_hand(model, optimizer, max_norm: float, counts: Counts) -> float:
+    """Clip by the float64 norm of the gathered gradient and step; the norm (collective). No step and norm 0 when
+    the mini-batch has no counted token (the same on every rank: ``counts`` are the whole mini-batch's)."""
+    if counts.num_tokens == 0:
+        zero_grads(model)
+        return 0.0
     norm = grad_norm(gather_full_grads(model))
     coef = clip_coefficient(norm, max_norm)
     reshard_all(model)
@@ -97,7 +103,8 @@ def _merge(per_update: list[dict[str, float]], tokens: list[int], prefix: str) -
     """What the step logs from each update's directly computed metrics: losses averaged over the updates, means
     pooled over the tokens of every update, extrema over all of them."""
     out = {}
-    for name in per_update[0]:
+    names = dict.fromkeys(name for m in per_update for name in m)  # an update with no counted token has no means
+    for name in names:
         values = [m[name] for m in per_update if name in m]
         if name in LOSSES:
             out[prefix + name] = sum(values) / len(values)
@@ -141,7 +148,7 @@ def reference_update(session: CheckSession, shape: UpdateShape) -> tuple[dict[st
                 for name in LOSSES:
                     if name in scales:
                         loss_scales.setdefault(prefix + name, []).append(scales[name])
-                norms[prefix].append(_step_by_hand(model, optimizer, max_norm))
+                norms[prefix].append(_step_by_hand(model, optimizer, max_norm, counts))
     values = {}
     for prefix in metrics:
         values.update(_merge(metrics[prefix], tokens, prefix))

@@ -134,7 +134,7 @@ class AlgorithmConfig:
     rollout_correction: str = choice("none", ("none", *names.ROLLOUT_CORRECTION_MODES))
     """Off-policy correction from behaviour log-probs: none, tis (truncated) or mis (masked importance weights)."""
     rollout_correction_level: str = choice("token", names.ROLLOUT_CORRECTION_LEVELS)
-    """Importance weights per token or per sequence (product of the token ratios)."""
+    """Importance weights per token, or per sequence: the product (sequence) or the geometric mean (geometric) of its token ratios."""
     rollout_correction_cap: float = bounded(2.0, gt=0)
     """Upper bound C of the importance weights (tis truncates to C, mis zeroes a weight above C)."""
     rollout_correction_low: Optional[float] = bounded(None, gt=0)
@@ -145,6 +145,10 @@ class AlgorithmConfig:
     """Lower bound of the ratios rollout_rejection keeps (> 0, below rollout_rejection_high)."""
     rollout_rejection_high: float = bounded(2.0, gt=0)
     """Upper bound of the ratios rollout_rejection keeps."""
+    rollout_rejection_divergence: str = choice("none", ("none", *names.ROLLOUT_DIVERGENCE_REJECTIONS))
+    """Rejection by divergence (verl's rollout_rs k2/k3 options): drop tokens, or sequences, whose k2 or k3 estimate (per token, or its seq_sum/seq_mean/seq_max) exceeds rollout_rejection_divergence_max; with rollout_rejection, a token must pass both."""
+    rollout_rejection_divergence_max: Optional[float] = bounded(None, gt=0)
+    """Upper bound of the divergence rollout_rejection_divergence keeps (> 0); required with it, no default (as verl)."""
     filter_groups: bool = False
     """DAPO dynamic sampling: drop prompt groups whose samples all got the same reward."""
     filter_groups_max_rounds: int = bounded(3, ge=1)

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.config.lora_rules import check_lora
+from fsdptrain.registry import names
 from fsdptrain.registry.errors import ConfigError
 from fsdptrain.registry.plugins import import_plugins, registered
 from fsdptrain.config.fields import Range, field_choices, field_item_range, field_range, flat_fields
@@ -251,6 +252,15 @@ def _check_loss_settings(alg: DictConfig) -> None:
     if not alg.rollout_rejection_low < alg.rollout_rejection_high:
         raise ConfigError(f"algorithm.rollout_rejection_low={alg.rollout_rejection_low} must be below "
                           f"algorithm.rollout_rejection_high={alg.rollout_rejection_high}")
+    divergence, bound = alg.rollout_rejection_divergence, alg.rollout_rejection_divergence_max
+    if divergence != "none" and bound is None:
+        raise ConfigError(f"algorithm.rollout_rejection_divergence={divergence} needs "
+                          f"algorithm.rollout_rejection_divergence_max=<its upper bound, > 0>; it has no default "
+                          f"(docs/algorithms.md)")
+    if divergence == "none" and bound is not None:
+        raise ConfigError(f"algorithm.rollout_rejection_divergence_max={bound} bounds a divergence, but "
+                          f"algorithm.rollout_rejection_divergence is none: set one of "
+                          f"{', '.join(names.ROLLOUT_DIVERGENCE_REJECTIONS)}, or the max to null")
 
 
 EXTENSION_RULES = (check_drafter, check_lora)

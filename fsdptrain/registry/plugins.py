@@ -8,7 +8,7 @@ A user's module (listed in `algorithm.plugins`, imported at start in the CLI's p
     def my_loss(logprobs, old_logprobs, advantages, valid, *, layout, settings): ...
 
 and the config names it `algorithm.policy_loss=my_loss`, as verl's `@register_policy_loss` / `@register_adv_est`.
-The decorator returns the function unchanged. Registering a name twice with a different function is a ConfigError
+The decorator returns the function unchanged; an Enum member (verl's `AdvantageEstimator.X`) registers its string value. Registering a name twice with a different function is a ConfigError
 naming both; the same function twice is allowed (a module imported twice); a built-in name cannot be taken. The
 signature is checked when the name is resolved (`fsdptrain.registry.user_functions.resolve_function`). Nothing here
 imports torch; a plugin that imports it makes the parent import it too.
@@ -16,6 +16,7 @@ imports torch; a plugin that imports it makes the parent import it too.
 
 from __future__ import annotations
 
+import enum
 import importlib
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,9 +33,22 @@ def _describe(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _register(field: str, name: str) -> Callable[[Callable], Callable]:
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ConfigError(f"{field}: cannot register {name!r}: a name is a non-empty string without ':'")
+def registration_name(name: str | enum.Enum, field: str = "algorithm.adv_estimator") -> str:
+    """The name a registration (or a lookup) uses: the string itself, or an Enum member's string value.
+
+    verl names its estimators by an Enum whose values are the config strings (`AdvantageEstimator.GRPO` has value
+    "grpo"); registering the member is registering its value. ConfigError for anything else, or for an empty name or
+    one with ':' (a `module:function` spec).
+    """
+    raw = name.value if isinstance(name, enum.Enum) else name
+    if not isinstance(raw, str) or not raw or ":" in raw:
+        raise ConfigError(f"{field}: cannot register {name!r}: a name is a non-empty string without ':' "
+                          "(or an Enum member whose value is one)")
+    return raw
+
+
+def _register(field: str, name: str | enum.Enum) -> Callable[[Callable], Callable]:
+    name = registration_name(name, field)
     if name in _BUILT_INS[field]:
         raise ConfigError(f"{field}: cannot register {name!r}: it is a built-in ({', '.join(_BUILT_INS[field])})")
 
@@ -50,13 +64,15 @@ def _register(field: str, name: str) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def register_adv_estimator(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: `algorithm.adv_estimator=name` selects the function (signature: `ADV_ESTIMATOR_ARGS`)."""
+def register_adv_estimator(name: str | enum.Enum) -> Callable[[Callable], Callable]:
+    """Decorator: `algorithm.adv_estimator=name` selects the function (signature: `ADV_ESTIMATOR_ARGS`); an Enum
+    member registers its value (`registration_name`)."""
     return _register("algorithm.adv_estimator", name)
 
 
-def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: `algorithm.policy_loss=name` selects the function (signature: `POLICY_LOSS_ARGS`)."""
+def register_policy_loss(name: str | enum.Enum) -> Callable[[Callable], Callable]:
+    """Decorator: `algorithm.policy_loss=name` selects the function (signature: `POLICY_LOSS_ARGS`); an Enum member
+    registers its value (`registration_name`)."""
     return _register("algorithm.policy_loss", name)
 
 

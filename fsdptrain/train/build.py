@@ -224,4 +224,4 @@ def skips_old_passes(cfg: DictConfig) -> bool:
     return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
             and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
             and cfg.algorithm.kl_in_reward_coef == 0 and cfg.algorithm.rollout_correction == "none"
-            and cfg.algorithm.rollout_rejection == "none")
+            and cfg.algorithm.rollout_rejection == "none" and cfg.algorithm.rollout_rejection_divergence == "none")

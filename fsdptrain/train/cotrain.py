@@ -28,7 +28,7 @@ from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, draft_loss, pac
 from fsdptrain.rl.metrics import Mean, Metrics
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.step import MiniBatch, accumulate_gradients, optimizer_step
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, minibatch_step
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ class DrafterUpdate:
                           policy: PolicyLossSettings, token_budget: int, device: torch.device) -> Metrics:
         """The drafter's clipped step, then its refresh passes (:func:`refresh_drafter`); its grad norm and global
         token count, each a MEAN over the step's optimizer steps."""
-        outcome = optimizer_step(self.module, self.optimizer, grad_clip=self.grad_clip, guard=self.guard)
+        outcome = minibatch_step(self.module, self.optimizer, norms, grad_clip=self.grad_clip, guard=self.guard)
         refresh_drafter(model, batch, self, settings=self.settings(policy, norms), plan=plan,
                         token_budget=token_budget, device=device)
         return Metrics({"drafter/grad_norm": Mean(outcome.grad_norm, 1),
@@ -165,6 +165,7 @@ def refresh_drafter(model, batch: MiniBatch, drafter: DrafterUpdate, *, settings
     for _ in range(drafter.refresh_passes):
         accumulate_gradients(model, batch, loss_fn=packed_draft_refresh_loss, settings=settings,
                              norms=settings.draft_norms, token_budget=token_budget, device=device, plan=plan)
-        optimizer_step(drafter.module, drafter.optimizer, grad_clip=drafter.grad_clip, guard=drafter.guard)
+        minibatch_step(drafter.module, drafter.optimizer, settings.draft_norms, grad_clip=drafter.grad_clip,
+                       guard=drafter.guard)
     if drafter.refresh_passes:
         reshard_all(model)

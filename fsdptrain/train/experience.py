@@ -18,8 +18,9 @@ The per-token mask (docs/packing.md): a rollout's `response_mask` (None: every r
 decides which tokens get a reward, an advantage, a return, an importance weight and a KL penalty; the outcome reward
 sits on the last *policy* token; GAE runs over the policy's tokens (`fsdptrain.rl.advantages.gae`); every target is 0
 at a tool's token. With `algorithm.rollout_rejection`, tokens (or whole sequences) whose old/behaviour ratio falls
-outside [low, high] then leave the mask (`fsdptrain.rl.rollout_correction.rollout_rejection_mask`): the targets'
-`response_mask` is the rollout's minus the rejected tokens, and the train step counts its normalisers from it.
+outside [low, high], and with `algorithm.rollout_rejection_divergence` those whose k2/k3 divergence exceeds its max,
+then leave the mask (`fsdptrain.rl.rollout_correction.rollout_rejection`): the targets' `response_mask` is the
+rollout's minus the rejected tokens, and the train step counts its normalisers from it.
 
 Departures from verl: the KL-in-reward penalty uses the k1 estimator per token; whitening uses an unbiased variance;
 rejection comes after the advantages (they are estimated over the rollout's policy tokens, rejected ones included).
@@ -49,7 +50,12 @@ from fsdptrain.rl.adv_estimators import (
 )
 from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.rollout_correction import off_policy_diagnostics, rollout_correction_weights, rollout_rejection_mask
+from fsdptrain.rl.rollout_correction import (
+    RejectionSettings,
+    off_policy_diagnostics,
+    rollout_correction_weights,
+    rollout_rejection,
+)
 from fsdptrain.train.step import policy_token_outputs
 
 
@@ -165,9 +171,7 @@ class ExperienceSettings:
     rollout_correction_level: str = "token"
     rollout_correction_cap: float = 2.0
     rollout_correction_low: Optional[float] = None
-    rollout_rejection: str = "none"
-    rollout_rejection_low: float = 0.5
-    rollout_rejection_high: float = 2.0
+    rejection: RejectionSettings = RejectionSettings()
 
 
 def experience_settings(cfg) -> ExperienceSettings:
@@ -181,8 +185,13 @@ def experience_settings(cfg) -> ExperienceSettings:
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
         rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
-        rollout_rejection=alg.rollout_rejection, rollout_rejection_low=alg.rollout_rejection_low,
-        rollout_rejection_high=alg.rollout_rejection_high)
+        rejection=rejection_settings(alg))
+
+
+def rejection_settings(alg) -> RejectionSettings:
+    """The rejections ``algorithm.rollout_rejection*`` turn on (by ratio, by divergence, both or none)."""
+    return RejectionSettings(alg.rollout_rejection, alg.rollout_rejection_low, alg.rollout_rejection_high,
+                             alg.rollout_rejection_divergence, alg.rollout_rejection_divergence_max)
 
 
 def _sum_over_ranks(stats: Tensor) -> Tensor:
@@ -264,13 +273,13 @@ def off_policy_metrics(old_R: Sequence[Tensor], behaviour_R: Sequence[Optional[T
     return off_policy_diagnostics(old_BR.double(), behaviour_BR.double(), mask_BR).prefixed("rollout_corr/")
 
 
-def rejected(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], masks: Sequence[Optional[Tensor]], *,
-             level: str, low: float, high: float) -> tuple[list[Optional[Tensor]], Metrics]:
-    """Per sequence, its mask after rejection sampling (`rollout_rejection_mask` over its policy tokens) and the
-    rejection's metrics (this rank's; the caller reduces them with the step's)."""
+def rejected(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], masks: Sequence[Optional[Tensor]],
+             settings: RejectionSettings) -> tuple[list[Optional[Tensor]], Metrics]:
+    """Per sequence, its mask after rejection sampling (`rollout_rejection` over its policy tokens: by ratio, by
+    divergence, or both) and the rejection's metrics (this rank's; the caller reduces them with the step's)."""
     old_BR, mask_BR = _pad(old_R, masks)
     behaviour_BR, _ = _pad(behaviour_R)
-    keep_BR, metrics = rollout_rejection_mask(old_BR, behaviour_BR, mask_BR, level=level, low=low, high=high)
+    keep_BR, metrics = rollout_rejection(old_BR, behaviour_BR, mask_BR, settings)
     return [keep_BR[i, : o.numel()].clone() for i, o in enumerate(old_R)], metrics.prefixed("experience/")
 
 
@@ -330,9 +339,8 @@ def _off_policy_corrections(old: list[Tensor], behaviour: list[Tensor], masks: l
                                               level=settings.rollout_correction_level,
                                               cap=settings.rollout_correction_cap, low=settings.rollout_correction_low,
                                               masks=masks if any(m is not None for m in masks) else None)
-    if settings.rollout_rejection != "none":
-        kept, rejection_metrics = rejected(old, behaviour, masks, level=settings.rollout_rejection,
-                                           low=settings.rollout_rejection_low, high=settings.rollout_rejection_high)
+    if settings.rejection.active:
+        kept, rejection_metrics = rejected(old, behaviour, masks, settings.rejection)
         metrics = metrics.merge(rejection_metrics)
     return weights, kept, metrics
 

@@ -8,7 +8,8 @@ This is where the contracts of docs/architecture.md (the data path) and docs/los
 3. each micro-batch runs one packed forward of the model (here) and the fused loss of its outputs
    (fsdptrain/rl/packed_loss.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
    micro-batch losses are summed by backward, never averaged by their count;
-4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step;
+4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step; a
+   mini-batch with no counted token (global count 0, the same on every rank) is no step at all (docs/loss.md);
 5. metrics merge by their kinds over micro-batches and then over ranks (``reduce_metrics``).
 
 The policy's update takes an optional :class:`AuxiliaryLoss`: the hook through which an extension trains a loss on
@@ -212,6 +213,24 @@ def optimizer_step(model, optimizer, *, grad_clip: float, guard: NonFiniteGuard)
     return StepOutcome(grad_norm=float(grad_norm), skipped=skipped)
 
 
+def minibatch_step(model, optimizer, norms: LossNormalizers, *, grad_clip: float, guard: NonFiniteGuard
+                   ) -> StepOutcome:
+    """:func:`optimizer_step` after a mini-batch whose loss had the global normalisers ``norms``, or no step at all
+    when it had no counted token (``norms.global_num_tokens == 0``, the same on every rank: no collective).
+
+    Such a mini-batch contributes zero loss and a zero gradient; stepping on it would still change the weights
+    (AdamW decays them and moves them along its moments) and the optimizer's state (moments, step count), so it
+    takes no step in any layout and on any number of ranks. Its gradient is dropped unread (zero by contract) and
+    its norm is 0 (docs/loss.md, "A mini-batch with no counted token").
+    """
+    if norms.global_num_tokens == 0:
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(grad_norm=0.0, skipped=False, norms=norms)
+    outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
+    outcome.norms = norms
+    return outcome
+
+
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
                         guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None
@@ -226,8 +245,7 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
         norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device)
-        outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
-        outcome.norms = norms
+        outcome = minibatch_step(model, optimizer, norms, grad_clip=grad_clip, guard=guard)
         return reduce_metrics(accumulated.metrics), outcome
     assert loss_fn is packed_policy_loss, "an auxiliary loss trains with the policy loss only"
     plan = plan_agreed(batch.lengths(), token_budget)
@@ -236,8 +254,7 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
     joint = WithAuxiliary(policy=settings, auxiliary=auxiliary, norms=aux_norms)
     accumulated = accumulate_gradients(model, batch, loss_fn=policy_and_auxiliary_loss, settings=joint,
                                        norms=norms, token_budget=token_budget, device=device, plan=plan)
-    outcome = optimizer_step(model, optimizer, grad_clip=grad_clip, guard=guard)
-    outcome.norms = norms
+    outcome = minibatch_step(model, optimizer, norms, grad_clip=grad_clip, guard=guard)
     outcome.auxiliary = auxiliary.after_policy_step(model, batch, plan, norms=aux_norms, policy=settings,
                                                     token_budget=token_budget, device=device)
     return reduce_metrics(accumulated.metrics), outcome

@@ -17,6 +17,7 @@ from fsdptrain.check.compare import Outcome, compare, self_checks
 from fsdptrain.check.layouts import reduce_like_ranks
 from fsdptrain.check.reference import Counts, explained_variance_direct, seq_share
 from fsdptrain.check.run import run_checks
+from fsdptrain.check.update_pass import _merge
 from fsdptrain.compose import compose_config
 from fsdptrain.distributed import world
 from fsdptrain.model import attention_backends
@@ -32,6 +33,16 @@ from tests.planted_bugs import (
 )
 
 # ---- the rules, by hand --------------------------------------------------------------------------------------------
+
+
+def test_update_merge_takes_every_update_s_names_and_an_empty_update_s_zero_loss():
+    # updates [empty, 3 tokens, empty, 1 token]: rejection left the first and third with no counted token, so they
+    # carry only their losses (0); each name comes from whichever update has it, the means pooled over tokens
+    per_update = [{"pg_loss": 0.0}, {"pg_loss": -0.4, "entropy": 2.0, "probs_ratio_max": 1.5},
+                  {"pg_loss": 0.0}, {"pg_loss": 0.8, "entropy": 6.0, "probs_ratio_max": 1.25}]
+    merged = _merge(per_update, [0, 3, 0, 1], "actor/")
+    assert merged == {"actor/pg_loss": pytest.approx(0.1, abs=1e-15), "actor/entropy": 3.0,
+                      "actor/probs_ratio_max": 1.5}
 
 
 def test_seq_share_follows_the_contract_by_hand():
@@ -433,10 +444,13 @@ def test_rollout_correction_weights_and_metrics_from_their_definitions(overrides
     assert ref["experience/rollout_is_capped_frac"] > 0 and ref["experience/rollout_is_mean"] != 1.0
     names = {c.metric for c in report.comparisons if c.layout == "experience"}
     assert {"experience/rollout_is_mean", "experience/rollout_is_max", "experience/rollout_is_ratio_max",
-            "experience/rollout_is_capped_frac", "experience/is_weights_max_diff"} <= names
+            "experience/rollout_is_capped_frac", "experience/is_weights_max_diff", "experience/rollout_is_min",
+            "experience/rollout_is_std", "experience/rollout_is_eff_sample_size"} <= names
     # the planted behaviour log-probs (old + U(-1, 1)) are off-policy: the diagnostics are logged and compared
     assert {"rollout_corr/kl_k1", "rollout_corr/kl_k3", "rollout_corr/log_ppl_diff",
-            "rollout_corr/ratio_outside_frac"} <= names
+            "rollout_corr/ratio_outside_frac", "rollout_corr/training_ppl", "rollout_corr/rollout_log_ppl",
+            "rollout_corr/log_ppl_abs_diff", "rollout_corr/log_ppl_diff_max", "rollout_corr/log_ppl_diff_min",
+            "rollout_corr/ppl_ratio", "rollout_corr/chi2_token", "rollout_corr/chi2_seq"} <= names
     assert 0 < ref["rollout_corr/ratio_outside_frac"] < 1 and ref["rollout_corr/kl_k3"] > 0
 
 
@@ -496,7 +510,8 @@ def test_rejection_sampling_passes_and_catches_rejected_tokens_in_the_normaliser
     assert report.ok, "\n".join(report.failures)
     assert 0.1 < clean.batch.experience["experience/rollout_rs_rejected_token_frac"] < 0.9
     compared = {c.metric for c in report.comparisons if c.layout == "experience" and c.passed}
-    assert {"experience/rollout_rs_rejected_token_frac", "experience/rollout_rs_rejected_seq_frac"} <= compared
+    assert {"experience/rollout_rs_rejected_token_frac", "experience/rollout_rs_rejected_seq_frac",
+            "experience/rollout_rs_ratio_mean"} <= compared
     plant_rejected_tokens_in_the_normaliser(monkeypatch.setattr)
     planted = _session(*overrides)
     failures = _failing(run_checks(planted, "token-mean", off_policy=False, experience=False, update=False))

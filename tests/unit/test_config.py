@@ -84,6 +84,14 @@ def test_configuration_doc_matches_the_schema():
          "algorithm.rollout_correction_low=2.0 must be below algorithm.rollout_correction_cap=2.0"),
         (["algorithm.rollout_correction=mis", "algorithm.rollout_correction_low=0"],
          "algorithm.rollout_correction_low=0.0 must be a finite number > 0"),
+        (["algorithm.rollout_rejection_divergence=seq_mean_k1"],
+         "algorithm.rollout_rejection_divergence='seq_mean_k1' is not a valid choice"),
+        (["algorithm.rollout_rejection_divergence=seq_mean_k3"],
+         "algorithm.rollout_rejection_divergence=seq_mean_k3 needs algorithm.rollout_rejection_divergence_max="),
+        (["algorithm.rollout_rejection_divergence_max=0.1"],
+         "algorithm.rollout_rejection_divergence_max=0.1 bounds a divergence, but"),
+        (["algorithm.rollout_rejection_divergence=token_k2", "algorithm.rollout_rejection_divergence_max=0"],
+         "algorithm.rollout_rejection_divergence_max=0.0 must be a finite number > 0"),
     ],
 )
 def test_validation_names_the_bad_value(overrides, message):

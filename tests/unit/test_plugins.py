@@ -1,5 +1,7 @@
 """Named registration (`fsdptrain.register_policy_loss` / `register_adv_estimator`) and `algorithm.plugins`."""
 
+import enum
+
 import pytest
 
 import fsdptrain
@@ -61,6 +63,28 @@ def test_a_built_in_name_cannot_be_taken(name):
 def test_a_bad_name_is_refused(name):
     with pytest.raises(ConfigError, match="a name is a non-empty string without ':'"):
         fsdptrain.register_policy_loss(name)
+
+
+class Estimators(enum.Enum):
+    MINE = "mine"
+    GRPO = "grpo"
+    NUMBERED = 3
+
+
+def test_an_enum_member_registers_its_value():
+    assert fsdptrain.register_adv_estimator(Estimators.MINE)(my_adv) is my_adv
+    assert plugins.registered("algorithm.adv_estimator") == {"mine": my_adv}
+    assert resolve_adv_estimator("mine") is my_adv
+    assert fsdptrain.register_adv_estimator("mine")(my_adv) is my_adv  # the same name, string or member
+    with pytest.raises(ConfigError, match="'mine' is registered twice"):
+        fsdptrain.register_adv_estimator(Estimators.MINE)(lambda **_: None)
+
+
+def test_an_enum_member_of_a_built_in_or_without_a_string_value_is_refused():
+    with pytest.raises(ConfigError, match="cannot register 'grpo': it is a built-in"):
+        fsdptrain.register_adv_estimator(Estimators.GRPO)
+    with pytest.raises(ConfigError, match="an Enum member whose value is one"):
+        fsdptrain.register_adv_estimator(Estimators.NUMBERED)
 
 
 def test_the_two_fields_have_their_own_names():

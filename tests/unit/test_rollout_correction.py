@@ -32,8 +32,29 @@ def test_token_level_by_hand(mode, weights, mean, max_):
     assert out["rollout_is_max"] == pytest.approx(max_, abs=1e-12)
     assert out["rollout_is_ratio_max"] == pytest.approx(4.0, abs=1e-12)
     assert out["rollout_is_capped_frac"] == 0.25
-    assert [metrics[k].kind for k in metrics] == [Kind.MEAN, Kind.MAX, Kind.MAX, Kind.MEAN]
+    assert [metrics[k].kind for k in metrics] == [Kind.MEAN, Kind.MAX, Kind.MAX, Kind.MEAN, Kind.MIN, Kind.DERIVED,
+                                                  Kind.DERIVED]
     assert not w.requires_grad
+
+
+@pytest.mark.parametrize("mode, applied", [("tis", [1.0, 2.0, 3.0, 0.5]), ("mis", [1.0, 2.0, 0.0, 0.5])])
+def test_weight_min_std_and_effective_sample_size_by_hand(mode, applied):
+    """tis applies [1, 2, 3, 1/2]: sum 6.5, sum of squares 14.25, n 4: std sqrt(14.25/4 - 1.625^2) = sqrt(0.921875),
+    ESS 6.5^2 / (4 * 14.25) = 42.25/57; mis applies [1, 2, 0, 1/2]: sum 3.5, squares 5.25: std
+    sqrt(1.3125 - 0.875^2) = sqrt(0.546875), ESS 12.25/21. Split in two halves, the pooled stats give the same."""
+    from fsdptrain.rl.rollout_correction import effective_sample_size
+
+    _, metrics = rollout_correction_weights(OLD, BEHAVIOUR, MASK, mode=mode, level="token", cap=3.0)
+    out = finalize(metrics)
+    total, squares = sum(applied), sum(w * w for w in applied)
+    assert out["rollout_is_min"] == min(applied)
+    assert out["rollout_is_std"] == pytest.approx(math.sqrt(squares / 4 - (total / 4) ** 2), abs=1e-12)
+    assert out["rollout_is_eff_sample_size"] == pytest.approx(total * total / (4 * squares), abs=1e-12)
+    assert effective_sample_size([4.0, 10.0, 2.0]) == pytest.approx(0.8, abs=1e-15)  # w = [1, 3]
+    assert effective_sample_size([0.0, 0.0, 2.0]) is None and effective_sample_size([0.0, 0.0, 0.0]) is None
+    halves = [rollout_correction_weights(OLD[:, cols], BEHAVIOUR[:, cols], MASK[:, cols], mode=mode, level="token",
+                                         cap=3.0)[1] for cols in (slice(0, 2), slice(2, 5))]
+    assert finalize(merge(*halves)) == pytest.approx(out, abs=1e-12)
 
 
 def test_token_metrics_merge_exactly_over_a_split():
@@ -234,7 +255,20 @@ def test_off_policy_diagnostics_by_hand():
     assert out["kl_k3"] == pytest.approx((1.5 - LN2) / 5, abs=1e-12)
     assert out["log_ppl_diff"] == pytest.approx(-LN2 / 3, abs=1e-12)
     assert out["ratio_outside_frac"] == 0.0
-    assert all(metrics[k].kind is Kind.MEAN for k in metrics)
+    # verl's names: old log-probs 0 -> training ppl 1; behaviour means -ln2 and ln2/3 -> rollout ppl 2 and 2^(-1/3)
+    assert out["training_ppl"] == 1.0 and out["training_log_ppl"] == 0.0
+    assert out["rollout_ppl"] == pytest.approx((2 + 2 ** (-1 / 3)) / 2, abs=1e-12)
+    assert out["rollout_log_ppl"] == pytest.approx(LN2 / 3, abs=1e-12)
+    # gaps -ln2 and ln2/3: |gap| mean 2 ln2 / 3, extremes, exp(gap) mean (1/2 + 2^(1/3)) / 2
+    assert out["log_ppl_abs_diff"] == pytest.approx(2 * LN2 / 3, abs=1e-12)
+    assert out["log_ppl_diff_max"] == pytest.approx(LN2 / 3, abs=1e-12)
+    assert out["log_ppl_diff_min"] == pytest.approx(-LN2, abs=1e-12)
+    assert out["ppl_ratio"] == pytest.approx((0.5 + 2 ** (1 / 3)) / 2, abs=1e-12)
+    # w^2 = 4, 4, 1/4, 1, 1: mean 2.05; sequence ratios 4 and 1/2: mean of squares 8.125
+    assert out["chi2_token"] == pytest.approx(1.05, abs=1e-12)
+    assert out["chi2_seq"] == pytest.approx(7.125, abs=1e-12)
+    extremes = {"log_ppl_diff_max": Kind.MAX, "log_ppl_diff_min": Kind.MIN}
+    assert {k: metrics[k].kind for k in metrics} == {k: extremes.get(k, Kind.MEAN) for k in metrics}
     # w = 4 (d = -2 ln2) is outside, w = e^-0.1 inside: 1/2
     out = finalize(off_policy_diagnostics(torch.zeros(1, 2, dtype=F64), torch.tensor([[-2 * LN2, 0.1]], dtype=F64),
                                           torch.ones(1, 2)))
@@ -264,12 +298,19 @@ def test_experience_logs_diagnostics_of_the_rollouts_that_carry_behaviour_logpro
     big_l = math.log(1.5)
     behaviour = [torch.tensor([-big_l, -big_l]), torch.tensor([2 * LN2]), None]
     want = {"rollout_corr/kl_k1": (2 * LN2 - 2 * big_l) / 3, "rollout_corr/kl_k3": (0.25 + 2 * LN2 - 2 * big_l) / 3,
-            "rollout_corr/log_ppl_diff": (2 * LN2 - big_l) / 2, "rollout_corr/ratio_outside_frac": 1 / 3}
+            "rollout_corr/log_ppl_diff": (2 * LN2 - big_l) / 2, "rollout_corr/ratio_outside_frac": 1 / 3,
+            # old 0: ppl 1; behaviour means -L and 2 ln2: ppl 1.5 and 1/4
+            "rollout_corr/training_ppl": 1.0, "rollout_corr/training_log_ppl": 0.0,
+            "rollout_corr/rollout_ppl": 0.875, "rollout_corr/rollout_log_ppl": (big_l - 2 * LN2) / 2,
+            "rollout_corr/log_ppl_abs_diff": (big_l + 2 * LN2) / 2, "rollout_corr/log_ppl_diff_max": 2 * LN2,
+            "rollout_corr/log_ppl_diff_min": -big_l, "rollout_corr/ppl_ratio": (2 / 3 + 4) / 2,
+            # w = 1.5, 1.5, 1/4: squares 4.5625 / 3; sequence ratios 2.25 and 1/4: squares (5.0625 + 0.0625) / 2
+            "rollout_corr/chi2_token": 1.5625 / 3, "rollout_corr/chi2_seq": 1.5625}
     metrics = off_policy_metrics(old, behaviour)
-    assert finalize(metrics) == pytest.approx(want, abs=1e-7)
-    assert {m.kind for m in metrics.values()} == {Kind.MEAN}
+    assert finalize(metrics) == pytest.approx(want, rel=1e-6, abs=1e-7)  # the log-probs are fp32
+    assert {m.kind for m in metrics.values()} == {Kind.MEAN, Kind.MAX, Kind.MIN}
     split = merge_all([off_policy_metrics(old[:1], behaviour[:1]), off_policy_metrics(old[1:], behaviour[1:])])
-    assert finalize(split) == pytest.approx(want, abs=1e-7)
+    assert finalize(split) == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert finalize(off_policy_metrics(old[2:], behaviour[2:])) == {}
     assert list(off_policy_metrics([], [])) == list(want)  # the names are fixed: the ranks' schemas agree
 
@@ -281,22 +322,27 @@ REJ_BEHAVIOUR = torch.tensor([[0.0, -1.0, 1.0], [-0.5, -0.5, math.nan]], dtype=F
 REJ_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 
 
-@pytest.mark.parametrize("level, keep, token_frac, seq_frac", [
+E = math.e
+
+
+@pytest.mark.parametrize("level, keep, token_frac, seq_frac, ratio_mean", [
     # token: 1 kept, e and 1/e out; 1.65 kept twice -> 2 of 5 rejected
-    ("token", [[1, 0, 0], [1, 1, 0]], 2 / 5, 0.0),
+    ("token", [[1, 0, 0], [1, 1, 0]], 2 / 5, 0.0, (1 + E + 1 / E + 2 * E ** 0.5) / 5),
     # sequence: prod = e^0 = 1 kept; e^1 = 2.72 > 2 rejected whole -> 2 of 5 tokens, 1 of 2 sequences
-    ("sequence", [[1, 1, 1], [0, 0, 0]], 2 / 5, 1 / 2),
+    ("sequence", [[1, 1, 1], [0, 0, 0]], 2 / 5, 1 / 2, (3 + 2 * E) / 5),
     # geometric: e^0 = 1 and e^0.5 = 1.65 both kept
-    ("geometric", [[1, 1, 1], [1, 1, 0]], 0.0, 0.0),
+    ("geometric", [[1, 1, 1], [1, 1, 0]], 0.0, 0.0, (3 + 2 * E ** 0.5) / 5),
 ])
-def test_rejection_by_hand(level, keep, token_frac, seq_frac):
+def test_rejection_by_hand(level, keep, token_frac, seq_frac, ratio_mean):
     kept, metrics = rollout_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, level=level, low=0.5, high=2.0)
     assert kept.tolist() == [[bool(k) for k in row] for row in keep]
     out = finalize(metrics)
     assert out["rollout_rs_rejected_token_frac"] == pytest.approx(token_frac, abs=1e-12)
     assert out["rollout_rs_rejected_seq_frac"] == pytest.approx(seq_frac, abs=1e-12)
+    assert out["rollout_rs_ratio_mean"] == pytest.approx(ratio_mean, abs=1e-12)
     assert {name: m.kind for name, m in metrics.items()} == {"rollout_rs_rejected_token_frac": Kind.MEAN,
-                                                             "rollout_rs_rejected_seq_frac": Kind.MEAN}
+                                                             "rollout_rs_rejected_seq_frac": Kind.MEAN,
+                                                             "rollout_rs_ratio_mean": Kind.MEAN}
 
 
 @pytest.mark.parametrize("level, keep", [
@@ -339,3 +385,130 @@ def test_config_refuses_a_rejection_band_upside_down():
     with pytest.raises(ConfigError, match="^algorithm.rollout_rejection_low=3.0 must be below "
                                           "algorithm.rollout_rejection_high=2.0$"):
         compose_config(["algorithm.rollout_rejection=token", "algorithm.rollout_rejection_low=3"])
+
+
+def test_sequence_perplexity_by_hand():
+    """logp [ln 1/2, ln 1/2] and [ln 1/4] (a masked NaN beside it): ppl (2 + 4) / 2 = 3, log_ppl 1.5 ln2; packed alike."""
+    from fsdptrain.rl.rollout_correction import sequence_perplexity
+
+    logp = torch.tensor([[-LN2, -LN2], [-2 * LN2, math.nan]], dtype=F64)
+    out = finalize(sequence_perplexity(logp, torch.tensor([[1, 1], [1, 0]])))
+    assert out == pytest.approx({"ppl": 3.0, "log_ppl": 1.5 * LN2}, abs=1e-12)
+    packed = finalize(sequence_perplexity(torch.tensor([-LN2, -LN2, -2 * LN2], dtype=F64), torch.ones(3),
+                                          cu_seqlens=torch.tensor([0, 2, 3])))
+    assert packed == pytest.approx(out, abs=1e-12)
+
+
+def test_token_veto_by_hand():
+    """d = old - behaviour = [0, ln 1e-5] and [0, 0], threshold 1e-4: sequence 0 vetoed whole (a ratio 1e-5 < 1e-4),
+    one catastrophic token of 4, one sequence of 2; a masked catastrophic token vetoes nothing."""
+    from fsdptrain.rl.rollout_correction import rollout_veto_mask
+
+    old = torch.zeros(2, 2, dtype=F64)
+    behaviour = torch.tensor([[0.0, -math.log(1e-5)], [0.0, 0.0]], dtype=F64)
+    keep, metrics = rollout_veto_mask(old, behaviour, torch.ones(2, 2), threshold=1e-4)
+    assert keep.tolist() == [[False, False], [True, True]]
+    assert finalize(metrics) == {"rollout_veto_seq_frac": 0.5, "rollout_veto_token_frac": 0.25}
+    keep, metrics = rollout_veto_mask(old, behaviour, torch.tensor([[1, 0], [1, 1]]), threshold=1e-4)
+    assert keep.tolist() == [[True, False], [True, True]]
+    assert finalize(metrics) == {"rollout_veto_seq_frac": 0.0, "rollout_veto_token_frac": 0.0}
+    with pytest.raises(ValueError, match="veto threshold must be > 0"):
+        rollout_veto_mask(old, behaviour, torch.ones(2, 2), threshold=0.0)
+
+
+@pytest.mark.parametrize("estimator, reduction, high, keep, token_frac, seq_frac, stat_mean", [
+    # l = old - behaviour: sequence 0 [0, 1, -1], sequence 1 [0.5, 0.5] (REJ_*). k2 = l^2/2: [0, 1/2, 1/2], [1/8, 1/8]
+    ("k2", "token", 0.25, [[1, 0, 0], [1, 1, 0]], 2 / 5, 0.0, (1 + 0.25) / 5),
+    ("k2", "sum", 0.5, [[0, 0, 0], [1, 1, 0]], 3 / 5, 1 / 2, (3 * 1.0 + 2 * 0.25) / 5),      # sums 1 and 1/4
+    ("k2", "mean", 0.2, [[0, 0, 0], [1, 1, 0]], 3 / 5, 1 / 2, (3 / 3 + 2 * 0.125) / 5),     # means 1/3 and 1/8
+    ("k2", "max", 0.5, [[1, 1, 1], [1, 1, 0]], 0.0, 0.0, (3 * 0.5 + 2 * 0.125) / 5),       # maxes 1/2 and 1/8
+    # k3 = e^l - 1 - l: [0, e - 2, 1/e], [e^0.5 - 1.5] * 2; max of sequence 0 is e - 2 = 0.718
+    ("k3", "max", 0.5, [[0, 0, 0], [1, 1, 0]], 3 / 5, 1 / 2, (3 * (E - 2) + 2 * (E ** 0.5 - 1.5)) / 5),
+])
+def test_divergence_rejection_by_hand(estimator, reduction, high, keep, token_frac, seq_frac, stat_mean):
+    from fsdptrain.rl.rollout_correction import rollout_divergence_rejection_mask
+
+    kept, metrics = rollout_divergence_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, estimator=estimator,
+                                                      reduction=reduction, high=high)
+    assert kept.tolist() == [[bool(k) for k in row] for row in keep]
+    out = finalize(metrics)
+    assert out["rollout_rs_rejected_token_frac"] == pytest.approx(token_frac, abs=1e-12)
+    assert out["rollout_rs_rejected_seq_frac"] == pytest.approx(seq_frac, abs=1e-12)
+    assert out["rollout_rs_divergence_mean"] == pytest.approx(stat_mean, abs=1e-12)
+    packed, m_packed = rollout_divergence_rejection_mask(REJ_OLD.reshape(-1)[:5], REJ_BEHAVIOUR.reshape(-1)[:5],
+                                                         torch.ones(5), estimator=estimator, reduction=reduction,
+                                                         high=high, cu_seqlens=torch.tensor([0, 3, 5]))
+    assert packed.tolist() == kept[REJ_MASK.bool()].tolist()
+    assert finalize(m_packed) == pytest.approx(out, abs=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(estimator="k1", reduction="token", high=1.0), "unknown rejection divergence 'k1'"),
+    (dict(estimator="k2", reduction="min", high=1.0), "unknown rejection reduction 'min'"),
+    (dict(estimator="k2", reduction="token", high=0.0), "must be > 0"),
+])
+def test_divergence_rejection_refuses_bad_settings(kwargs, fragment):
+    from fsdptrain.rl.rollout_correction import rollout_divergence_rejection_mask
+
+    with pytest.raises(ValueError, match=fragment):
+        rollout_divergence_rejection_mask(REJ_OLD, REJ_BEHAVIOUR, REJ_MASK, **kwargs)
+
+
+@pytest.mark.parametrize("option, parsed", [("token_k2", ("k2", "token")), ("token_k3", ("k3", "token")),
+                                            ("seq_sum_k2", ("k2", "sum")), ("seq_mean_k3", ("k3", "mean")),
+                                            ("seq_max_k2", ("k2", "max"))])
+def test_divergence_option_names_are_verl_s(option, parsed):
+    from fsdptrain.rl.rollout_correction import divergence_option
+
+    assert divergence_option(option) == parsed
+
+
+def test_ratio_and_divergence_rejections_together_by_hand():
+    # one sequence, d = [ln 2, 0]: ratios [2, 1] both in [0.5, 2.5]; token_k2 = [(ln 2)^2 / 2, 0] = [0.2402, 0]:
+    # the divergence (max 0.1) rejects the first token only; token share 1/2, no sequence emptied;
+    # ratio mean (2 + 1) / 2, divergence mean 0.2402 / 2. With the ratio band [0.5, 1.5] as well, it is still the
+    # first token only (each rejection judges the same tokens; a token goes when either rejects it).
+    from fsdptrain.rl.rollout_correction import RejectionSettings, rollout_rejection
+
+    old = torch.tensor([[math.log(2.0), 0.0]], dtype=torch.float64)
+    behaviour, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2)
+    k2 = 0.5 * math.log(2.0) ** 2
+    for high in (2.5, 1.5):
+        settings = RejectionSettings("token", 0.5, high, "token_k2", 0.1)
+        kept, metrics = rollout_rejection(old, behaviour, mask, settings)
+        assert kept.tolist() == [[False, True]]
+        assert finalize(metrics) == pytest.approx({"rollout_rs_rejected_token_frac": 0.5,
+                                                   "rollout_rs_rejected_seq_frac": 0.0,
+                                                   "rollout_rs_ratio_mean": 1.5,
+                                                   "rollout_rs_divergence_mean": k2 / 2}, abs=1e-12)
+    # the divergence alone: seq_sum_k2 of the sequence is k2 > 0.1, so both tokens go and the sequence is emptied
+    kept, metrics = rollout_rejection(old, behaviour, mask, RejectionSettings(divergence="seq_sum_k2",
+                                                                              divergence_max=0.1))
+    assert kept.tolist() == [[False, False]]
+    assert finalize(metrics) == pytest.approx({"rollout_rs_rejected_token_frac": 1.0,
+                                               "rollout_rs_rejected_seq_frac": 1.0,
+                                               "rollout_rs_divergence_mean": k2}, abs=1e-12)
+
+
+def test_geometric_level_weights_by_hand():
+    # d = [ln 2, ln 8] and [ln 1/2]: geometric means sqrt(2 * 8) = 4 and 1/2, one weight per sequence on each of its
+    # tokens; tis C = 2 truncates 4 to 2. Sequence-weighted metrics: mean (2 + 1/2) / 2, max 2, min 1/2, raw max 4,
+    # capped share 1/2. The same in the packed layout. The reference's definition (prod r)^(1/n) agrees.
+    from fsdptrain.check.batch import IsCorrection
+    from fsdptrain.check.reference import reference_is_weights
+
+    old = torch.tensor([[math.log(2.0), math.log(8.0)], [math.log(0.5), 0.0]], dtype=torch.float64)
+    behaviour, mask = torch.zeros(2, 2, dtype=torch.float64), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights, metrics = rollout_correction_weights(old, behaviour, mask, mode="tis", level="geometric", cap=2.0)
+    assert weights.reshape(-1).tolist() == pytest.approx([2.0, 2.0, 0.5, 0.0], abs=1e-12)
+    out = finalize(metrics)
+    assert {k: out[k] for k in ("rollout_is_mean", "rollout_is_max", "rollout_is_min", "rollout_is_ratio_max",
+                                "rollout_is_capped_frac")} == pytest.approx(
+        {"rollout_is_mean": 1.25, "rollout_is_max": 2.0, "rollout_is_min": 0.5, "rollout_is_ratio_max": 4.0,
+         "rollout_is_capped_frac": 0.5}, abs=1e-12)
+    packed, m_packed = rollout_correction_weights(old[mask.bool()], behaviour[mask.bool()], torch.ones(3), mode="tis",
+                                                  level="geometric", cap=2.0, cu_seqlens=torch.tensor([0, 2, 3]))
+    assert packed.tolist() == pytest.approx([2.0, 2.0, 0.5], abs=1e-12)
+    assert finalize(m_packed) == pytest.approx(out, abs=1e-12)
+    applied, raw = reference_is_weights(old[0], behaviour[0], IsCorrection("mis", "geometric", 5.0, None))
+    assert applied.tolist() == pytest.approx([4.0, 4.0], abs=1e-12) and raw.tolist() == pytest.approx([4.0])
