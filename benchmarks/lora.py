@@ -14,11 +14,11 @@ weights' gradients (the backward still runs through them for the activations) an
 update each, then --repeats timed ones, interleaved; the best process CPU time of each.
 
 memory: per-rank parameter + gradient + AdamW bytes of LoRA over full fine-tuning with bf16 params, computed from the
-parameter counts of benchmarks/fsdp_memory.py's medium model and of 7B/8B shapes (built on the meta device, nothing allocated): full
-fine-tuning keeps 16 bytes per parameter (fp32 master weight, gradient, two AdamW moments) and, with a KL term, a
-frozen reference copy at 2 bytes per parameter; LoRA keeps 2 bytes per frozen base weight and 16 per adapter
-parameter, and no reference copy. Sharding divides both sides by the same rank count. benchmarks/fsdp_memory.py
-measures the medium model's shards; this gives the shapes it cannot allocate.
+parameter counts of benchmarks/fsdp_memory.py's medium model and of 7B/8B shapes (built on the meta device, nothing
+allocated): full fine-tuning keeps 16 bytes per parameter (fp32 master weight, gradient, two AdamW moments) and,
+with a KL term, a frozen reference copy at 2 bytes per parameter; LoRA keeps 2 bytes per frozen base weight and 16
+per adapter parameter, and no reference copy. Sharding divides both sides by the same rank count.
+benchmarks/fsdp_memory.py measures the medium model's shards; this gives the shapes it cannot allocate.
 
 CPU time (the process's work) is steadier than wall time on a shared machine.
 """

@@ -242,8 +242,9 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     """Keep the frozen parameters in ``dtype`` (the mixed-precision param dtype) instead of fp32: they take no
     optimizer step, so they need no fp32 master copy, and forwards compute in ``dtype`` anyway (FSDP2 would cast
     the fp32 shard to ``dtype`` before the all-gather: the gathered values are the same). Under LoRA with bf16
-    params the base weights then cost 2 bytes each per shard, and so does every weight of the KL reference. FSDP2 asks a uniform dtype of the trainable
-    parameters of a unit only. Tied parameters stay tied (one replacement per parameter)."""
+    params the base weights then cost 2 bytes each per shard, and so does every weight of the KL reference. FSDP2
+    asks a uniform dtype of the trainable parameters of a unit only. Tied parameters stay tied (one replacement per
+    parameter)."""
     if dtype == torch.float32:
         return
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
