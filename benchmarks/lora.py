@@ -1,6 +1,6 @@
 """LoRA r=16 against full fine-tuning on the medium benchmark model, one process each (docs/lora.md). Not a test.
 
-    PYTHONPATH=. python benchmarks/lora.py generate|update [--hidden 256 --layers 4 --r 16]
+    PYTHONPATH=. python benchmarks/lora.py generate|update|memory [--hidden 256 --layers 4 --r 16]
 
 generate: with ``rollout.gather_weights`` the trainer generates from the gathered weights with the adapters separate
 (each adapted linear adds two thin matmuls, x A^T B^T, per token). Merging W + (alpha / r) B A before generating (and
@@ -12,6 +12,13 @@ update: the trainer's `update_on_minibatch` on the plain (not sharded) model: pa
 backward, clip, AdamW step. LoRA adds two thin matmuls per adapted linear in forward and backward but drops the base
 weights' gradients (the backward still runs through them for the activations) and their AdamW update. One warm-up
 update each, then --repeats timed ones, interleaved; the best process CPU time of each.
+
+memory: per-rank parameter + gradient + AdamW bytes of LoRA over full fine-tuning with bf16 params, computed from the
+parameter counts of benchmarks/fsdp_memory.py's medium model and of 7B/8B shapes (built on the meta device, nothing
+allocated): full fine-tuning keeps 16 bytes per parameter (fp32 master weight, gradient, two AdamW moments) and,
+with a KL term, a frozen reference copy at 2 bytes per parameter; LoRA keeps 2 bytes per frozen base weight and 16
+per adapter parameter, and no reference copy. Sharding divides both sides by the same rank count.
+benchmarks/fsdp_memory.py measures the medium model's shards; this gives the shapes it cannot allocate.
 
 CPU time (the process's work) is steadier than wall time on a shared machine.
 """
@@ -27,7 +34,7 @@ import torch
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("generate", "update"))
+    parser.add_argument("what", choices=("generate", "update", "memory"))
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--r", type=int, default=16)
@@ -45,6 +52,43 @@ def _model(args, *, lora: bool):
               "num_hidden_layers": args.layers, "num_attention_heads": 8, "num_key_value_heads": 4}
     settings = LoraSettings(r=args.r, alpha=2.0 * args.r, dropout=0.0) if lora else None
     return build_full_model("policy", path=None, config=config, seed=0, lora=settings)
+
+
+SHAPES = {  # the published shapes of two 7B-class models: untied head, no biases
+    "7B (Llama-2-7B shape)": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+                              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                              "num_key_value_heads": 32, "tie_word_embeddings": False},
+    "8B (Llama-3-8B shape)": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "tie_word_embeddings": False},
+}
+
+
+def memory_ratio(config: dict, *, r: int) -> dict:
+    """Base and adapter parameter counts of ``config`` with rank-``r`` all-linear adapters, and LoRA's training state
+    over full fine-tuning's (bf16 params), without and with a KL reference:
+
+        ratio    = (2 N + 16 A) / (16 N)          N base parameters, A adapter parameters
+        ratio_kl = (2 N + 16 A) / (16 N + 2 N)    full fine-tuning's reference copy in bf16; LoRA's is the policy
+    """
+    from fsdptrain.model.build import meta_model, resolve_config
+    from fsdptrain.model.lora import LoraSettings
+
+    model = meta_model("policy", resolve_config(path=None, config=config),
+                       lora=LoraSettings(r=r, alpha=2.0 * r, dropout=0.0))
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    lora_bytes = 2 * base + 16 * adapters
+    return {"base": base, "adapters": adapters, "ratio": lora_bytes / (16 * base),
+            "ratio_kl": lora_bytes / (18 * base)}
+
+
+def memory(args) -> dict:
+    from benchmarks.fsdp_memory import model_config
+
+    medium = model_config(hidden=args.hidden, layers=args.layers, vocab=8192)
+    shapes = {f"medium ({args.hidden} x {args.layers})": medium, **SHAPES}
+    return {name: memory_ratio(config, r=args.r) for name, config in shapes.items()}
 
 
 def generation(args, *, prompts: int = 32, new_tokens: int = 16) -> dict:
@@ -120,7 +164,7 @@ def update(args, *, seqs: int = 16, length: int = 64) -> dict:
 def main(argv=None) -> dict:
     args = _parse(argv)
     torch.set_num_threads(args.threads)
-    result = generation(args) if args.what == "generate" else update(args)
+    result = {"generate": generation, "update": update, "memory": memory}[args.what](args)
     print(json.dumps(result))
     return result
 

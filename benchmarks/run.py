@@ -120,17 +120,28 @@ def dist_rows(args) -> list[dict]:
                 f"{gen['per_token']:.0f} -> {gen['gathered']:.0f} tok/s, same tokens {gen['same_tokens']}")]
 
 
-def lora_memory_row(args) -> dict:
+def lora_memory_rows(args) -> list[dict]:
     """LoRA r=16 against full fine-tuning, per rank at 2 ranks, on the medium model's shape (bf16 params: the frozen
-    base weights are stored in the param dtype, docs/lora.md)."""
+    base weights and full fine-tuning's KL reference are stored in the param dtype, docs/lora.md), without and with a
+    KL term; then the same ratios computed from the parameter counts of 7B/8B shapes (benchmarks/lora.py memory)."""
     shape = ["--nproc", "2", "--hidden", "256", "--layers", "4", "--param-dtype", "bfloat16"]
-    full = fsdp_memory.main(shape)["many"]
-    lora = fsdp_memory.main([*shape, "--lora-r", "16"])["many"]
-    return row("LoRA r=16 per-rank params+grads+AdamW / full fine-tuning (medium, bf16, 2 ranks)",
-               lora["max_rank_bytes"] / full["max_rank_bytes"], "<= 0.15",
-               f"full {full['max_rank_bytes'] / 2**20:.1f} MiB -> LoRA {lora['max_rank_bytes'] / 2**20:.1f} MiB "
-               f"(params {lora['params'] / 2**20:.1f}, grads {lora['grads'] / 2**20:.2f}, AdamW "
-               f"{lora['state'] / 2**20:.2f} MiB on rank 0)")
+    rows = []
+    for kl in ([], ["--kl-reference"]):
+        full = fsdp_memory.main([*shape, *kl])["many"]
+        lora = fsdp_memory.main([*shape, *kl, "--lora-r", "16"])["many"]
+        rows.append(row(f"LoRA r=16 per-rank params+grads+AdamW{' + KL reference' if kl else ''} / full fine-tuning "
+                        "(medium, bf16, 2 ranks)", lora["max_rank_bytes"] / full["max_rank_bytes"],
+                        None if kl else "<= 0.15",
+                        f"full {full['max_rank_bytes'] / 2**20:.1f} MiB (reference {full['reference'] / 2**20:.1f}) "
+                        f"-> LoRA {lora['max_rank_bytes'] / 2**20:.1f} MiB (params {lora['params'] / 2**20:.1f}, "
+                        f"grads {lora['grads'] / 2**20:.2f}, AdamW {lora['state'] / 2**20:.2f} MiB on rank 0)"))
+    for name, got in lora_bench.main(["memory"]).items():
+        if name.startswith("medium"):
+            continue  # measured above
+        rows.append(row(f"LoRA r=16 params+grads+AdamW / full fine-tuning, {name}, bf16, computed", got["ratio"],
+                        None, f"with a KL reference {got['ratio_kl']:.3f}; {got['adapters'] / 1e6:.1f} M adapter "
+                        f"parameters on {got['base'] / 1e9:.2f} B"))
+    return rows
 
 
 def lora_generate_row(args) -> dict:
@@ -144,7 +155,7 @@ def lora_generate_row(args) -> dict:
 def lora_rows(args) -> list[dict]:
     """LoRA r=16 against full fine-tuning on the medium model's shape (docs/lora.md)."""
     update = lora_bench.main(["update", "--threads", str(args.threads)])
-    return [lora_memory_row(args), lora_generate_row(args),
+    return [*lora_memory_rows(args), lora_generate_row(args),
             row("LoRA r=16 update CPU time / full fine-tuning (medium, plain model)", update["ratio"], None,
                 f"full {update['full_s']:.3f} s -> LoRA {update['lora_s']:.3f} s per update of 16 x 64 tokens")]
 

@@ -218,8 +218,9 @@ def build_sharded_model(
         buffers = non_persistent_buffers(full)
         del full, backbone
     model = meta_model(kind, resolved, lora=lora)
-    if lora is not None:
-        store_frozen_in(model, param_dtype)
+    if kind == "reference":
+        model.requires_grad_(False)
+    store_frozen_in(model, param_dtype)  # the LoRA base weights, the whole reference; no-op for what trains
     parallelize(
         model,
         mesh=mesh,
@@ -239,9 +240,11 @@ def build_sharded_model(
 
 def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     """Keep the frozen parameters in ``dtype`` (the mixed-precision param dtype) instead of fp32: they take no
-    optimizer step, so they need no fp32 master copy, and forwards compute in ``dtype`` anyway. Under LoRA with
-    bf16 params the base weights then cost 2 bytes each per shard. FSDP2 asks a uniform dtype of the trainable
-    parameters of a unit only. Tied parameters stay tied (one replacement per parameter)."""
+    optimizer step, so they need no fp32 master copy, and forwards compute in ``dtype`` anyway (FSDP2 would cast
+    the fp32 shard to ``dtype`` before the all-gather: the gathered values are the same). Under LoRA with bf16
+    params the base weights then cost 2 bytes each per shard, and so does every weight of the KL reference. FSDP2
+    asks a uniform dtype of the trainable parameters of a unit only. Tied parameters stay tied (one replacement per
+    parameter)."""
     if dtype == torch.float32:
         return
     replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -267,7 +270,8 @@ def build_value_model(**kwargs: Any) -> PreTrainedModel:
 
 
 def build_reference_model(**kwargs: Any) -> PreTrainedModel:
-    """A frozen copy of the initial policy for the KL term: no parameter requires grad, eval mode.
+    """A frozen copy of the initial policy for the KL term: no parameter requires grad, eval mode, the weights stored
+    in ``param_dtype`` (`store_frozen_in`: 2 bytes each per shard with bf16 params).
 
     Keyword arguments as `build_sharded_model` (activation checkpointing makes no sense without backward and is
     refused). Its root keeps the output projection unsharded after a forward like the policy's; call

@@ -146,6 +146,8 @@ def test_reference_model_is_frozen(one_process, two_ranks):
             ref = rank_result["reference"]
             assert not ref["requires_grad"] and not ref["training"]
             assert ref["initial_weights"]["err"] == 0.0 and ref["initial_weights"]["keys_match"]
+            # bf16 params: stored in bf16 (half of fp32's bytes), the same logits as the policy's fp32 master cast
+            assert ref["bf16_stored_dtypes"] == ["torch.bfloat16"] and ref["bf16_same_logits_as_policy"]
 
 
 def test_memory_description(two_ranks):

@@ -301,14 +301,24 @@ def check_value(*, mesh, info, tied: bool) -> dict:
     return out
 
 
-def check_reference(*, mesh) -> dict:
+def check_reference(*, mesh, info) -> dict:
     ref = models.build_reference_model(path=None, config=llama_config(True), seed=POLICY_SEED, mesh=mesh)
+    # bf16 params: the reference stores its weights in bf16 (it never steps, so it needs no fp32 master copy) and
+    # computes exactly what the policy computes from its fp32 master weights, which FSDP2 casts before gathering
+    bf16 = dict(path=None, config=llama_config(True), seed=POLICY_SEED, mesh=mesh, param_dtype=torch.bfloat16)
+    ref_bf16, policy_bf16 = models.build_reference_model(**bf16), models.build_policy(**bf16)
+    bf16_stored_dtypes = sorted({str(p.dtype) for p in ref_bf16.parameters()})  # the shards, before any forward
+    ids = torch.arange(3, 3 + SEQ_LEN, device=info.device).reshape(1, -1)
+    with torch.no_grad():
+        same_logits = torch.equal(ref_bf16(input_ids=ids).logits, policy_bf16(input_ids=ids).logits)
     return {
         "requires_grad": any(p.requires_grad for p in ref.parameters()),
         "training": ref.training,
         "initial_weights": compare(
             models.gather_full_state_dict(ref, rank0_only=False), reference_policy(True).state_dict()
         ),
+        "bf16_stored_dtypes": bf16_stored_dtypes,
+        "bf16_same_logits_as_policy": same_logits,
     }
 
 
@@ -334,7 +344,7 @@ def main() -> None:
         if "guard" in extras:
             results["guard_stop"] = check_guard_stop(info)
         if "reference" in extras:
-            results["reference"] = check_reference(mesh=mesh)
+            results["reference"] = check_reference(mesh=mesh, info=info)
         Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
         world.destroy_distributed()
         code = 0
