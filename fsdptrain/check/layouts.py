@@ -18,9 +18,9 @@ own counts with dp_size 1, except the simulated data-parallel one:
 - ``ranks=W``: the product path on the real ranks: each rank's own share, ``global_normalizers``,
   ``world.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
   mesh's ranks;
-- ``shared prompts`` and ``shared prompts, ranks=W``: ``packed budget=B`` and ``ranks=W`` again with
-  ``trainer.share_prompts`` on (each pack's forward holds each of its prompts once, fsdptrain/data/shared_prompts.py),
-  whatever the configured setting.
+- with ``trainer.share_prompts=true``, ``shared prompts`` and ``shared prompts, ranks=W``: ``packed budget=B`` and
+  ``ranks=W`` again with each pack's forward holding each of its prompts once (fsdptrain/data/shared_prompts.py),
+  compared like every layout with the reference, which never shares.
 
 Every packed layout runs the train step's own ``accumulate_gradients`` (looked up on ``fsdptrain.train.step`` at call
 time), and the loss it reports is what that function summed: the scalars backward ran on, then averaged over the
@@ -256,12 +256,14 @@ def real_ranks(part: Part, ctx: Context, *, share_prompts: bool = False) -> Run:
     return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
 
 
-def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
-            world_size: int) -> list[tuple[str, Callable[[Part, Context], Run]]]:
+def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world_size: int,
+            share_prompts: bool = False) -> list[tuple[str, Callable[[Part, Context], Run]]]:
     """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only).
 
     Whatever the configured budget, one layout packs under the smallest budget that fits the longest sequence
-    (many packs), and the simulated data-parallel size is at least 2.
+    (many packs), and the simulated data-parallel size is at least 2. ``share_prompts`` (the configured
+    ``trainer.share_prompts``) adds the two shared-prompt layouts (left out otherwise: each costs a forward and
+    backward of the batch).
     """
     lengths = full.lengths()
     total, longest, n = sum(lengths), max(lengths), full.num_seqs
@@ -278,9 +280,9 @@ def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
         (f"micro-batches={n} (one sequence each)", forced_packs(_one_each(lengths))),
         (f"simulated dp={simulated_dp_size}", simulated_dp),
         (f"ranks={world_size}", real_ranks),
-        ("shared prompts", shared_prompts),
-        (f"shared prompts, ranks={world_size}", shared_prompts_ranks),
     ]
+    if share_prompts:
+        out += [("shared prompts", shared_prompts), (f"shared prompts, ranks={world_size}", shared_prompts_ranks)]
     return out
 
 

@@ -7,10 +7,12 @@ planted through monkeypatch, in process. Small hand-checked tests of the compari
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from fsdptrain.check.batch import build_session
 from fsdptrain.check.compare import Outcome, compare, self_checks
@@ -223,7 +225,8 @@ def test_catches_attention_leaking_across_packed_sequences(ppo, monkeypatch):
 @pytest.mark.slow  # one more check-metrics pass (about 15 s); the forward's equality is tests/unit/test_shared_prompts.py
 def test_catches_responses_seeing_each_other_under_shared_prompts(ppo, monkeypatch):
     monkeypatch.setattr(shared_prompts, "_branch_mask", lambda branch: None)  # causal over the whole group
-    failures = _failing(run_checks(ppo, update=False))
+    cfg = OmegaConf.merge(ppo.cfg, {"trainer": {"share_prompts": True}})  # the shared layouts run with the setting
+    failures = _failing(run_checks(dataclasses.replace(ppo, cfg=cfg), update=False))
     assert "actor/grad_max_diff [shared prompts]" in failures
     assert "critic/values_mean [shared prompts, ranks=1]" in failures
     assert "[micro-batches=1]" not in failures  # the unshared layouts are unaffected
