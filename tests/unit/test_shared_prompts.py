@@ -120,8 +120,6 @@ def test_shared_prompt_losses_equal_the_unshared(arch, backend, monkeypatch):
         kernel = cpu_kernel(make_flash_attn_varlen_func())
         monkeypatch.setattr(attention_backends, "flash_kernel", lambda: kernel)
     policy, critic = _models(arch)
-    set_attention(policy, backend)
-    set_attention(critic, backend)
     targets = _targets()
     counted = sum(len(r) if m is None else sum(m) for r, m in zip(RESPONSES, MASKS))
     norms = LossNormalizers(global_num_tokens=counted, global_num_seqs=6, dp_size=1, loss_scale_factor=None)
@@ -135,15 +133,18 @@ def test_shared_prompt_losses_equal_the_unshared(arch, backend, monkeypatch):
     set_attention(policy, "sdpa_segments")
     set_attention(critic, "sdpa_segments")
     want_policy = _run(policy, packed_policy_loss, policy_settings, pack_sequences, packs, norms, targets)
-    want_value = _run(critic, packed_value_loss, value_settings, pack_sequences, packs, norms, targets)
+    with_critic = (arch, backend) == ("llama", "sdpa_segments")  # the critic's forward once (CI time)
+    if with_critic:
+        want_value = _run(critic, packed_value_loss, value_settings, pack_sequences, packs, norms, targets)
     set_attention(policy, backend)
     set_attention(critic, backend)
     reset_call_counts()
     got_policy = _run(policy, packed_policy_loss, policy_settings, pack_shared_prompts, packs, norms, targets)
-    got_value = _run(critic, packed_value_loss, value_settings, pack_shared_prompts, packs, norms, targets)
     assert call_counts()[backend] > 0, "the backend under test did not run"
     _assert_same(got_policy, want_policy)
-    _assert_same(got_value, want_value)
+    if with_critic:
+        _assert_same(_run(critic, packed_value_loss, value_settings, pack_shared_prompts, packs, norms, targets),
+                     want_value)
 
     # the log-probs and entropy per position, including the first response token read at the shared prompt end
     shared, unshared = pack_shared_prompts(PROMPTS, RESPONSES), pack_sequences(PROMPTS, RESPONSES)
