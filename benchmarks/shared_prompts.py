@@ -83,7 +83,9 @@ def batch(tokenizer, args):
 
 def run_variant(args) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from benchmarks.trl_compare import plain_model_from_gguf
 
     from fsdptrain.config.schema import LossConfig, TrainerConfig
     from fsdptrain.model.attention_switch import set_attention
@@ -92,11 +94,7 @@ def run_variant(args) -> None:
     from fsdptrain.train.step import MiniBatch, accumulate_gradients, packed_policy_loss
 
     gguf = Path(args.gguf).resolve()
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=str(gguf), dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=str(gguf)),
-                                             dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    del loaded
+    model = plain_model_from_gguf(gguf)
     set_attention(model, "sdpa_segments")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=str(gguf))
     prompts, responses = batch(tokenizer, args)

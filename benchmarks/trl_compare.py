@@ -111,22 +111,30 @@ def run_fsdptrain(args, log: StepLog) -> None:
          f"trainer.run_dir={run_dir}"])
 
 
+def plain_model_from_gguf(gguf: Path):
+    """The GGUF's model dequantised to fp32, as a plain transformers model: transformers marks a GGUF-loaded model
+    quantized and Trainer refuses to train it, so the weights go into a model built from the same config, as fsdptrain
+    does (fsdptrain/distributed/fsdp.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=str(gguf), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=str(gguf)),
+                                             dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    return model
+
+
 def run_trl(args, log: StepLog) -> None:
     import importlib.util
 
     import torch
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     gguf = Path(args.gguf).resolve()
-    # transformers marks a GGUF-loaded model quantized and Trainer refuses to train it; the dequantised weights go
-    # into a plain model of the same config, as fsdptrain does (fsdptrain/distributed/fsdp.py)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=str(gguf), dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=str(gguf)),
-                                             dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    del loaded
+    model = plain_model_from_gguf(gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=str(gguf))
     spec = importlib.util.spec_from_file_location("example_reward", EXAMPLE / "reward.py")
     reward_module = importlib.util.module_from_spec(spec)
