@@ -33,6 +33,9 @@ over seeds, not prompt for prompt); the group std is fsdptrain's (docs/algorithm
 fsdptrain packs the 64 sequences into rows of `trainer.token_budget` tokens, TRL pads them to one batch; TRL also
 runs the model once more under no_grad for the old log-probs when it cannot prove them unnecessary.
 
+The side `fsdptrain-shared` is fsdptrain with `trainer.share_prompts=true` (each prompt once in the update's and the
+experience passes' packed forwards); the table also prints its ratios to the plain fsdptrain side.
+
 Reported per side and seed: per-step wall and CPU time (process CPU time, user + system), as medians over the steps
 after the first; the phase split: fsdptrain's `perf/generate_s`, `perf/update_s` (metrics.jsonl), TRL's time inside
 `_generate_and_score_completions` (generation, reward, old log-probs) and the rest of the step (loss, backward,
@@ -55,7 +58,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "real-model"
-SIDES = ("fsdptrain", "trl")
+SIDES = ("fsdptrain", "fsdptrain-shared", "trl")
+SHARED = "fsdptrain-shared"  # fsdptrain with trainer.share_prompts=true (docs/packing.md, "Shared prompts")
 
 
 def peak_rss_gib() -> float:
@@ -95,7 +99,8 @@ def run_fsdptrain(args, log: StepLog) -> None:
     loop.Trainer.run_step = timed_step
     from fsdptrain.cli import app
 
-    app(["train", "model=local", f"model.path={args.gguf}", "algorithm=grpo", "data=prompts",
+    shared = ["trainer.share_prompts=true"] if args.side == SHARED else []
+    app(["train", *shared, "model=local", f"model.path={args.gguf}", "algorithm=grpo", "data=prompts",
          f"data.path={EXAMPLE / 'train.jsonl'}", f"reward.functions=[{EXAMPLE / 'reward.py'}:last_number]",
          f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new}",
          "rollout.temperature=1.0", "rollout.top_p=1.0", f"trainer.lr={args.lr}", "trainer.lr_schedule=constant",
@@ -106,22 +111,30 @@ def run_fsdptrain(args, log: StepLog) -> None:
          f"trainer.run_dir={run_dir}"])
 
 
+def plain_model_from_gguf(gguf: Path):
+    """The GGUF's model dequantised to fp32, as a plain transformers model: transformers marks a GGUF-loaded model
+    quantized and Trainer refuses to train it, so the weights go into a model built from the same config, as fsdptrain
+    does (fsdptrain/distributed/fsdp.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=str(gguf), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=str(gguf)),
+                                             dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    return model
+
+
 def run_trl(args, log: StepLog) -> None:
     import importlib.util
 
     import torch
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     gguf = Path(args.gguf).resolve()
-    # transformers marks a GGUF-loaded model quantized and Trainer refuses to train it; the dequantised weights go
-    # into a plain model of the same config, as fsdptrain does (fsdptrain/distributed/fsdp.py)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=str(gguf), dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=str(gguf)),
-                                             dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    del loaded
+    model = plain_model_from_gguf(gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=str(gguf))
     spec = importlib.util.spec_from_file_location("example_reward", EXAMPLE / "reward.py")
     reward_module = importlib.util.module_from_spec(spec)
@@ -217,10 +230,11 @@ def print_table(results: dict, args) -> None:
     for (side, seed), r in results.items():
         print(f"{side:<10} {seed:>4} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['generate_s']:>8.1f} "
               f"{r['update_s']:>9.1f} {r['peak_gib']:>9.2f}  {r['rewards']}")
-    for seed in args.seeds:
-        ours, theirs = results.get(("fsdptrain", seed)), results.get(("trl", seed))
+    pairs = [("fsdptrain", "trl"), (SHARED, "trl"), (SHARED, "fsdptrain")]
+    for seed, (mine, other) in ((seed, pair) for seed in args.seeds for pair in pairs):
+        ours, theirs = results.get((mine, seed)), results.get((other, seed))
         if ours and theirs:
-            print(f"seed {seed}: fsdptrain / TRL  wall {ours['wall_s'] / theirs['wall_s']:.2f}  "
+            print(f"seed {seed}: {mine} / {other}  wall {ours['wall_s'] / theirs['wall_s']:.2f}  "
                   f"cpu {ours['cpu_s'] / theirs['cpu_s']:.2f}  update {ours['update_s'] / theirs['update_s']:.2f}  "
                   f"generation {ours['generate_s'] / theirs['generate_s']:.2f}  "
                   f"peak memory {ours['peak_gib'] / theirs['peak_gib']:.2f}")
@@ -243,7 +257,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.side is not None:  # a child: run one side
         log = StepLog(Path(args.out))
-        (run_fsdptrain if args.side == "fsdptrain" else run_trl)(args, log)
+        (run_trl if args.side == "trl" else run_fsdptrain)(args, log)
         return
     results = {}
     for seed in args.seeds:

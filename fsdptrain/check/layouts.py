@@ -17,7 +17,10 @@ own counts with dp_size 1, except the simulated data-parallel one:
   like ranks (``flatten`` / SUM, MIN, MAX / ``unflatten``);
 - ``ranks=W``: the product path on the real ranks: each rank's own share, ``global_normalizers``,
   ``world.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
-  mesh's ranks.
+  mesh's ranks;
+- with ``trainer.share_prompts=true``, ``shared prompts`` and ``shared prompts, ranks=W``: ``packed budget=B`` and
+  ``ranks=W`` again with each pack's forward holding each of its prompts once (fsdptrain/data/shared_prompts.py),
+  compared like every layout with the reference, which never shares.
 
 Every packed layout runs the train step's own ``accumulate_gradients`` (looked up on ``fsdptrain.train.step`` at call
 time), and the loss it reports is what that function summed: the scalars backward ran on, then averaged over the
@@ -144,12 +147,13 @@ def padded_value_loss(model, prompts, responses, targets, *, norms: LossNormaliz
 
 
 def run_packs(part: Part, batch: MiniBatch, plan: Optional[PackPlan], norms: LossNormalizers, ctx: Context,
-              ) -> tuple[float, Metrics]:
+              *, share_prompts: bool = False) -> tuple[float, Metrics]:
     """``accumulate_gradients`` of the train step (looked up on its module, so what runs is what ``fsdptrain train``
     runs) on ``batch`` with ``plan`` (None: the trainer's agreed plan under the budget); the summed scalar backward
     ran on, and the merged metrics."""
     accumulated = step.accumulate_gradients(part.model, batch, loss_fn=part.packed_loss, settings=part.settings,
-                                            norms=norms, token_budget=ctx.token_budget, device=ctx.device, plan=plan)
+                                            norms=norms, token_budget=ctx.token_budget, device=ctx.device, plan=plan,
+                                            share_prompts=share_prompts)
     return accumulated.loss, accumulated.metrics
 
 
@@ -230,22 +234,36 @@ def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
                                    torch.stack([b.max for b in buffers]).amax(0)), schema)
 
 
-def real_ranks(part: Part, ctx: Context) -> Run:
+def shared_prompts(part: Part, ctx: Context) -> Run:
+    """The trainer's agreed plan under the configured budget with shared prompts, on the whole batch."""
+    _fresh(part)
+    loss, metrics = run_packs(part, ctx.full, None, ctx.norms, ctx, share_prompts=True)
+    return Run(loss, metrics, gather_full_grads(part.model))
+
+
+def shared_prompts_ranks(part: Part, ctx: Context) -> Run:
+    """``real_ranks`` with shared prompts."""
+    return real_ranks(part, ctx, share_prompts=True)
+
+
+def real_ranks(part: Part, ctx: Context, *, share_prompts: bool = False) -> Run:
     """The train step's own path on this rank's share; the loss averaged over the mesh's ranks, as FSDP averages."""
     _fresh(part)
     norms = step.global_normalizers(ctx.local, dp_size=world.dp_size(ctx.mesh),
                                     loss_scale_factor=ctx.norms.loss_scale_factor)
-    loss, metrics = run_packs(part, ctx.local, None, norms, ctx)
+    loss, metrics = run_packs(part, ctx.local, None, norms, ctx, share_prompts=share_prompts)
     total = world.all_reduce_sum(torch.tensor([loss], dtype=torch.float64))
     return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
 
 
-def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
-            world_size: int) -> list[tuple[str, Callable[[Part, Context], Run]]]:
+def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world_size: int,
+            share_prompts: bool = False) -> list[tuple[str, Callable[[Part, Context], Run]]]:
     """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only).
 
     Whatever the configured budget, one layout packs under the smallest budget that fits the longest sequence
-    (many packs), and the simulated data-parallel size is at least 2.
+    (many packs), and the simulated data-parallel size is at least 2. ``share_prompts`` (the configured
+    ``trainer.share_prompts``) adds the two shared-prompt layouts (left out otherwise: each costs a forward and
+    backward of the batch).
     """
     lengths = full.lengths()
     total, longest, n = sum(lengths), max(lengths), full.num_seqs
@@ -263,6 +281,8 @@ def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int,
         (f"simulated dp={simulated_dp_size}", simulated_dp),
         (f"ranks={world_size}", real_ranks),
     ]
+    if share_prompts:
+        out += [("shared prompts", shared_prompts), (f"shared prompts, ranks={world_size}", shared_prompts_ranks)]
     return out
 
 

@@ -200,6 +200,9 @@ def _check_run_name(name: Any) -> None:
 
 def _check_cross_fields(cfg: DictConfig) -> None:
     alg = cfg.algorithm
+    if cfg.trainer.share_prompts and cfg.model.attn_backend == "torch_varlen":
+        raise ConfigError("trainer.share_prompts=true needs keys apart from queries, which model.attn_backend="
+                          "torch_varlen does not take: choose auto, flash_attn or sdpa_segments")
     if alg.adv_estimator == "gae" and not alg.use_critic:
         raise ConfigError("algorithm.adv_estimator=gae needs a value model: set algorithm.use_critic=true "
                           "or choose algorithm.adv_estimator=grpo or rloo")

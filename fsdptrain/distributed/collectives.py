@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.packing import PackPlan, plan_packs
+from fsdptrain.data.packing import PackPlan, TokenIds, plan_packs
+from fsdptrain.data.shared_prompts import expand_units, shared_prompt_units
 from fsdptrain.distributed import world
 from fsdptrain.rl.metric_buffers import Schema, describe, flatten, unflatten
 from fsdptrain.rl.metrics import Metrics
@@ -26,7 +27,21 @@ def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:
     A sequence longer than the budget is the user's setting to fix: every rank learns of it through the same
     all-reduce and raises the same ConfigError, so the run ends with one line and exit 2, not a hang.
     """
-    longest = max(lengths, default=0)
+    return _agreed(lengths, max(lengths, default=0), token_budget)
+
+
+def plan_agreed_shared(prompts: Sequence[TokenIds], responses: Sequence[TokenIds], token_budget: int) -> PackPlan:
+    """:func:`plan_agreed` for packs with shared prompts (collective): it plans the units of
+    `fsdptrain.data.shared_prompts.shared_prompt_units` (a prompt's sequences as one unit of P + sum(R) tokens) and
+    returns the plan over their sequences; a pack's token count is its units' shared count."""
+    longest = max((len(p) + len(r) for p, r in zip(prompts, responses)), default=0)
+    units, sizes = shared_prompt_units(prompts, responses, token_budget) if longest <= token_budget else ([], [])
+    return expand_units(_agreed(sizes, longest, token_budget), units)
+
+
+def _agreed(lengths: Sequence[int], longest: int, token_budget: int) -> PackPlan:
+    """Plan `lengths` (the items to pack) with as many packs as the busiest rank needs; `longest` is this rank's
+    longest sequence, checked against the budget on every rank at once."""
     plan = plan_packs(lengths, token_budget) if longest <= token_budget else None
     agreed = world.all_reduce_max(torch.tensor([longest, plan.num_packs if plan else 0], dtype=torch.float64))
     global_longest, num_packs = int(agreed[0]), int(agreed[1])

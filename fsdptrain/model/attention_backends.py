@@ -29,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from fsdptrain.data.shared_prompts import PromptBranches
+
 logger = logging.getLogger(__name__)
 
 FLASH_ATTN = "flash_attn"
@@ -55,6 +57,7 @@ class AttentionCall:
     sliding_window: int | None
     softcap: float | None
     sinks: torch.Tensor | None  # [Hq], one learned logit per head
+    branches: PromptBranches | None = None  # shared prompts: the attention within each segment (docs/packing.md)
 
     def bounds(self) -> list[int]:
         return self.cu_seqlens.tolist()
@@ -155,6 +158,9 @@ def read_call(
     if sliding_window is not None and not is_causal:
         raise refuse(backend, "a sliding window on non-causal attention", "use eager attention")
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    branches = kwargs.get("prompt_branches")
+    if branches is not None:
+        _check_shared_prompts(backend, is_causal, sliding_window, kwargs.get("softcap"), sinks)
     return AttentionCall(
         backend=backend,
         cu_seqlens=cu_seqlens,
@@ -165,7 +171,16 @@ def read_call(
         sliding_window=int(sliding_window) if sliding_window is not None else None,
         softcap=float(kwargs["softcap"]) if kwargs.get("softcap") is not None else None,
         sinks=sinks,
+        branches=branches,
     )
+
+
+def _check_shared_prompts(backend: str, is_causal: bool, sliding_window, softcap, sinks) -> None:
+    """Shared prompts (a row of `fsdptrain.data.shared_prompts`) serve plain causal attention only."""
+    for present, feature in ((not is_causal, "non-causal attention"), (sliding_window is not None, "a sliding window"),
+                             (softcap is not None, "logit soft-capping"), (sinks is not None, "attention sinks")):
+        if present:
+            raise refuse(backend, f"{feature} with shared prompts", "set trainer.share_prompts=false")
 
 
 # The backends: each reads its call, then runs a varlen kernel or one sdpa per segment.
@@ -223,13 +238,18 @@ def sdpa_segments_attention(
         key = key.repeat_interleave(num_groups, dim=1)
         value = value.repeat_interleave(num_groups, dim=1)
     bounds = call.bounds()
+    if call.branches is not None:
+        assert len(call.branches.masks) == len(bounds) - 1, "shared-prompt masks do not match the row's segments"
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for segment, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
         if explicit:
             outs.append(_explicit_segment(q, k, v, call, module.training))
             continue
-        allowed = _allowed_mask(end - start, call, query.device)
+        if call.branches is not None:  # a group of shared prompts: causal within its prompt and each response
+            allowed = call.branches.masks[segment]
+        else:
+            allowed = _allowed_mask(end - start, call, query.device)
         outs.append(
             F.scaled_dot_product_attention(
                 q,
@@ -334,10 +354,25 @@ def flash_attn_attention(
         if "softcap" not in _parameters(fn):
             raise refuse(FLASH_ATTN, "logit soft-capping with this flash_attn version", "upgrade to flash_attn>=2.6")
         options["softcap"] = call.softcap
+    if call.branches is not None:
+        return _flash_shared_prompts(fn, query, key, value, call.branches, options), None
     cu = call.cu_seqlens.to(query.device)
     longest = call.longest()
     out_T = fn(_row_to_tokens(query), _row_to_tokens(key), _row_to_tokens(value), cu, cu, longest, longest, **options)
     return out_T.unsqueeze(0), None
+
+
+def _flash_shared_prompts(fn: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          branches: PromptBranches, options: dict[str, Any]) -> torch.Tensor:
+    """One varlen call over the entries of a shared-prompt row: the queries stay as they are in the row (each
+    prompt once), the keys and values are gathered per entry (a response's: its prompt, then itself), and the kernel's
+    causal mask, aligned bottom-right, lets a response's query r see its whole prompt and its own tokens up to r."""
+    index_K = branches.kv_index_K.to(query.device)
+    k_K = _row_to_tokens(key).index_select(0, index_K)
+    v_K = _row_to_tokens(value).index_select(0, index_K)
+    out_T = fn(_row_to_tokens(query), k_K, v_K, branches.cu_q.to(query.device), branches.cu_k.to(query.device),
+               branches.max_q, branches.max_k, **options)
+    return out_T.unsqueeze(0)
 
 
 def torch_varlen_attention(
@@ -354,6 +389,8 @@ def torch_varlen_attention(
     the installed torch takes it). Its kernel has no dropout, soft-capping or sinks: those are refused, and so is a
     non-default softmax scale where `varlen_attn` takes no `scale` (torch 2.9)."""
     call = read_call(TORCH_VARLEN, module, query, key, attention_mask, scaling, dropout, kwargs)
+    if call.branches is not None:
+        raise refuse(TORCH_VARLEN, "shared prompts", "use 'flash_attn' or 'sdpa_segments' (model.attn_backend)")
     if call.softcap is not None:
         raise refuse(TORCH_VARLEN, "logit soft-capping", "use 'flash_attn' or 'sdpa_segments'")
     if call.sinks is not None:

@@ -25,6 +25,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 
 from fsdptrain.data.packing import PackedBatch
+from fsdptrain.data.shared_prompts import SharedPromptRow
 from fsdptrain.model import attention_backends
 from fsdptrain.model.attention_backends import (
     AUTO,
@@ -123,6 +124,23 @@ def packed_model_inputs(packed: PackedBatch) -> dict[str, Any]:
         "cu_seq_lens_k": cu,
         "max_length_q": packed.max_seqlen,
         "max_length_k": packed.max_seqlen,
+    }
+
+
+def shared_model_inputs(row: SharedPromptRow) -> dict[str, Any]:
+    """Keyword arguments for an HF causal LM's forward on the model row of a shared-prompt pack: one segment per
+    group, and `prompt_branches`, the attention within each group, which transformers hands through to the packed
+    backends (docs/packing.md, "Shared prompts")."""
+    return {
+        "input_ids": row.input_ids,
+        "position_ids": row.position_ids,
+        "attention_mask": None,
+        "use_cache": False,
+        "cu_seq_lens_q": row.cu_seqlens,
+        "cu_seq_lens_k": row.cu_seqlens,
+        "max_length_q": row.max_seqlen,
+        "max_length_k": row.max_seqlen,
+        "prompt_branches": row.branches,
     }
 
 

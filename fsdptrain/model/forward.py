@@ -2,6 +2,10 @@
 
 The final hidden states come from one forward of the ROOT model (so FSDP2's root hooks run and the output head stays
 unsharded for the fused loss, see fsdptrain/distributed/fsdp.py); the decoder's output is captured with a forward hook.
+
+A pack with shared prompts (`fsdptrain.data.shared_prompts.SharedPromptPack`) runs the model on its model row (each
+prompt once) and returns the outputs at the loss row's positions, gathered through `source_T`: callers see the same
+`[T, ...]` layout either way.
 """
 
 from __future__ import annotations
@@ -9,7 +13,21 @@ from __future__ import annotations
 from torch import Tensor
 
 from fsdptrain.data.packing import PackedBatch
-from fsdptrain.model.attention_switch import packed_model_inputs
+from fsdptrain.data.shared_prompts import SharedPromptPack
+from fsdptrain.model.attention_switch import packed_model_inputs, shared_model_inputs
+
+
+def _model_inputs(packed: PackedBatch) -> dict:
+    if isinstance(packed, SharedPromptPack):
+        return shared_model_inputs(packed.model_row)
+    return packed_model_inputs(packed)
+
+
+def _at_loss_positions(outputs_T: Tensor, packed: PackedBatch) -> Tensor:
+    """The model row's outputs `[T_M, ...]` at the loss row's positions `[T, ...]` (the same tensor unshared)."""
+    if isinstance(packed, SharedPromptPack):
+        return outputs_T.index_select(0, packed.model_row.source_T)
+    return outputs_T
 
 
 def final_hidden_states(model, packed: PackedBatch) -> Tensor:
@@ -25,13 +43,13 @@ def final_hidden_states(model, packed: PackedBatch) -> Tensor:
 
     handle = model.get_decoder().register_forward_hook(keep_output)
     try:
-        model(**packed_model_inputs(packed), logits_to_keep=1)
+        model(**_model_inputs(packed), logits_to_keep=1)
     finally:
         handle.remove()
-    return captured["hidden"][0]
+    return _at_loss_positions(captured["hidden"][0], packed)
 
 
 def value_token_outputs(model, packed: PackedBatch) -> Tensor:
     """Per-token values `[T]` of a token-classification value model (one label) over the packed row, float32."""
-    out = model(**packed_model_inputs(packed))
-    return out.logits[0, :, 0].float()
+    out = model(**_model_inputs(packed))
+    return _at_loss_positions(out.logits[0, :, 0].float(), packed)

@@ -37,8 +37,9 @@ from torch import Tensor
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
-from fsdptrain.distributed.collectives import plan_agreed
+from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared
 from fsdptrain.model.forward import value_token_outputs
 from fsdptrain.rl.adv_estimators import (
     ADV_ESTIMATOR_REGISTRY,
@@ -61,17 +62,22 @@ from fsdptrain.train.step import policy_token_outputs
 
 @torch.no_grad()
 def packed_pass(model, rollouts: Sequence[Rollout], *, forward: Callable, token_budget: int,
-                device: torch.device) -> list[Tensor]:
+                device: torch.device, share_prompts: bool = False) -> list[Tensor]:
     """``forward(model, packed) -> [T]`` over this rank's sequences in agreed packs; per sequence its `_R` values.
 
-    Collective: every rank runs the same number of forwards.
+    Collective: every rank runs the same number of forwards. ``share_prompts``: each pack's forward holds each of its
+    prompts once (`fsdptrain.data.shared_prompts`).
     """
     prompts = [r.prompt_ids for r in rollouts]
     responses = [r.response_ids for r in rollouts]
-    plan = plan_agreed([len(p) + len(r) for p, r in zip(prompts, responses)], token_budget)
+    if share_prompts:
+        plan = plan_agreed_shared(prompts, responses, token_budget)
+    else:
+        plan = plan_agreed([len(p) + len(r) for p, r in zip(prompts, responses)], token_budget)
+    pack_fn = pack_shared_prompts if share_prompts else pack_sequences
     out: list[Optional[Tensor]] = [None] * len(rollouts)
     for pack in plan.packs:
-        packed = pack_sequences(prompts, responses, pack).to(device)
+        packed = pack_fn(prompts, responses, pack).to(device)
         for index, values_R in zip(pack, unpack_responses(forward(model, packed), packed)):
             out[index] = values_R.detach().float().cpu()
     assert all(v is not None for v in out)
@@ -79,14 +85,15 @@ def packed_pass(model, rollouts: Sequence[Rollout], *, forward: Callable, token_
 
 
 def policy_logprobs(model, rollouts, *, temperature: float, chunk_size: int, token_budget: int,
-                    device: torch.device) -> list[Tensor]:
+                    device: torch.device, share_prompts: bool = False) -> list[Tensor]:
     """Response log-probs under ``model`` from the packed training forward (fused chunked projection)."""
 
     def forward(m, packed):
         return policy_token_outputs(m, packed, temperature=temperature, chunk_size=chunk_size,
                                     compute_entropy=False)[0]
 
-    return packed_pass(model, rollouts, forward=forward, token_budget=token_budget, device=device)
+    return packed_pass(model, rollouts, forward=forward, token_budget=token_budget, device=device,
+                       share_prompts=share_prompts)
 
 
 def reference_logprobs(reference, rollouts, **logprob_args) -> Optional[list[Tensor]]:
@@ -98,9 +105,11 @@ def reference_logprobs(reference, rollouts, **logprob_args) -> Optional[list[Ten
         return policy_logprobs(reference.model, rollouts, **logprob_args)
 
 
-def critic_values(model, rollouts, *, token_budget: int, device: torch.device) -> list[Tensor]:
+def critic_values(model, rollouts, *, token_budget: int, device: torch.device,
+                  share_prompts: bool = False) -> list[Tensor]:
     """Values at the response-scoring positions under the value model."""
-    return packed_pass(model, rollouts, forward=value_token_outputs, token_budget=token_budget, device=device)
+    return packed_pass(model, rollouts, forward=value_token_outputs, token_budget=token_budget, device=device,
+                       share_prompts=share_prompts)
 
 
 def rollout_masks(rollouts: Sequence[Rollout]) -> list[Optional[Tensor]]:
@@ -172,6 +181,8 @@ class ExperienceSettings:
     rollout_correction_cap: float = 2.0
     rollout_correction_low: Optional[float] = None
     rejection: RejectionSettings = RejectionSettings()
+    share_prompts: bool = False
+    """The packed passes hold each prompt of a pack once (`trainer.share_prompts`)."""
 
 
 def experience_settings(cfg) -> ExperienceSettings:
@@ -185,7 +196,7 @@ def experience_settings(cfg) -> ExperienceSettings:
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
         rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
-        rejection=rejection_settings(alg))
+        rejection=rejection_settings(alg), share_prompts=cfg.trainer.share_prompts)
 
 
 def rejection_settings(alg) -> RejectionSettings:
@@ -296,7 +307,7 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     """
     budget = settings.token_budget
     logprob_args = dict(temperature=settings.temperature, chunk_size=settings.chunk_size, token_budget=budget,
-                        device=device)
+                        device=device, share_prompts=settings.share_prompts)
     if skip_old_passes:
         return _on_policy_targets(models, rollouts, settings, logprob_args)
     masks = rollout_masks(rollouts)
@@ -313,7 +324,8 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     ref = reference_logprobs(models.reference, rollouts, **logprob_args)
     kl_R = [o - r for o, r in zip(old, ref)] if ref is not None else None
     rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef, masks=masks)
-    values = critic_values(models.critic, rollouts, token_budget=budget, device=device) if models.critic is not None else None
+    values = (critic_values(models.critic, rollouts, token_budget=budget, device=device,
+                            share_prompts=settings.share_prompts) if models.critic is not None else None)
     advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn,
                                               settings=settings.adv, masks=masks if any_mask else None)
     if values is not None and returns is None:
@@ -364,7 +376,8 @@ def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: Experience
     rewards = token_rewards(rollouts, kl_R=None, kl_coef=0.0, masks=masks)
     needs_values = models.critic is not None and settings.adv_fn is ADV_ESTIMATOR_REGISTRY["gae"]
     values = (critic_values(models.critic, rollouts, token_budget=logprob_args["token_budget"],
-                            device=logprob_args["device"]) if needs_values else None)
+                            device=logprob_args["device"], share_prompts=settings.share_prompts)
+              if needs_values else None)
     advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn, settings=settings.adv,
                                               masks=masks if any_mask else None)
     if models.critic is not None and returns is None:

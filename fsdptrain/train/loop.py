@@ -255,7 +255,8 @@ class Trainer:
         every rank; the on-policy check: a MAX)."""
         cfg, models = self.cfg, self.models
         common = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
-                      token_budget=cfg.trainer.token_budget, device=self.device)
+                      token_budget=cfg.trainer.token_budget, device=self.device,
+                      share_prompts=cfg.trainer.share_prompts)
         auxiliary = self.auxiliary_loss()
         collected, facts = [], []
         for epoch in range(cfg.algorithm.ppo_epochs):

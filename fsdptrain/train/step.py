@@ -24,8 +24,9 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
+from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
-from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
+from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared, reduce_metrics
 from fsdptrain.model.build import trainable_parameters
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
@@ -125,18 +126,23 @@ class Accumulated:
 
 
 def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, norms: LossNormalizers,
-                         token_budget: int, device: torch.device, plan: Optional[PackPlan] = None) -> Accumulated:
+                         token_budget: int, device: torch.device, plan: Optional[PackPlan] = None,
+                         share_prompts: bool = False) -> Accumulated:
     """Forward and backward every micro-batch of this rank's share of the mini-batch; their merged metrics and the
     summed loss.
 
     Collective (the pack count is agreed) unless ``plan`` is given: then every rank must pass a plan with the same
     number of packs (check-metrics forces layouts this way). The gradients accumulate in the model; the caller clips
-    and steps.
+    and steps. ``share_prompts``: each pack's model forward holds each of its prompts once
+    (`fsdptrain.data.shared_prompts`), and the agreed plan keeps a prompt's sequences together where the budget allows.
     """
-    plan = plan if plan is not None else plan_agreed(batch.lengths(), token_budget)
+    if plan is None:
+        plan = (plan_agreed_shared(batch.prompts, batch.responses, token_budget) if share_prompts
+                else plan_agreed(batch.lengths(), token_budget))
+    pack_fn = pack_shared_prompts if share_prompts else pack_sequences
     total, collected = 0.0, []
     for pack in plan.packs:
-        packed = pack_sequences(batch.prompts, batch.responses, pack, response_masks=batch.response_masks()).to(device)
+        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks()).to(device)
         loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
         loss.backward()  # micro-batch losses are summed (by backward), never averaged
         total += float(loss.detach())
@@ -233,21 +239,23 @@ def minibatch_step(model, optimizer, norms: LossNormalizers, *, grad_clip: float
 
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
-                        guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None
-                        ) -> tuple[Metrics, StepOutcome]:
+                        guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None,
+                        share_prompts: bool = False) -> tuple[Metrics, StepOutcome]:
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
 
     With ``auxiliary`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
     train the auxiliary loss too (:func:`policy_and_auxiliary_loss`), and after the policy's step comes the
-    auxiliary's own (:meth:`AuxiliaryLoss.after_policy_step`). The metrics are the joint pass's.
+    auxiliary's own (:meth:`AuxiliaryLoss.after_policy_step`). The metrics are the joint pass's. ``share_prompts``:
+    see :func:`accumulate_gradients` (not with an auxiliary loss, whose forward reads the unshared row).
     """
     if auxiliary is None:
         norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
-                                           token_budget=token_budget, device=device)
+                                           token_budget=token_budget, device=device, share_prompts=share_prompts)
         outcome = minibatch_step(model, optimizer, norms, grad_clip=grad_clip, guard=guard)
         return reduce_metrics(accumulated.metrics), outcome
     assert loss_fn is packed_policy_loss, "an auxiliary loss trains with the policy loss only"
+    assert not share_prompts, "shared prompts are refused with an auxiliary loss (fsdptrain/config/validate.py)"
     plan = plan_agreed(batch.lengths(), token_budget)
     norms, aux_norms = normalizers_of(local_counts(batch), auxiliary.local_counts(batch, plan), dp_size=dp_size,
                                       loss_scale_factor=loss_scale_factor)

@@ -7,10 +7,12 @@ planted through monkeypatch, in process. Small hand-checked tests of the compari
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from fsdptrain.check.batch import build_session
 from fsdptrain.check.compare import Outcome, compare, self_checks
@@ -19,6 +21,7 @@ from fsdptrain.check.reference import Counts, explained_variance_direct, seq_sha
 from fsdptrain.check.run import run_checks
 from fsdptrain.check.update_pass import _merge
 from fsdptrain.compose import compose_config
+from fsdptrain.data import shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.model import attention_backends
 from fsdptrain.rl import aggregate, policy, value
@@ -228,6 +231,16 @@ def test_catches_attention_leaking_across_packed_sequences(ppo, monkeypatch):
     assert "critic/values_mean [micro-batches=1]" in failures
     assert "on-policy: max |ratio - 1| = 0 [micro-batches=1]" in failures
     assert _one_each(ppo) not in failures  # one sequence per pack: nothing to leak into
+
+
+@pytest.mark.slow  # one more check-metrics pass (about 15 s); the forward's equality is tests/unit/test_shared_prompts.py
+def test_catches_responses_seeing_each_other_under_shared_prompts(ppo, monkeypatch):
+    monkeypatch.setattr(shared_prompts, "_branch_mask", lambda branch: None)  # causal over the whole group
+    cfg = OmegaConf.merge(ppo.cfg, {"trainer": {"share_prompts": True}})  # the shared layouts run with the setting
+    failures = _failing(run_checks(dataclasses.replace(ppo, cfg=cfg), update=False))
+    assert "actor/grad_max_diff [shared prompts]" in failures
+    assert "critic/values_mean [shared prompts, ranks=1]" in failures
+    assert "[micro-batches=1]" not in failures  # the unshared layouts are unaffected
 
 
 def test_catches_a_missing_dp_size_factor(ppo, monkeypatch):
