@@ -396,6 +396,19 @@ def zero_grads(model: nn.Module) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def reset_after_error(model: nn.Module) -> None:
+    """Put an FSDP2 model back to a clean iteration state after a forward or backward raised midway, and drop every
+    gradient (the failed iteration's are partial); a plain module only loses its gradients.
+
+    Without it the root's end-of-backward callback, which a raised backward never ran, is never queued again: later
+    backwards leave the root unit's gradients unreduced on its unsharded parameters (plain tensors beside the
+    sharded DTensor gradients) and add to the stale ones (``FSDPModule.reset_iter_state``)."""
+    if isinstance(model, FSDPModule):
+        model.zero_grad(set_to_none=True)  # the unsharded parameters' partial gradients, while they are registered
+        model.reset_iter_state()
+    zero_grads(model)
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The block's forwards run ``model`` without its LoRA adapters: the base model, i.e. the reference policy
