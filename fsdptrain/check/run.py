@@ -76,7 +76,7 @@ from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
+from fsdptrain.distributed.fsdp import gather_full_grads, reset_after_error, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
@@ -173,6 +173,8 @@ def _layout_outcome(name: str, run_layout, parts: list[Part], ctx: Context, ref_
     try:
         return _run_layout(name, run_layout, parts, ctx, ref_grads, session)
     except Exception as error:  # a crashing layout is a failure of that layout, the others still run
+        for part in parts:  # on a clean FSDP state: a backward that raised midway leaves it mid-iteration
+            reset_after_error(part.model)
         return Outcome(name, {}, covers=(), error=describe_error(error))
 
 
@@ -304,7 +306,7 @@ def _prefixed(outcome: Outcome, *, keep_rollout: bool) -> Outcome:
     kinds = {OFF + k: v for k, v in outcome.kinds.items() if OFF + k in values}
     covers = tuple(OFF + c for c in outcome.covers if c in ("actor/", "critic/"))
     return Outcome("off-policy: " + outcome.layout if outcome.layout != "reference" else "reference", values, kinds,
-                   covers)
+                   covers, error=outcome.error)
 
 
 def _drafter_pass(session: CheckSession, parts: list[Part], ctx: Context, planned, counts: Counts,

@@ -61,11 +61,47 @@ from fsdptrain.model.lora import LoraSettings, set_adapters_enabled
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _attention_configs(model: nn.Module) -> list[PretrainedConfig]:
+    """The configs whose ``_attn_implementation`` the layers of ``model`` read at call time (one per sub-model)."""
+    configs: dict[int, PretrainedConfig] = {}
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            configs.setdefault(id(module.config), module.config)
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def _attention_as_of(configs: list[PretrainedConfig], implementations: list[Any]) -> Iterator[None]:
+    """Set each config's attention implementation to the one recorded with it, then restore the current ones."""
+    current = [config._attn_implementation_internal for config in configs]
+    for config, implementation in zip(configs, implementations):
+        config._attn_implementation_internal = implementation
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, current):
+            config._attn_implementation_internal = implementation
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Wrap each decoder layer in a non-reentrant activation checkpoint: its activations are recomputed in backward."""
+    """Wrap each decoder layer in a non-reentrant activation checkpoint: its activations are recomputed in backward.
+
+    The recomputation runs under the attention implementation the layer's forward ran under. The implementation is
+    model state that a context manager switches for the duration of a forward (``generation_attention``,
+    ``packed_attention`` in fsdptrain/model/attention_switch.py); a backward that runs after the block has exited
+    would otherwise recompute on another backend than the forward's: a padded batch's mask reaches a packed backend
+    (which refuses it), or a packed row reaches sdpa (which attends across its sequences: silently wrong gradients).
+    """
+    configs = _attention_configs(model)
+
+    def forward_and_recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        # called by torch.utils.checkpoint when the layer's forward runs: record the implementations then
+        recorded = [config._attn_implementation_internal for config in configs]
+        return contextlib.nullcontext(), _attention_as_of(configs, recorded)
+
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
-        layers[index] = checkpoint_wrapper(layer)
+        layers[index] = checkpoint_wrapper(layer, context_fn=forward_and_recompute_contexts)
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
@@ -358,6 +394,19 @@ def zero_grads(model: nn.Module) -> None:
     """
     reshard_all(model)
     model.zero_grad(set_to_none=True)
+
+
+def reset_after_error(model: nn.Module) -> None:
+    """Put an FSDP2 model back to a clean iteration state after a forward or backward raised midway, and drop every
+    gradient (the failed iteration's are partial); a plain module only loses its gradients.
+
+    Without it the root's end-of-backward callback, which a raised backward never ran, is never queued again: later
+    backwards leave the root unit's gradients unreduced on its unsharded parameters (plain tensors beside the
+    sharded DTensor gradients) and add to the stale ones (``FSDPModule.reset_iter_state``)."""
+    if isinstance(model, FSDPModule):
+        model.zero_grad(set_to_none=True)  # the unsharded parameters' partial gradients, while they are registered
+        model.reset_iter_state()
+    zero_grads(model)
 
 
 @contextlib.contextmanager

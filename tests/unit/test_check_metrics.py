@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 
 from fsdptrain.check.batch import build_session
 from fsdptrain.check.compare import Outcome, compare, self_checks
+from fsdptrain.check import layouts
+from fsdptrain.check import run as run_module
 from fsdptrain.check.layouts import reduce_like_ranks
 from fsdptrain.check.reference import Counts, explained_variance_direct, seq_share
 from fsdptrain.check.run import run_checks
@@ -24,6 +26,7 @@ from fsdptrain.compose import compose_config
 from fsdptrain.data import shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.model import attention_backends
+from fsdptrain.model.build import decoder_layers
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
@@ -529,3 +532,36 @@ def test_rejection_sampling_passes_and_catches_rejected_tokens_in_the_normaliser
     planted = _session(*overrides)
     failures = _failing(run_checks(planted, "token-mean", off_policy=False, experience=False, update=False))
     assert "actor/pg_loss [ranks=1]" in failures
+
+
+# ---- a layout that raises -----------------------------------------------------------------------------------------
+
+
+def test_an_off_policy_layout_that_raised_stays_a_fail_row():
+    outcome = run_module._prefixed(Outcome("padded", {}, covers=(), error="ValueError: boom"), keep_rollout=False)
+    rows = compare(Outcome("reference", {"off-policy/actor/loss": 1.0}), outcome, rtol=0, atol=0, scales={})
+    assert [(r.layout, r.passed, r.error) for r in rows] == [("off-policy: padded", False, "ValueError: boom")]
+
+
+def test_a_layout_whose_backward_raised_midway_leaves_the_next_layout_clean(ppo):
+    """The backward raises at the first decoder layer, after the root's fused loss has put gradients on its unsharded
+    weights and before FSDP's end-of-backward callback: the next layout must still see exactly its own gradients."""
+    part = run_module.parts_of(ppo, "token-mean")[0]
+    ctx = run_module._context(ppo, ppo.batch, Counts.of(ppo.batch.counted_masks(), ppo.trainer.loss_scale_factor))
+    packed = layouts.packed_with_budget()
+    want = {name: grad.clone() for name, grad in packed(part, ctx).grads.items()}
+
+    def raise_in_backward(_module, _inputs, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden.register_hook(lambda _grad: (_ for _ in ()).throw(RuntimeError("planted: backward raised")))
+
+    handle = decoder_layers(part.model)[0].register_forward_hook(raise_in_backward)
+    try:
+        outcome = run_module._layout_outcome("raises", packed, [part], ctx, {"actor/": want}, ppo)
+    finally:
+        handle.remove()
+    assert "planted: backward raised" in outcome.error
+    got = packed(part, ctx).grads
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
