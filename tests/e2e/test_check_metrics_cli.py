@@ -120,7 +120,9 @@ BREADTH = [
 # (+-kl_coef per token) and differs between layouts by construction (docs/algorithms.md).
 
 
-@pytest.mark.parametrize("overrides", BREADTH, ids=["cispo-rpp", "gmpo-rpp_baseline-k3+", "dro-rloo-mse"])
+# CI runs two of the three (budget); the third is by hand (pytest -m slow)
+@pytest.mark.parametrize("overrides", [*BREADTH[:2], pytest.param(BREADTH[2], marks=pytest.mark.slow)],
+                         ids=["cispo-rpp", "gmpo-rpp_baseline-k3+", "dro-rloo-mse"])
 def test_new_losses_and_estimators_are_exact_across_layouts(cli, overrides):
     result = cli("check-metrics", "--nproc", "1", *overrides, env=_env(), timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr

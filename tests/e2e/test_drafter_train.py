@@ -129,6 +129,7 @@ def test_resume_while_the_vocabulary_is_counted(tmp_path):
             assert g[key] == w[key], (w["step"], key)
 
 
+@pytest.mark.slow  # 20 default steps; the drafter's loss, gradients and update are proven exact in tests/dist/test_drafter_step.py
 def test_acceptance_rises_over_a_20_step_default_run(tmp_path):
     """The bundled default with the default drafter.lr (max(1e-4, trainer.lr) = 3e-3): over its first 20 steps the
     drafter keeps up with the sharpening policy, steps 15-19 accept more than steps 0-4 (measured 0.901 -> 0.930;
@@ -143,6 +144,7 @@ def test_acceptance_rises_over_a_20_step_default_run(tmp_path):
     assert last > first + 0.01, (first, last)
 
 
+@pytest.mark.slow  # CI budget: exact resume of a drafter run stays in CI (test_resume_reproduces_the_drafter_metrics_exactly)
 def test_refresh_passes_resume_exactly_and_leave_the_policy_run(reference_run, tmp_path):
     """drafter.refresh_passes=2: the drafter moves differently (two more steps per mini-batch, taught by the updated
     policy), the policy's run is the reference run's number for number, and a resume after step 2 reproduces step

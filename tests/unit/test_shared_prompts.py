@@ -112,8 +112,10 @@ def _assert_same(got, want):
         assert (got[2][name] - want[2][name]).abs().max().item() <= 1e-6 * scale, name
 
 
-@pytest.mark.parametrize(("arch", "backend"), [("llama", "sdpa_segments"), ("qwen2", "sdpa_segments"),
-                                             ("llama", "flash_attn")])
+@pytest.mark.parametrize(("arch", "backend"), [
+    ("llama", "sdpa_segments"),
+    pytest.param("qwen2", "sdpa_segments", marks=pytest.mark.slow),  # CI budget: Llama covers the shared row
+    ("llama", "flash_attn")])
 def test_shared_prompt_losses_equal_the_unshared(arch, backend, monkeypatch):
     """`flash_attn` runs the backend's own code on the documented CPU stand-in kernel."""
     if backend == "flash_attn":
