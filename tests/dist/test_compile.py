@@ -42,6 +42,7 @@ def check_compiled_run(backend: str, out_dir) -> None:
         r["break_reasons"])
 
 
+@pytest.mark.slow  # CI budget: compile is opt-in; its refusals and config checks stay in CI
 def test_compiled_layers_train_like_eager_ones_aot_eager(tmp_path):
     check_compiled_run("aot_eager", tmp_path)
 

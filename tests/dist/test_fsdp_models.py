@@ -48,7 +48,8 @@ def hsdp(tmp_path_factory) -> LaunchResult:
     return _checked(launch("fsdp_checks.py", nproc=4, out_dir=out, args=args), 4)
 
 
-@pytest.mark.parametrize("layout", ["one_process", "two_ranks", "hsdp"])
+@pytest.mark.parametrize("layout", ["one_process", "two_ranks",
+                                    pytest.param("hsdp", marks=pytest.mark.slow)])  # HSDP: test_hsdp_2x2_matches_reference
 def test_mesh_and_dp_size(request, layout):
     result = request.getfixturevalue(layout)
     expected = {"one_process": (1, ["dp_shard"]), "two_ranks": (2, ["dp_shard"]),

@@ -30,6 +30,7 @@ def exported(tmp_path_factory) -> Path:
     return work / "run" / "export" / "drafter"
 
 
+@pytest.mark.slow  # CI budget: test_a_run_trains_on_from_the_saved_drafter loads the same folder
 def test_a_run_starts_with_the_saved_drafter_and_its_metrics(exported, tmp_path):
     overrides = (*TINY, "trainer.steps=1", "trainer.mini_batches_per_step=1", "drafter.enabled=true",
                  "drafter.num_layers=2", f"drafter.path={exported}")

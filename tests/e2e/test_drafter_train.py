@@ -46,6 +46,7 @@ def test_drafter_trains_and_logs_its_metrics(reference_run):
     assert rows[1]["drafter/loss"] != rows[0]["drafter/loss"]  # the drafter moved (and so did its teacher)
 
 
+@pytest.mark.slow  # CI budget: DCP resume is exact in tests/dist/test_checkpoint.py and tests/e2e/test_resume_export.py
 def test_resume_reproduces_the_drafter_metrics_exactly(reference_run, tmp_path):
     run = tmp_path / "run"
     first = run_cli("train", *TINY, *DRAFTER, "checkpoint.every=2", "trainer.steps=2", f"trainer.run_dir={run}",

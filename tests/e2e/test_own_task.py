@@ -102,7 +102,8 @@ def one_line_error(result) -> str:
 # ---- training from the user folder, and exact resume ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI budget: the user folder trains in the other tests here; exact resume: tests/e2e/test_resume_export.py
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_user_folder_trains_and_resumes_exactly(cli, tmp_path, user_folder, nproc):
     args = user_args(user_folder, "trainer.steps=3", "checkpoint.every=2", "logging.samples_every=1")
     full = tmp_path / "runs" / "full"

@@ -338,7 +338,7 @@ def _buggy_accumulate(scale):
     from fsdptrain.rl.metrics import merge_all
     from fsdptrain.train import step
 
-    def accumulate(model, batch, *, loss_fn, settings, norms, token_budget, device, plan=None):
+    def accumulate(model, batch, *, loss_fn, settings, norms, token_budget, device, plan=None, share_prompts=False):
         plan = plan if plan is not None else plan_agreed(batch.lengths(), token_budget)
         total, collected = 0.0, []
         for pack in plan.packs:
