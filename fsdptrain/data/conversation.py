@@ -41,12 +41,17 @@ _DUMMY_TOOL = {"type": "function", "function": {"name": "fsdptrain_probe", "desc
                                                 "parameters": {"type": "object", "properties": {}}}}
 
 
+def render_text(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequence[dict]],
+                add_generation_prompt: bool) -> str:
+    """``messages`` as the chat template writes them with ``tools``."""
+    return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
 def render_ids(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequence[dict]],
                add_generation_prompt: bool) -> list[int]:
-    """The ids of ``messages`` rendered by the chat template with ``tools`` (the template writes its own special
-    tokens, so none are added)."""
-    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    """The ids of :func:`render_text` (the template writes its own special tokens, so none are added)."""
+    text = render_text(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -135,6 +140,10 @@ class ChatTurns:
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """The ids generation starts from: the prompt's messages with the generation prompt."""
         return self.render(messages, generation_prompt=True)
+
+    def prompt_text(self, messages: Sequence[dict]) -> str:
+        """The text of :meth:`prompt_ids`: what the policy sees, the tools' schemas included."""
+        return render_text(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True)
 
     def tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         """The ids that follow an assistant turn's EOS when ``tool_messages`` answer it: the template's separator

@@ -167,10 +167,11 @@ class MultiTurnSource(PromptSource):
                 f"{self.cfg.rollout.max_turns} turns in {self.cfg.rollout.max_new_tokens} response tokens")
 
     def _trajectories(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, sample: bool,
-                      step: int, round_index: int, device) -> tuple[list[Trajectory], list]:
-        """Every sample's trajectory, group by group, and its environment instance (None without one)."""
+                      step: int, round_index: int, device) -> tuple[list[Trajectory], list, list[str]]:
+        """Every sample's trajectory, group by group, its environment instance (None without one), and the text of
+        its prompt as the policy saw it (the tools' schemas and the environment's first observation included)."""
         rollout, caller = self.cfg.rollout, self._caller()
-        trajectories, environments = [], []
+        trajectories, environments, prompt_texts = [], [], []
         with generation(models.policy, self.cfg, device, always_gather=True):
             for group, row in groups:
                 envs = [self.environment.cls() for _ in range(repeat)] if self.environment is not None else []
@@ -181,6 +182,7 @@ class MultiTurnSource(PromptSource):
                     if observation is not None:
                         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
                     prompts.append(self.chat.prompt_ids(messages))
+                    prompt_texts.append(self.chat.prompt_text(messages))
 
                 def generate(inputs, max_new_tokens, turn, group=group):
                     outputs = generate_responses(
@@ -197,15 +199,15 @@ class MultiTurnSource(PromptSource):
                 trajectories += run_turns(self.chat, prompts, generate=generate, call_tools=call_tools,
                                           caps=self.caps)
                 environments += envs or [None] * repeat
-        return trajectories, environments
+        return trajectories, environments, prompt_texts
 
     def _batch(self, rows: list[PromptRow], groups: list[int], trajectories: list[Trajectory],
-               environments: list) -> RewardBatch:
+               environments: list, prompt_texts: list[str]) -> RewardBatch:
         names = sorted({name for row in rows for name in row.columns})
         columns = {name: [row.columns.get(name) for row in rows] for name in names}
         if self.environment is not None:
             columns["environments"] = environments
-        return RewardBatch(prompts=[row.text for row in rows], completions=[t.messages for t in trajectories],
+        return RewardBatch(prompts=prompt_texts, completions=[t.messages for t in trajectories],
                            completion_ids=[list(t.response_ids) for t in trajectories],
                            rows=[row.index for row in rows], groups=list(groups), columns=columns)
 
@@ -215,11 +217,11 @@ class MultiTurnSource(PromptSource):
         n = self.cfg.rollout.n
         positions = self.order.take(self.cfg.rollout.prompts_per_step)
         mine = [(i, self.train_rows[p]) for i, p in enumerate(positions) if i % world_size == rank]
-        trajectories, environments = self._trajectories(models, mine, repeat=n, sample=True, step=step,
-                                                        round_index=round_index, device=device)
+        trajectories, environments, prompt_texts = self._trajectories(
+            models, mine, repeat=n, sample=True, step=step, round_index=round_index, device=device)
         rows = [row for _, row in mine for _ in range(n)]
         groups = [i for i, _ in mine for _ in range(n)]
-        batch = self._batch(rows, groups, trajectories, environments)
+        batch = self._batch(rows, groups, trajectories, environments, prompt_texts)
         with phase("reward"):
             scores = self._function_scores(batch)
         metrics = merge_all([reward_metrics(scores, groups=groups), turn_metrics(trajectories)])
@@ -228,7 +230,7 @@ class MultiTurnSource(PromptSource):
         self.samples = [self._sample(batch, scores, trajectories[k], k)
                         for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
         return [Rollout(prompt_ids=t.prompt_ids, response_ids=t.response_ids, reward=scores.total[k],
-                        group=groups[k], truncated=t.truncation is not None, prompt_text=rows[k].text,
+                        group=groups[k], truncated=t.truncation is not None, prompt_text=prompt_texts[k],
                         response_text=self.tokenizer.decode(t.response_ids, skip_special_tokens=False),
                         response_mask=list(t.response_mask))
                 for k, t in enumerate(trajectories)]
@@ -245,9 +247,10 @@ class MultiTurnSource(PromptSource):
     def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
         """Greedy mean reward over the evaluation rows' trajectories, over all ranks."""
         mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
-        trajectories, environments = self._trajectories(models, mine, repeat=1, sample=False, step=-1,
-                                                        round_index=0, device=device)
-        batch = self._batch([row for _, row in mine], [i for i, _ in mine], trajectories, environments)
+        trajectories, environments, prompt_texts = self._trajectories(models, mine, repeat=1, sample=False, step=-1,
+                                                                      round_index=0, device=device)
+        batch = self._batch([row for _, row in mine], [i for i, _ in mine], trajectories, environments,
+                            prompt_texts)
         scores = self._function_scores(batch)
         sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
         return float(sums[0] / sums[1])

@@ -54,6 +54,11 @@ def said_five(prompts, completions, completion_ids, answer, **kwargs):
     return [float(any(m["role"] == "tool" and m["content"] == answer for m in c)) for c in completions]
 
 
+def saw_the_tool(prompts, completions, completion_ids, **kwargs):
+    """1 when the prompt text holds the add tool's schema, as the policy saw it."""
+    return [float('"name": "add"' in p and "<tools>" in p) for p in prompts]
+
+
 def saw_environments(prompts, completions, completion_ids, environments, **kwargs):
     """The environment's count again, read through the environments= argument."""
     return [float(e.count) for e in environments]
@@ -155,6 +160,21 @@ def test_environment_class_trains_with_its_reward(tmp_path):
         assert row["reward/Counter/mean"] == row["reward/saw_environments/mean"]
         assert row["reward/mean"] == pytest.approx(1.5 * row["reward/Counter/mean"], abs=1e-12)
     assert metrics[0]["reward/Counter/mean"] > 0 and metrics[0]["tools/call_frequency"] > 0
+
+
+def test_rewards_and_samples_get_the_prompt_the_policy_saw(tmp_path):
+    """The prompt text reward functions receive (`prompts=`) and samples.jsonl shows is the prompt as rendered for
+    the policy, the tools' schemas included (it was the prompt rendered without them)."""
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    result = run_cli("train", *common(tmp_path), "rollout.tools=[tools.py:add]", "rollout.max_new_tokens=40",
+                     "rollout.max_turns=2", "rollout.n=2", "reward.functions=[rewards.py:saw_the_tool]",
+                     "trainer.steps=1", "logging.samples_every=1", "trainer.run_name=seen", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert rows(tmp_path / "runs" / "seen")[0]["reward/saw_the_tool/mean"] == 1.0
+    samples = [json.loads(line) for line in (tmp_path / "runs" / "seen" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all('"name": "add"' in s["prompt"] and s["prompt"].endswith("assistant\n") for s in samples)
 
 
 def test_a_tokenizer_without_a_tools_template_is_one_line_and_exit_2(cli, tmp_path):
