@@ -139,11 +139,12 @@ class ChatTurns:
 
     def prompt_ids(self, messages: Sequence[dict]) -> list[int]:
         """The ids generation starts from: the prompt's messages with the generation prompt."""
-        return self.render(messages, generation_prompt=True)
+        return self.prompt(messages)[1]
 
-    def prompt_text(self, messages: Sequence[dict]) -> str:
-        """The text of :meth:`prompt_ids`: what the policy sees, the tools' schemas included."""
-        return render_text(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True)
+    def prompt(self, messages: Sequence[dict]) -> tuple[str, list[int]]:
+        """:meth:`prompt_ids` with their text, rendered once: what the policy sees, the tools' schemas included."""
+        text = render_text(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True)
+        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         """The ids that follow an assistant turn's EOS when ``tool_messages`` answer it: the template's separator

@@ -181,8 +181,9 @@ class MultiTurnSource(PromptSource):
                     observation = envs[k].reset(**row.columns) if envs else None
                     if observation is not None:
                         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
-                    prompts.append(self.chat.prompt_ids(messages))
-                    prompt_texts.append(self.chat.prompt_text(messages))
+                    text, ids = self.chat.prompt(messages)
+                    prompts.append(ids)
+                    prompt_texts.append(text)
 
                 def generate(inputs, max_new_tokens, turn, group=group):
                     outputs = generate_responses(
