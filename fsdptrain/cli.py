@@ -130,7 +130,7 @@ def _preflight(cfg: DictConfig) -> None:
         for path in cfg.reward.models:
             load_reward_model_spec(path)
     if multi_turn(cfg):
-        from fsdptrain.train.multi_turn import check_multi_turn
+        from fsdptrain.rollout.multi_turn import check_multi_turn
 
         check_multi_turn(cfg)
     missing = missing_backend_message(cfg.logging.backends)

@@ -23,7 +23,7 @@ from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.distributed import world
 from fsdptrain.train.loop import Trainer
 from fsdptrain.train.console import log, print_samples
-from fsdptrain.train.rollout_sources import PromptSource
+from fsdptrain.rollout.prompt_source import PromptSource
 from fsdptrain.train.build import resolve_device_type
 
 

@@ -154,7 +154,7 @@ def parallelize(
     stay fp32); reduce_dtype: the dtype of the gradient reduce-scatter. cpu_offload keeps sharded parameters,
     gradients and optimizer state on the CPU (pinned memory, so it needs an accelerator to be worth it). compile:
     torch.compile each decoder layer in place (torchtitan's way) with ``compile_backend``; generation runs them eagerly
-    (see `generation` in fsdptrain/train/rollout_sources.py).
+    (see `generation` in fsdptrain/rollout/sampling.py).
     """
     # Checkpointing before fully_shard: the wrapper must sit inside the layer's FSDP unit.
     if activation_checkpointing:

@@ -2,7 +2,7 @@
 checkpoint.
 
 :meth:`Trainer.run_step` reads top to bottom as the data path of docs/architecture.md and calls components only:
-the rollout source (fsdptrain/train/rollout_sources.py), the experience passes (experience.py), the update of one
+the rollout source (fsdptrain/rollout/source.py), the experience passes (experience.py), the update of one
 mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py); :func:`_run` logs each step and saves
 checkpoints (run_dir.py). Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone prints
 and writes the run directory.
@@ -46,8 +46,7 @@ from fsdptrain.train.console import (
     quiet_known_warnings,
     stats_line,
 )
-from fsdptrain.train.multi_turn import build_source
-from fsdptrain.train.rollout_sources import resolve_steps
+from fsdptrain.rollout.source import build_source, resolve_steps
 from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
 from fsdptrain.train.run_files import (
     METRIC_KINDS_FILE,

@@ -126,7 +126,7 @@ def test_own_task_fields_are_checked(overrides, fragment):
 
 
 def test_steps_follow_epochs_over_the_training_rows():
-    from fsdptrain.train.rollout_sources import resolve_steps
+    from fsdptrain.rollout.source import resolve_steps
 
     assert resolve_steps(compose_config([]), 4096) == 100  # neither set: the default
     assert resolve_steps(compose_config(["trainer.steps=7"]), 4096) == 7

@@ -81,7 +81,7 @@ def test_answers_compared_for_the_answer_rewards_only():
 
 
 def test_eval_sample_seeds_depend_on_the_step_prompt_and_sample_only():
-    from fsdptrain.train.rollout_sources import eval_sample_seed
+    from fsdptrain.rollout.sampling import eval_sample_seed
 
     seeds = {eval_sample_seed(1234, step, prompt, sample) for step in range(3) for prompt in range(5)
              for sample in range(4)}

@@ -1,6 +1,7 @@
 """The layout's import rules (docs/architecture.md), read from every module's source with `ast`.
 
-A numerics module never imports torch.distributed, a model, data or the loop; a model module never imports a loss or a
+A numerics module never imports torch.distributed, a model, data or the loop; `rollout/` never imports the loop (only
+train/'s leaf helpers) and nothing below it imports `rollout/`; a model module never imports a loss or a
 collective; `registry/` imports nothing of fsdptrain above it, and `config/` and `rl/` import nothing of fsdptrain but
 themselves and `registry/`; imports never form a cycle; the modules the CLI's parent process loads never import torch at
 module level. Imports under `if TYPE_CHECKING:` never run, so they are skipped for the torch-at-import rule, but they
@@ -21,15 +22,16 @@ FORBIDDEN = {
     "fsdptrain.rl": ("torch.distributed", "fsdptrain.model", "fsdptrain.data", "fsdptrain.distributed",
                      "fsdptrain.train", "fsdptrain.check", "fsdptrain.rewards", "transformers"),
     "fsdptrain.data": ("torch.distributed", "fsdptrain.model", "fsdptrain.distributed", "fsdptrain.train",
-                       "fsdptrain.check"),
+                       "fsdptrain.check", "fsdptrain.rollout"),
     "fsdptrain.rewards": ("torch.distributed", "fsdptrain.model", "fsdptrain.distributed", "fsdptrain.train",
-                          "fsdptrain.check"),
+                          "fsdptrain.check", "fsdptrain.rollout"),
     "fsdptrain.model": ("torch.distributed", "fsdptrain.rl", "fsdptrain.distributed", "fsdptrain.train",
-                        "fsdptrain.check"),
-    "fsdptrain.distributed": ("fsdptrain.rl", "fsdptrain.train", "fsdptrain.check"),
+                        "fsdptrain.check", "fsdptrain.rollout"),
+    "fsdptrain.distributed": ("fsdptrain.rl", "fsdptrain.train", "fsdptrain.check", "fsdptrain.rollout"),
+    "fsdptrain.rollout": ("fsdptrain.train", "fsdptrain.check"),
     "fsdptrain.train": ("fsdptrain.check",),
     "fsdptrain.config": ("torch", "fsdptrain.model", "fsdptrain.data", "fsdptrain.distributed", "fsdptrain.train",
-                         "fsdptrain.check", "fsdptrain.rewards"),
+                         "fsdptrain.check", "fsdptrain.rewards", "fsdptrain.rollout"),
 }
 # part -> the only parts of fsdptrain its modules may import (the layers at the bottom)
 ONLY_FSDPTRAIN = {
@@ -37,8 +39,12 @@ ONLY_FSDPTRAIN = {
     "fsdptrain.config": ("fsdptrain.config", "fsdptrain.registry"),
     "fsdptrain.rl": ("fsdptrain.rl", "fsdptrain.registry"),
 }
-# part -> the modules it may import despite FORBIDDEN: the collectives reduce the typed metric containers
-ALLOWED = {"fsdptrain.distributed": ("fsdptrain.rl.metrics", "fsdptrain.rl.metric_buffers")}
+# part -> the modules it may import despite FORBIDDEN: the collectives reduce the typed metric containers; rollouts
+# use train/'s leaf helpers (the models' bundle, the phase timer, the console, the user-code signal grace), which import
+# nothing of the loop
+ALLOWED = {"fsdptrain.distributed": ("fsdptrain.rl.metrics", "fsdptrain.rl.metric_buffers"),
+           "fsdptrain.rollout": ("fsdptrain.train.build", "fsdptrain.train.perf", "fsdptrain.train.console",
+                                 "fsdptrain.train.signals")}
 TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.compose", "fsdptrain.launch", "fsdptrain.distributed.torchrun",
                         "fsdptrain.config", "fsdptrain.registry")
 
@@ -177,6 +183,13 @@ def test_the_package_follows_the_import_rules():
      "fsdptrain.rl.policy imports fsdptrain.model"),
     ("fsdptrain.distributed.collectives", "from fsdptrain.rl.policy import policy_loss\n",
      "fsdptrain.distributed.collectives imports fsdptrain.rl.policy"),
+    # rollouts sit below the loop and above model/, data/, rewards/
+    ("fsdptrain.rollout.source", "from fsdptrain.train.loop import Trainer\n",
+     "fsdptrain.rollout.source imports fsdptrain.train.loop"),
+    ("fsdptrain.model.generate", "from fsdptrain.rollout.turns import run_turns\n",
+     "fsdptrain.model.generate imports fsdptrain.rollout.turns"),
+    ("fsdptrain.data.conversation", "from fsdptrain.rollout.turns import run_turns\n",
+     "fsdptrain.data.conversation imports fsdptrain.rollout.turns"),
 ])
 def test_a_planted_violation_is_reported(module, source, expected):
     sources = {**package_sources(), module: source}

@@ -1,5 +1,5 @@
-"""The multi-turn turn loop (fsdptrain/data/conversation.py) with a ChatML template with tools written by the test
-(tests/chatml.py) and scripted generations: ids built turn by turn equal the template's rendering of the final
+"""The multi-turn turn loop (fsdptrain/rollout/turns.py, on the chat rendering of fsdptrain/data/conversation.py)
+with a ChatML template with tools written by the test (tests/chatml.py) and scripted generations: ids built turn by turn equal the template's rendering of the final
 conversation token for token, the mask is 0 exactly on tool segments and separators, and each cap, a malformed call,
 a raising or unknown tool and an overflowing result behave as docs/multi-turn.md says."""
 
@@ -10,9 +10,10 @@ import json
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.conversation import ChatTurns, TurnCaps, parse_tool_calls_text, run_turns
-from fsdptrain.rewards.tools import Tool, ToolCall, ToolCaller, tool_schema
-from fsdptrain.train.multi_turn import turn_metrics
+from fsdptrain.data.conversation import ChatTurns, parse_tool_calls_text
+from fsdptrain.rollout.turns import TurnCaps, run_turns
+from fsdptrain.rollout.tools import Tool, ToolCall, ToolCaller, tool_schema
+from fsdptrain.rollout.multi_turn import turn_metrics
 from fsdptrain.rl.metrics import finalize
 from tests.chatml import CHATML_NO_TOOLS, STRIPS_THINK, chatml_tokenizer
 
@@ -251,7 +252,7 @@ class Good:
                      "has no docstring"),
 ])
 def test_a_tool_that_is_not_a_typed_documented_function_is_refused(tmp_path, spec, message):
-    from fsdptrain.rewards.tools import load_tools
+    from fsdptrain.rollout.tools import load_tools
 
     (tmp_path / "bad.py").write_text(BAD_TOOLS)
     file = str(tmp_path / "bad.py")
@@ -261,7 +262,7 @@ def test_a_tool_that_is_not_a_typed_documented_function_is_refused(tmp_path, spe
 
 
 def test_an_environment_needs_reset_and_its_public_methods_are_its_tools(tmp_path):
-    from fsdptrain.rewards.tools import load_environment
+    from fsdptrain.rollout.tools import load_environment
 
     (tmp_path / "env.py").write_text(BAD_TOOLS)
     with pytest.raises(ConfigError, match="has no reset method"):
@@ -273,7 +274,7 @@ def test_an_environment_needs_reset_and_its_public_methods_are_its_tools(tmp_pat
 
 
 def test_pooled_tools_run_in_workers_and_a_hung_one_is_cut_off_and_counted(tmp_path):
-    from fsdptrain.rewards.tools import load_tools, tool_pool
+    from fsdptrain.rollout.tools import load_tools, tool_pool
 
     (tmp_path / "slow.py").write_text(
         "import time\n\n"

@@ -106,7 +106,7 @@ def test_jsonl_response_mask_reaches_the_rollouts(tmp_path):
     """An offline multi-turn row keeps its tool-token holes: the mask is read, checked against the response's ids
     (EOS included) and handed on by the offline source; a row without one keeps None (all ones)."""
     from fsdptrain.compose import compose_config
-    from fsdptrain.train.rollout_sources import OfflineSource
+    from fsdptrain.rollout.offline import OfflineSource
 
     path = tmp_path / "r.jsonl"
     _write(path, [{"prompt": "copy 1 2 =", "response": "1 9 2", "reward": 1.0, "response_mask": [1, 0, 1, 1]},

@@ -26,7 +26,7 @@ from fsdptrain.model.generate import generate_responses
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.step import packed_policy_loss
-from fsdptrain.train.rollout_sources import generation
+from fsdptrain.rollout.sampling import generation
 from fsdptrain.train.build import build_models, build_tokenizer, policy_settings
 from fsdptrain.train.step import MiniBatch, accumulate_gradients
 from tests.dist.workers.report import report_and_exit

@@ -22,7 +22,7 @@ from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.fsdp import build_policy
 from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.rl.metrics import finalize
-from fsdptrain.train.rollout_sources import PromptSource
+from fsdptrain.rollout.prompt_source import PromptSource
 from tests.dist.workers.report import report_and_exit
 
 OVERRIDES = ["trainer.eval_n=4", "trainer.eval_k=[1,2,4]", "trainer.eval_correct_threshold=0.3",

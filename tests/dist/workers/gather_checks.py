@@ -48,7 +48,7 @@ def trainer_rollouts(model, tokenizer, mode: str) -> tuple[list[list[int]], int]
     from types import SimpleNamespace
 
     from fsdptrain.compose import compose_config
-    from fsdptrain.train.rollout_sources import PromptSource
+    from fsdptrain.rollout.prompt_source import PromptSource
 
     cfg = compose_config([f"rollout.gather_weights={mode}", "rollout.prompts_per_step=4", "rollout.n=2",
                           "rollout.max_new_tokens=6"])

@@ -1,4 +1,4 @@
-"""Worker: the experience path's reward-model scoring (train/reward_scoring.py) over this world's ranks.
+"""Worker: the experience path's reward-model scoring (rollout/scoring.py) over this world's ranks.
 
 Two reward models (a Llama with a chat template, a Qwen2 without one) score SAMPLES over two steps with running
 normalisation, a clip and weights; rank r holds SHARES[world_size][r] (uneven: rank 1 of 2 holds 2 of 6). Writes
@@ -23,7 +23,7 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.reward_model import load_reward_model_spec
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.rl.reward_scale import RunningMoments
-from fsdptrain.train.reward_scoring import score_with_reward_models
+from fsdptrain.rollout.scoring import score_with_reward_models
 from fsdptrain.distributed.collectives import reduce_metrics
 
 STEPS = [

@@ -1,5 +1,5 @@
 """Multi-turn rollouts with tools or an environment (docs/multi-turn.md): :class:`MultiTurnSource`, a
-:class:`~fsdptrain.train.rollout_sources.PromptSource` whose samples are trajectories of several turns.
+:class:`~fsdptrain.rollout.prompt_source.PromptSource` whose samples are trajectories of several turns.
 
 Each prompt group is generated on its own (``n`` samples in one batch per turn), with a sampling seed drawn from
 (``trainer.seed``, step, the group's global index, round, turn): a group's trajectories are the same whichever rank
@@ -7,8 +7,8 @@ owns it, so the rollouts (and every metric) are the same on 1 and on 2 ranks. Ra
 so generation always holds the policy's weights gathered (``rollout.gather_weights`` is not consulted) and runs
 without transformers' synced GPUs.
 
-The turn loop itself is :func:`fsdptrain.data.conversation.run_turns`; tools run through
-:class:`fsdptrain.rewards.tools.ToolCaller`. A rollout's ``response_mask`` is 1 on the policy's sampled ids and 0 on
+The turn loop itself is :func:`fsdptrain.rollout.turns.run_turns`; tools run through
+:class:`fsdptrain.rollout.tools.ToolCaller`. A rollout's ``response_mask`` is 1 on the policy's sampled ids and 0 on
 the tool segments and separators; ``truncated`` is set for any truncation cause.
 
 Reward functions receive ``completions`` as the conversation after the prompt (a list of messages per sample:
@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.config import ConfigError, multi_turn
-from fsdptrain.data.conversation import TRUNCATION_CAUSES, ChatTurns, Trajectory, TurnCaps, run_turns
+from fsdptrain.config import ConfigError
+from fsdptrain.data.conversation import ChatTurns
 from fsdptrain.data.prompts import PromptRow
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
@@ -33,7 +33,7 @@ from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.loading import RewardFunction
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch
-from fsdptrain.rewards.tools import (
+from fsdptrain.rollout.tools import (
     ENVIRONMENT_REWARD_SPEC,
     Environment,
     Tool,
@@ -45,24 +45,11 @@ from fsdptrain.rewards.tools import (
     tool_pool,
 )
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, merge_all
-from fsdptrain.train.perf import phase
+from fsdptrain.rollout.prompt_source import PromptSource
+from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN, generation
+from fsdptrain.rollout.turns import TRUNCATION_CAUSES, Trajectory, TurnCaps, run_turns
 from fsdptrain.train.build import Models
-from fsdptrain.train.rollout_sources import (
-    NUM_SAMPLES_SHOWN,
-    OfflineSource,
-    PromptSource,
-    RolloutSource,
-    generation,
-)
-
-
-def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
-    """The source ``data.source`` names (docs/architecture.md, "Rollout sources"): offline JSONL rollouts, else
-    prompts, multi-turn when ``rollout.tools`` or ``rollout.environment`` is set. It lives here, above both prompt
-    sources, because the multi-turn one builds on the single-turn one."""
-    if cfg.data.source == "jsonl":
-        return OfflineSource(cfg, tokenizer)
-    return MultiTurnSource(cfg, tokenizer) if multi_turn(cfg) else PromptSource(cfg, tokenizer)
+from fsdptrain.train.perf import phase
 
 
 def load_user_tools(cfg: DictConfig) -> tuple[list[Tool], Optional[Environment]]:

@@ -29,9 +29,9 @@ from fsdptrain.config import ConfigError
 from fsdptrain.registry.user_functions import load_callable
 from fsdptrain.rewards.pool import Call, WorkerPool
 
-ENVIRONMENT_REWARD_SPEC = "fsdptrain.rewards.tools:environment_reward"
+ENVIRONMENT_REWARD_SPEC = "fsdptrain.rollout.tools:environment_reward"
 """The reward function behind an environment's ``get_reward`` (loadable by spec in reward worker processes)."""
-TOOL_CALL_SPEC = "fsdptrain.rewards.tools:call_tool_by_spec"
+TOOL_CALL_SPEC = "fsdptrain.rollout.tools:call_tool_by_spec"
 """The function the worker pool runs for a tool call: it loads the tool by spec and calls it."""
 
 

@@ -1,30 +1,23 @@
-"""Where a step's rollouts come from: one interface (:class:`RolloutSource`) and its two sources.
+"""Prompt rows sampled by the policy, single-turn: :class:`PromptSource`.
 
-- :class:`PromptSource`: rows of a prompt dataset, sampled ``n`` times each by the policy, scored by reward functions
-  (and reward models). One path for the bundled digit tasks and for a user's files (docs/your-task.md): ``data=task``
-  feeds the rows of :func:`fsdptrain.data.prompt_tasks.digit_task_rows` with the ``word_match`` reward,
-  ``data=prompts`` the rows of ``data.path`` with ``reward.functions``; from there on the code is the same. Each step
-  takes the next ``rollout.prompts_per_step`` positions of the seeded epoch order (the same on every rank); group
-  ``i`` of the step is training row ``positions[i]``. The order's state goes into checkpoints, so a resumed run sees
-  exactly the prompts an uninterrupted one would, at any world size.
-- :class:`OfflineSource`: each step's rollouts read from a JSONL file, cycling over its groups.
-
-Either way group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md, rank ownership).
+Rows of a prompt dataset, sampled ``n`` times each by the policy, scored by reward functions (and reward models). One
+path for the bundled digit tasks and for a user's files (docs/your-task.md): ``data=task`` feeds the rows of
+:func:`fsdptrain.data.prompt_tasks.digit_task_rows` with the ``word_match`` reward, ``data=prompts`` the rows of
+``data.path`` with ``reward.functions``; from there on the code is the same. Each step takes the next
+``rollout.prompts_per_step`` positions of the seeded epoch order (the same on every rank); group ``i`` of the step is
+training row ``positions[i]``, owned by rank ``i % world_size`` (docs/architecture.md, rank ownership). The order's
+state goes into checkpoints, so a resumed run sees exactly the prompts an uninterrupted one would, at any world size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
-from collections.abc import Iterator
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.config import DEFAULT_STEPS, ConfigError, reward_specs
-from fsdptrain.data.offline import load_jsonl_rollouts
+from fsdptrain.config import ConfigError, reward_specs
 from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.prompts import (
     EpochOrder,
@@ -36,8 +29,6 @@ from fsdptrain.data.prompts import (
 )
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.distributed.gather import gathered_weights, should_gather
-from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.builtin import comparable_answers
 from fsdptrain.rewards.loading import load_reward_functions
@@ -46,87 +37,11 @@ from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAno
 from fsdptrain.rl.eval_metrics import sampled_eval_metrics
 from fsdptrain.rl.metrics import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
+from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN, eval_sample_seed, generation, sampling_seed
+from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
+from fsdptrain.train.build import Models
 from fsdptrain.train.perf import phase
 from fsdptrain.train.signals import user_code
-from fsdptrain.train.console import log
-from fsdptrain.train.reward_scoring import ModelScores, score_with_reward_models
-from fsdptrain.train.build import DTYPES, Models
-
-
-class RolloutSource(Protocol):
-    """What the train step asks of a source of experience (docs/architecture.md, "Rollout sources").
-
-    A source owns its position in the data and whatever it keeps across steps (the prompt order, the reward models'
-    running moments): :meth:`state_dict` / :meth:`load_state_dict` save and restore it with the checkpoint. The
-    rollouts it returns are this rank's groups of the step (group ``i`` on rank ``i % world_size``); the step packs
-    each one's prompt and response ids and trains on the response tokens its ``response_mask`` marks (all of them
-    when it is None). The multi-turn source (fsdptrain/train/multi_turn.py) implements the same methods; its
-    rollouts' responses also hold tokens the policy did not sample (tool results, separators), marked 0.
-    """
-
-    generates: bool
-    """The policy samples the rollouts (generation's FLOPs count in ``perf/*``)."""
-    num_train_rows: Optional[int]
-    """Training rows behind ``trainer.epochs`` (None: the source has no epochs)."""
-    max_response_length: int
-    step_metrics: Optional[Metrics]
-    """The reward metrics of the last :meth:`rollouts` (they hold ``reward/mean``); None: plain rewards."""
-    samples: list[dict]
-    """A few of rank 0's samples of the last :meth:`rollouts`, for samples.jsonl."""
-
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
-                 round_index: int = 0) -> list[Rollout]: ...
-
-    def step_facts(self) -> Metrics:
-        """Typed metrics of the source's position (``data/*``), the same on every rank."""
-
-    def describe(self, num_steps: int) -> Optional[str]:
-        """One line for the start report, or None."""
-
-    def can_evaluate(self) -> bool: ...
-
-    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float: ...
-
-    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
-        """This rank's share of the sampled evaluation (``trainer.eval_n`` > 1; docs/evaluation.md), to be reduced."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-    def close(self) -> None: ...
-
-
-@contextlib.contextmanager
-def generation(model, cfg, device: torch.device, *, always_gather: bool = False) -> Iterator[None]:
-    """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
-    for the whole block when ``rollout.gather_weights`` (or ``always_gather``) says so (collective: every rank enters
-    it), and compiled layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would
-    recompile every token)."""
-    with phase("generate"):
-        mode = "always" if always_gather else cfg.rollout.gather_weights
-        gather = should_gather(model, mode=mode, max_share=cfg.rollout.gather_weights_max_share,
-                               param_dtype=DTYPES[cfg.parallel.param_dtype], device=device)
-        with generation_attention(model), gathered_weights(
-                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
-                torch.compiler.set_stance("force_eager"):
-            yield
-
-
-
-NUM_SAMPLES_SHOWN = 4
-"""Samples of rank 0 kept for samples.jsonl and the first step's printout."""
-
-
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """A rank's sampling seed for a step: reproducible across runs and resumes, different across ranks."""
-    return (seed * 1_000_003 + step * 1_009 + rank) % (2**31)
-
-
-def eval_sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
-    """The seed of evaluation sample ``sample`` of evaluation prompt ``prompt`` after ``step`` steps: a function of
-    these four only (never of the rank or the world size), so the samples are the same at any world size."""
-    return ((((seed * 1_000_003 + step) * 1_000_033 + prompt) * 1_009 + sample) * 7_919 + 1) % (2**62)
 
 
 def _task_rows(rows: list[dict]) -> list[PromptRow]:
@@ -157,16 +72,6 @@ def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[PromptRow], list[PromptR
         raise ConfigError(f"{len(evals)} evaluation prompts for {world.world_size()} ranks: every rank needs one "
                           f"(add rows to data.eval_path, or set trainer.eval_every=0)")
     return train, evals, {"train": dropped_train, "eval": dropped_eval}
-
-
-def resolve_steps(cfg: DictConfig, num_train_rows: Optional[int]) -> int:
-    """The run's step count: ``trainer.steps``, else ``ceil(epochs x rows / prompts_per_step)``, else the default."""
-    if cfg.trainer.steps is not None:
-        return int(cfg.trainer.steps)
-    if cfg.trainer.epochs is None:
-        return DEFAULT_STEPS
-    # The small tolerance keeps e.g. 0.3 x 100 rows / 10 at 3 steps despite 0.3 x 100 = 30.000000000000004.
-    return max(1, math.ceil(cfg.trainer.epochs * num_train_rows / cfg.rollout.prompts_per_step - 1e-9))
 
 
 class PromptSource:
@@ -371,66 +276,3 @@ class PromptSource:
         answers_PN = None if answers is None else [answers[p * n:(p + 1) * n] for p in range(len(mine))]
         return sampled_eval_metrics(rewards_PN, answers_PN, n=n, ks=list(trainer.eval_k),
                                     threshold=trainer.eval_correct_threshold)
-
-
-class OfflineSource:
-    """Offline JSONL rollouts: each step takes the next ``prompts_per_step`` groups, cycling over the file (the step
-    alone fixes which, so the source keeps no state)."""
-
-    generates = False
-    num_train_rows = None
-
-    def __init__(self, cfg: DictConfig, tokenizer):
-        self.cfg = cfg
-        rollouts, self.num_skipped = load_jsonl_rollouts(cfg.data.path, tokenizer,
-                                                         max_response_length=cfg.rollout.max_new_tokens,
-                                                         skip_bad_rows=cfg.data.skip_bad_rows)
-        if self.num_skipped:
-            log(f"warning: data.skip_bad_rows=true skipped {self.num_skipped} bad row(s) of {cfg.data.path} "
-                f"(logged as data/skipped_rows)")
-        self.groups: dict[int, list[Rollout]] = {}
-        for r in rollouts:
-            self.groups.setdefault(r.group, []).append(r)
-        self.max_response_length = cfg.rollout.max_new_tokens
-        self.step_metrics = None  # the rewards come with the file: no reward-function metrics
-        self.samples: list[dict] = []
-
-    def close(self) -> None:
-        pass
-
-    def step_facts(self) -> Metrics:
-        """``data/skipped_rows``: bad rows of the file skipped at start (data.skip_bad_rows), the same on every
-        rank."""
-        return Metrics({"data/skipped_rows": Max(self.num_skipped)})
-
-    def describe(self, num_steps: int) -> None:
-        return None
-
-    def can_evaluate(self) -> bool:
-        return False
-
-    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
-        raise AssertionError("offline rollouts have no evaluation rows")
-
-    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
-        raise AssertionError("offline rollouts have no evaluation rows")
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
-                 round_index: int = 0) -> list[Rollout]:
-        per_step = self.cfg.rollout.prompts_per_step
-        out = []
-        for index in range(per_step):
-            if index % world_size != rank:
-                continue
-            source_group = (step * per_step + index) % len(self.groups)
-            for r in self.groups[source_group]:
-                out.append(Rollout(prompt_ids=r.prompt_ids, response_ids=r.response_ids, reward=r.reward,
-                                   group=index, truncated=r.truncated, behaviour_logprobs=r.behaviour_logprobs,
-                                   response_mask=r.response_mask, prompt_text=r.prompt_text, response_text=r.response_text))
-        return out

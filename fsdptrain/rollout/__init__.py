@@ -1,0 +1,13 @@
+"""Rollouts: where a step's experience comes from (docs/architecture.md, "Rollouts").
+
+- source.py: what the train loop asks of a source (``RolloutSource``), ``build_source``, ``resolve_steps``;
+- prompt_source.py: prompt rows sampled by the policy, single-turn, scored by reward functions and models;
+- multi_turn.py: the same prompts, each sample a trajectory of turns with tools or an environment;
+- offline.py: rollouts read from a JSONL file;
+- turns.py: the turn loop and its caps (token-in/token-out on fsdptrain/data/conversation.py's chat rendering);
+- tools.py: the user's tools and environment, loaded, checked and called;
+- scoring.py: the reward models' scores of a rank's samples;
+- sampling.py: generation's set-up (the ``generation`` block) and the sampling seeds.
+
+This package imports nothing at import time: reward worker processes load ``fsdptrain.rollout.tools`` by spec.
+"""

@@ -1,0 +1,86 @@
+"""What the train loop asks of a source of rollouts (:class:`RolloutSource`), which source the config names
+(:func:`build_source`) and how many steps a run has (:func:`resolve_steps`); docs/architecture.md, "Rollouts".
+
+The sources: :class:`~fsdptrain.rollout.prompt_source.PromptSource` (prompt rows sampled by the policy, scored by
+reward functions and models), :class:`~fsdptrain.rollout.multi_turn.MultiTurnSource` (the same prompts, each sample a
+trajectory of several turns with tools or an environment) and :class:`~fsdptrain.rollout.offline.OfflineSource`
+(rollouts read from a JSONL file). Group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md,
+rank ownership).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Protocol
+
+from omegaconf import DictConfig
+
+from fsdptrain.config import DEFAULT_STEPS, multi_turn
+from fsdptrain.data.rollout import Rollout
+from fsdptrain.rl.metrics import Metrics
+from fsdptrain.rollout.multi_turn import MultiTurnSource
+from fsdptrain.rollout.offline import OfflineSource
+from fsdptrain.rollout.prompt_source import PromptSource
+from fsdptrain.train.build import Models
+
+
+class RolloutSource(Protocol):
+    """What the train step asks of a source of experience (docs/architecture.md, "Rollout sources").
+
+    A source owns its position in the data and whatever it keeps across steps (the prompt order, the reward models'
+    running moments): :meth:`state_dict` / :meth:`load_state_dict` save and restore it with the checkpoint. The
+    rollouts it returns are this rank's groups of the step (group ``i`` on rank ``i % world_size``); the step packs
+    each one's prompt and response ids and trains on the response tokens its ``response_mask`` marks (all of them
+    when it is None). The multi-turn source (fsdptrain/rollout/multi_turn.py) implements the same methods; its
+    rollouts' responses also hold tokens the policy did not sample (tool results, separators), marked 0.
+    """
+
+    generates: bool
+    """The policy samples the rollouts (generation's FLOPs count in ``perf/*``)."""
+    num_train_rows: Optional[int]
+    """Training rows behind ``trainer.epochs`` (None: the source has no epochs)."""
+    max_response_length: int
+    step_metrics: Optional[Metrics]
+    """The reward metrics of the last :meth:`rollouts` (they hold ``reward/mean``); None: plain rewards."""
+    samples: list[dict]
+    """A few of rank 0's samples of the last :meth:`rollouts`, for samples.jsonl."""
+
+    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+                 round_index: int = 0) -> list[Rollout]: ...
+
+    def step_facts(self) -> Metrics:
+        """Typed metrics of the source's position (``data/*``), the same on every rank."""
+
+    def describe(self, num_steps: int) -> Optional[str]:
+        """One line for the start report, or None."""
+
+    def can_evaluate(self) -> bool: ...
+
+    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float: ...
+
+    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
+        """This rank's share of the sampled evaluation (``trainer.eval_n`` > 1; docs/evaluation.md), to be reduced."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
+    """The source ``data.source`` names: offline JSONL rollouts, else prompts, multi-turn when ``rollout.tools`` or
+    ``rollout.environment`` is set."""
+    if cfg.data.source == "jsonl":
+        return OfflineSource(cfg, tokenizer)
+    return MultiTurnSource(cfg, tokenizer) if multi_turn(cfg) else PromptSource(cfg, tokenizer)
+
+
+def resolve_steps(cfg: DictConfig, num_train_rows: Optional[int]) -> int:
+    """The run's step count: ``trainer.steps``, else ``ceil(epochs x rows / prompts_per_step)``, else the default."""
+    if cfg.trainer.steps is not None:
+        return int(cfg.trainer.steps)
+    if cfg.trainer.epochs is None:
+        return DEFAULT_STEPS
+    # The small tolerance keeps e.g. 0.3 x 100 rows / 10 at 3 steps despite 0.3 x 100 = 30.000000000000004.
+    return max(1, math.ceil(cfg.trainer.epochs * num_train_rows / cfg.rollout.prompts_per_step - 1e-9))

@@ -1,0 +1,149 @@
+"""Multi-turn trajectories built token-in/token-out: the turn loop over generated ids and tool messages and its caps
+(docs/multi-turn.md).
+
+A trajectory is one sample: the prompt's ids, then the response: each assistant turn's sampled ids exactly as
+sampled (never decoded and re-encoded), followed after a tool call by the ids of the tool messages as the chat
+template renders them, separators included (ChatML's ``\\n`` after ``<|im_end|>`` and the next
+``<|im_start|>assistant\\n``). The response mask is 1 on the sampled ids and 0 on everything the template or a tool
+wrote. Because the template is prefix-preserving (checked at start-up on a dummy conversation), the ids built turn by
+turn equal the template's rendering of the final conversation, token for token, up to the separator the template
+writes after the final EOS.
+
+Tool calls are parsed from each turn's sampled ids: with the tokenizer's own response parsing
+(``tokenizer.parse_response``) when it has a ``response_template``, else the common
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks of the decoded text. A turn with no call ends the
+trajectory; so does a malformed call (the turn stays as plain text; counted).
+
+Caps (per trajectory): ``max_turns`` assistant turns (a call in the last allowed turn is not run: truncated by
+``max_turns``); ``max_new_tokens`` response tokens, the model's and the tools' together (a turn cut by the budget is
+truncated by ``length``; a tool segment that would not fit is not appended and ends the trajectory, truncated by
+``tool_overflow``); ``max_tool_response_tokens`` tokens of one tool result's content (a longer one is cut and
+counted).
+
+Nothing here imports a model or runs a tool: the loop takes ``generate`` and ``call_tools`` as functions, so it is
+tested with scripted ones (tests/unit/test_multi_turn.py). The chat rendering it builds on (the template's ids, its
+checks, parsing a turn's calls) is :class:`fsdptrain.data.conversation.ChatTurns`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from fsdptrain.data.conversation import ChatTurns
+
+TRUNCATION_CAUSES = ("length", "max_turns", "tool_overflow")
+"""Why a trajectory was truncated (``truncated/<cause>`` metrics)."""
+
+
+@dataclass
+class Trajectory:
+    """One sample's multi-turn trajectory; see the module docstring. ``messages`` are the conversation after the
+    prompt (assistant turns as written, with their parsed ``tool_calls``; tool messages as appended)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    num_turns: int = 0
+    num_calls: int = 0
+    num_failed_calls: int = 0
+    num_timed_out_calls: int = 0
+    num_malformed: int = 0
+    num_cut_results: int = 0
+    num_tool_tokens: int = 0
+    truncation: Optional[str] = None
+    done: bool = False
+
+    def end(self, truncation: Optional[str] = None) -> None:
+        self.truncation, self.done = truncation, True
+
+
+@dataclass(frozen=True)
+class TurnCaps:
+    max_turns: int
+    max_new_tokens: int
+    max_tool_response_tokens: int
+
+
+Generate = Callable[[list[list[int]], int, int], list[tuple[list[int], bool]]]
+"""``generate(inputs, max_new_tokens, turn) -> [(new_ids, ended_by_eos)]``, one per input."""
+CallTools = Callable[[list[tuple[int, str, dict]]], list]
+"""``call_tools([(sample, name, arguments)]) -> [result]`` with ``result.content``, ``.failed``, ``.timed_out``."""
+
+
+def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Generate, call_tools: CallTools,
+              caps: TurnCaps) -> list[Trajectory]:
+    """The trajectories of ``prompts`` (prompt ids each), all advanced turn by turn together; see the module
+    docstring for what each cap does."""
+    trajectories = [Trajectory(prompt_ids=list(p)) for p in prompts]
+    tokenizer = chat.tokenizer
+    for turn in range(caps.max_turns):
+        active = [t for t in trajectories if not t.done]
+        if not active:
+            break
+        index = {id(t): i for i, t in enumerate(trajectories)}
+        budgets = [caps.max_new_tokens - len(t.response_ids) for t in active]
+        outputs = generate([t.prompt_ids + t.response_ids for t in active], max(budgets), turn)
+        pending: list[tuple[Trajectory, list[tuple[str, dict]]]] = []
+        for t, budget, (new_ids, ended) in zip(active, budgets, outputs):
+            if len(new_ids) > budget:
+                new_ids, ended = new_ids[:budget], False
+            prefix = t.prompt_ids + t.response_ids
+            t.response_ids += new_ids
+            t.response_mask += [1] * len(new_ids)
+            t.num_turns += 1
+            text_ids = new_ids[:-1] if ended else new_ids
+            message = {"role": "assistant", "content": tokenizer.decode(text_ids, skip_special_tokens=False)}
+            t.messages.append(message)
+            if not ended:
+                t.end("length")
+                continue
+            parsed = chat.parse(new_ids, prefix_ids=prefix)
+            if parsed.malformed:
+                t.num_malformed += 1
+                t.end()
+                continue
+            if not parsed.calls:
+                t.end()
+                continue
+            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": arguments}}
+                                     for name, arguments in parsed.calls]
+            if turn == caps.max_turns - 1:
+                t.end("max_turns")
+                continue
+            pending.append((t, parsed.calls))
+        requests = [(index[id(t)], name, arguments) for t, calls in pending for name, arguments in calls]
+        results = iter(call_tools(requests) if requests else [])
+        for t, calls in pending:
+            _append_tool_results(chat, t, calls, [next(results) for _ in calls], caps)
+    return trajectories
+
+
+def _append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, dict]], results: list,
+                         caps: TurnCaps) -> None:
+    """Append the tool messages answering one turn's calls (each result cut to ``max_tool_response_tokens``), or end
+    the trajectory as ``tool_overflow`` when their segment would not fit the response budget."""
+    tokenizer = chat.tokenizer
+    tool_messages = []
+    num_cut = 0
+    for (name, _), result in zip(calls, results):
+        content = result.content
+        content_ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+        if len(content_ids) > caps.max_tool_response_tokens:
+            content = tokenizer.decode(content_ids[:caps.max_tool_response_tokens], skip_special_tokens=False)
+            num_cut += 1
+        tool_messages.append({"role": "tool", "name": name, "content": content})
+    segment = chat.tool_segment_ids(tool_messages)
+    t.num_calls += len(calls)
+    t.num_failed_calls += sum(r.failed for r in results)
+    t.num_timed_out_calls += sum(r.timed_out for r in results)
+    t.num_cut_results += num_cut
+    if len(t.response_ids) + len(segment) >= caps.max_new_tokens:  # no room left for the model to answer
+        t.messages.extend({**m, "appended": False} for m in tool_messages)
+        t.end("tool_overflow")
+        return
+    t.response_ids += segment
+    t.response_mask += [0] * len(segment)
+    t.num_tool_tokens += len(segment)
+    t.messages.extend(tool_messages)
