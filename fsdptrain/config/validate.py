@@ -165,9 +165,6 @@ def _check_multi_turn(cfg: DictConfig) -> None:
     if multi_turn(cfg) and cfg.data.source == "jsonl":
         raise ConfigError("rollout.tools / rollout.environment generate multi-turn rollouts: use data=task or "
                           "data=prompts, not data=jsonl (offline rollouts are read as they are)")
-    if multi_turn(cfg) and cfg.reward.models:
-        raise ConfigError("reward.models with rollout.tools / rollout.environment is not supported yet: score "
-                          "multi-turn rollouts with reward.functions")
     if cfg.rollout.environment is not None and cfg.reward.num_workers > 0:
         raise ConfigError("rollout.environment needs reward.num_workers=0: its instances (their state, get_reward, "
                           "the environments= of reward functions) live in the training process")

@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -202,18 +202,29 @@ def load_full_reward_model(spec: RewardModelSpec) -> PreTrainedModel:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def reward_input_ids(spec: RewardModelSpec, prompt: str, completion: str) -> list[int]:
+def reward_input_ids(spec: RewardModelSpec, prompt: str, completion: str, *,
+                     messages: Optional[Sequence[dict]] = None) -> list[int]:
     """The reward model's own token ids for one prompt/completion pair of TEXT.
 
-    With a chat template: the template applied to [user: prompt, assistant: completion] (no generation prompt),
-    tokenised without adding special tokens (the template writes its own). Without one: the plain concatenation
-    `prompt + completion` (no separator added: the texts carry their own whitespace), tokenised with the
-    tokenizer's default special tokens (e.g. its BOS). Raises ValueError if that gives no token at all.
+    With a chat template: the template applied to [user: prompt, assistant: completion] (no generation prompt), or
+    to ``messages`` when given (a multi-turn sample's whole conversation: the prompt's messages, the assistant turns
+    with their tool calls, the tool messages; as TRL passes conversational samples), tokenised without adding special
+    tokens (the template writes its own). Without one: the plain concatenation `prompt + completion` (no separator
+    added: the texts carry their own whitespace), tokenised with the tokenizer's default special tokens (e.g. its
+    BOS). Raises ValueError if that gives no token at all, or if the template cannot render ``messages``.
     """
     tokenizer = spec.tokenizer
     if spec.uses_chat_template:
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        conversation = list(messages) if messages is not None else [
+            {"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        except Exception as err:  # a template that only knows user/assistant turns rejects tool messages
+            if messages is None:
+                raise
+            raise ValueError(f"reward model {spec.path!r}: its chat template cannot render a multi-turn conversation "
+                             f"(tool calls and tool messages): {err}; use a reward model whose template renders "
+                             f"tool messages (docs/reward-models.md)") from err
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompt + completion)["input_ids"]

@@ -1,9 +1,11 @@
-"""Multi-turn rollouts with tools or an environment (docs/multi-turn.md): :class:`MultiTurnSource`, a
-:class:`~fsdptrain.rollout.prompt_source.PromptSource` whose samples are trajectories of several turns.
+"""Multi-turn sampling with tools or an environment (docs/multi-turn.md): :class:`MultiTurnSampler`, the sampler a
+:class:`~fsdptrain.rollout.prompt_source.PromptSource` uses when ``rollout.tools`` or ``rollout.environment`` is set:
+each sample is a trajectory of several turns. Training, the greedy and the sampled evaluation all run the turns.
 
 Each prompt group is generated on its own (``n`` samples in one batch per turn), with a sampling seed drawn from
 (``trainer.seed``, step, the group's global index, round, turn): a group's trajectories are the same whichever rank
-owns it, so the rollouts (and every metric) are the same on 1 and on 2 ranks. Ranks run different numbers of turns,
+owns it, so the rollouts (and every metric) are the same on 1 and on 2 ranks. The sampled evaluation draws each
+sample's turn from its own generator, seeded by (``trainer.seed``, step, prompt, sample, turn) only. Ranks run different numbers of turns,
 so generation always holds the policy's weights gathered (``rollout.gather_weights`` is not consulted) and runs
 without transformers' synced GPUs.
 
@@ -13,40 +15,38 @@ the tool segments and separators; ``truncated`` is set for any truncation cause.
 
 Reward functions receive ``completions`` as the conversation after the prompt (a list of messages per sample:
 assistant turns with their ``tool_calls``, tool messages), as TRL passes conversational completions, and
-``environments=`` (one instance per sample) when an environment is configured.
+``environments=`` (one instance per sample) when an environment is configured. Reward models read the whole
+conversation (the prompt's messages, then the turns) through their own chat template, as TRL passes conversational
+samples (docs/reward-models.md).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.conversation import ChatTurns
 from fsdptrain.data.prompts import PromptRow
-from fsdptrain.data.rollout import Rollout
-from fsdptrain.distributed import world
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rewards.reward_metrics import reward_metrics
-from fsdptrain.rewards.runner import RewardBatch
+from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum
+from fsdptrain.rollout.samples import SampleMode, Samples
+from fsdptrain.rollout.sampling import eval_sample_seed, generation
 from fsdptrain.rollout.tools import (
     ENVIRONMENT_REWARD_SPEC,
     Environment,
     Tool,
-    ToolCaller,
     ToolCall,
+    ToolCaller,
     environment_reward,
     load_environment,
     load_tools,
     tool_pool,
 )
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, merge_all
-from fsdptrain.rollout.prompt_source import PromptSource
-from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN, generation
 from fsdptrain.rollout.turns import TRUNCATION_CAUSES, Trajectory, TurnCaps, run_turns
 from fsdptrain.train.build import Models
 from fsdptrain.train.perf import phase
@@ -117,23 +117,43 @@ def group_seed(seed: int, step: int, group: int, round_index: int, turn: int) ->
     return random.Random(f"turns:{seed}:{step}:{group}:{round_index}:{turn}").getrandbits(31)
 
 
-class MultiTurnSource(PromptSource):
-    """Prompt rows whose samples call tools over several turns; see the module docstring."""
+def eval_turn_seed(sample_seed: int, turn: int) -> int:
+    """The seed of one turn of a sampled-evaluation sample: turn 0 uses the sample's own seed (``eval_sample_seed``),
+    later turns one drawn from it and the turn, so a sample's turns never depend on the rank or the batch."""
+    return sample_seed if turn == 0 else random.Random(f"eval-turn:{sample_seed}:{turn}").getrandbits(62)
+
+
+@dataclass
+class _Turns:
+    """One sampling call's trajectories with, per sample, its environment instance (None without one), its prompt's
+    text as the policy saw it and its prompt's messages."""
+
+    trajectories: list[Trajectory]
+    environments: list
+    prompt_texts: list[str]
+    prompt_messages: list[list[dict]]
+
+
+class MultiTurnSampler:
+    """Samples that call tools over several turns; see the module docstring."""
 
     def __init__(self, cfg: DictConfig, tokenizer):
-        super().__init__(cfg, tokenizer)
+        self.cfg, self.tokenizer = cfg, tokenizer
         self.tools, self.environment = load_user_tools(cfg)
         self.chat = ChatTurns(tokenizer, tool_schemas(self.tools, self.environment))
-        if self.environment is not None and self.environment.has_reward:
-            name = self.environment.name
-            if any(f.name == name for f in self.functions):
-                raise ConfigError(f"rollout.environment: its get_reward is the reward {name!r}, which "
-                                  f"reward.functions already names")
-            self.functions.append(RewardFunction(name=name, spec=ENVIRONMENT_REWARD_SPEC, fn=environment_reward,
-                                                 weight=1.0))
         self.caps = TurnCaps(max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
                              max_tool_response_tokens=cfg.rollout.max_tool_response_tokens)
         self.caller: Optional[ToolCaller] = None
+
+    def reward_functions(self, functions: list[RewardFunction]) -> list[RewardFunction]:
+        """``functions`` and, when the environment defines ``get_reward``, one more named after its class."""
+        if self.environment is None or not self.environment.has_reward:
+            return functions
+        name = self.environment.name
+        if any(f.name == name for f in functions):
+            raise ConfigError(f"rollout.environment: its get_reward is the reward {name!r}, which "
+                              f"reward.functions already names")
+        return [*functions, RewardFunction(name=name, spec=ENVIRONMENT_REWARD_SPEC, fn=environment_reward, weight=1.0)]
 
     def _caller(self) -> ToolCaller:
         if self.caller is None:  # started on first use, inside the loop's try/finally that closes it
@@ -142,103 +162,90 @@ class MultiTurnSource(PromptSource):
         return self.caller
 
     def close(self) -> None:
-        super().close()
         if self.caller is not None and self.caller.pool is not None:
             self.caller.pool.close()
         self.caller = None
 
-    def describe(self, num_steps: int) -> str:
+    def describe(self) -> str:
         names = [t.name for t in self.tools] + (self.environment.tool_names() if self.environment else [])
         env = f"; environment {self.environment.name}" if self.environment is not None else ""
-        return (super().describe(num_steps) + f"; tools: {', '.join(names) or 'none'}{env}; up to "
-                f"{self.cfg.rollout.max_turns} turns in {self.cfg.rollout.max_new_tokens} response tokens")
+        return (f"; tools: {', '.join(names) or 'none'}{env}; up to {self.cfg.rollout.max_turns} turns in "
+                f"{self.cfg.rollout.max_new_tokens} response tokens")
 
-    def _trajectories(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, sample: bool,
-                      step: int, round_index: int, device) -> tuple[list[Trajectory], list, list[str]]:
-        """Every sample's trajectory, group by group, its environment instance (None without one), and the text of
-        its prompt as the policy saw it (the tools' schemas and the environment's first observation included)."""
-        rollout, caller = self.cfg.rollout, self._caller()
-        trajectories, environments, prompt_texts = [], [], []
+    def sample(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+               step: int, round_index: int, rank: int, device) -> Samples:
+        turns = self._trajectories(models, groups, repeat=repeat, mode=mode, step=step, round_index=round_index,
+                                   device=device)
+        trajectories = turns.trajectories
+        texts = [self.tokenizer.decode(t.response_ids, skip_special_tokens=False) for t in trajectories]
+        return Samples(
+            prompt_ids=[t.prompt_ids for t in trajectories], response_ids=[t.response_ids for t in trajectories],
+            truncated=[t.truncation is not None for t in trajectories], prompts=turns.prompt_texts,
+            completions=[t.messages for t in trajectories], response_texts=texts,
+            answers=[_last_assistant_text(t) for t in trajectories],
+            response_masks=[list(t.response_mask) for t in trajectories],
+            conversations=[m + [x for x in t.messages if x.get("appended", True)]
+                           for m, t in zip(turns.prompt_messages, trajectories)],
+            columns={"environments": turns.environments} if self.environment is not None else {},
+            details=[{"turns": t.messages, "truncated": t.truncation} for t in trajectories],
+            metrics=turn_metrics(trajectories))
+
+    def _prompts(self, row: PromptRow, envs: list, repeat: int) -> list[tuple[list[dict], str, list[int]]]:
+        """Each sample's prompt messages (an environment's first observation appended), text and ids."""
+        out = []
+        for k in range(repeat):
+            messages = row.chat()
+            observation = envs[k].reset(**row.columns) if envs else None
+            if observation is not None:
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+            text, ids = self.chat.prompt(messages)
+            out.append((messages, text, ids))
+        return out
+
+    def _generate_fn(self, models: Models, *, group: int, mode: SampleMode, step: int, round_index: int, device):
+        """The turn loop's ``generate`` for one group: the step's group seed per turn, or (``eval``) one generator
+        per sample and turn."""
+        rollout, seed = self.cfg.rollout, self.cfg.trainer.seed
+        sample = mode == "train"
+
+        def generate(inputs, max_new_tokens, turn, samples):
+            row_seeds = None
+            if mode == "eval":
+                row_seeds = [eval_turn_seed(eval_sample_seed(seed, step, group, s), turn) for s in samples]
+            temperature = (rollout.temperature if sample else
+                           self.cfg.trainer.eval_temperature if row_seeds is not None else 1.0)
+            outputs = generate_responses(
+                models.policy, self.tokenizer, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_p=rollout.top_p if sample else 1.0, do_sample=sample,
+                generator_seed=group_seed(seed, step, group, round_index, turn) if sample else 0,
+                device=device, synced_gpus=False, row_seeds=row_seeds)
+            return [(ids, not truncated) for _, ids, truncated in outputs]
+
+        return generate
+
+    def _trajectories(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+                      step: int, round_index: int, device) -> _Turns:
+        """Every sample's trajectory, group by group (see :class:`_Turns`)."""
+        caller = self._caller()
+        out = _Turns([], [], [], [])
         with generation(models.policy, self.cfg, device, always_gather=True):
             for group, row in groups:
                 envs = [self.environment.cls() for _ in range(repeat)] if self.environment is not None else []
-                prompts = []
-                for k in range(repeat):
-                    messages = row.chat()
-                    observation = envs[k].reset(**row.columns) if envs else None
-                    if observation is not None:
-                        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
-                    text, ids = self.chat.prompt(messages)
-                    prompts.append(ids)
-                    prompt_texts.append(text)
-
-                def generate(inputs, max_new_tokens, turn, group=group):
-                    outputs = generate_responses(
-                        models.policy, self.tokenizer, inputs, max_new_tokens=max_new_tokens,
-                        temperature=rollout.temperature if sample else 1.0, top_p=rollout.top_p if sample else 1.0,
-                        do_sample=sample, generator_seed=group_seed(self.cfg.trainer.seed, step, group, round_index,
-                                                                    turn),
-                        device=device, synced_gpus=False)
-                    return [(ids, not truncated) for _, ids, truncated in outputs]
+                prompts = self._prompts(row, envs, repeat)
+                out.prompt_messages += [messages for messages, _, _ in prompts]
+                out.prompt_texts += [text for _, text, _ in prompts]
 
                 def call_tools(requests, envs=envs):  # timed within the generate phase
                     return caller.run([ToolCall(s, name, args) for s, name, args in requests], envs)
 
-                trajectories += run_turns(self.chat, prompts, generate=generate, call_tools=call_tools,
-                                          caps=self.caps)
-                environments += envs or [None] * repeat
-        return trajectories, environments, prompt_texts
+                generate = self._generate_fn(models, group=group, mode=mode, step=step, round_index=round_index,
+                                             device=device)
+                out.trajectories += run_turns(self.chat, [ids for _, _, ids in prompts], generate=generate,
+                                              call_tools=call_tools, caps=self.caps)
+                out.environments += envs or [None] * repeat
+        return out
 
-    def _batch(self, rows: list[PromptRow], groups: list[int], trajectories: list[Trajectory],
-               environments: list, prompt_texts: list[str]) -> RewardBatch:
-        names = sorted({name for row in rows for name in row.columns})
-        columns = {name: [row.columns.get(name) for row in rows] for name in names}
-        if self.environment is not None:
-            columns["environments"] = environments
-        return RewardBatch(prompts=prompt_texts, completions=[t.messages for t in trajectories],
-                           completion_ids=[list(t.response_ids) for t in trajectories],
-                           rows=[row.index for row in rows], groups=list(groups), columns=columns)
 
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
-                 round_index: int = 0) -> list[Rollout]:
-        """This rank's trajectories of the step's next ``prompts_per_step`` rows, scored; see the module docstring."""
-        n = self.cfg.rollout.n
-        positions = self.order.take(self.cfg.rollout.prompts_per_step)
-        mine = [(i, self.train_rows[p]) for i, p in enumerate(positions) if i % world_size == rank]
-        trajectories, environments, prompt_texts = self._trajectories(
-            models, mine, repeat=n, sample=True, step=step, round_index=round_index, device=device)
-        rows = [row for _, row in mine for _ in range(n)]
-        groups = [i for i, _ in mine for _ in range(n)]
-        batch = self._batch(rows, groups, trajectories, environments, prompt_texts)
-        with phase("reward"):
-            scores = self._function_scores(batch)
-        metrics = merge_all([reward_metrics(scores, groups=groups), turn_metrics(trajectories)])
-        self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
-        self.last_batch, self.last_scores = batch, scores
-        self.samples = [self._sample(batch, scores, trajectories[k], k)
-                        for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
-        return [Rollout(prompt_ids=t.prompt_ids, response_ids=t.response_ids, reward=scores.total[k],
-                        group=groups[k], truncated=t.truncation is not None, prompt_text=prompt_texts[k],
-                        response_text=self.tokenizer.decode(t.response_ids, skip_special_tokens=False),
-                        response_mask=list(t.response_mask))
-                for k, t in enumerate(trajectories)]
-
-    def _sample(self, batch: RewardBatch, scores, trajectory: Trajectory, k: int) -> dict:
-        """One sample for samples.jsonl and the first step's printout: the turns with their tool calls and results,
-        the truncation cause, the rewards."""
-        return {"row": batch.rows[k], "prompt": batch.prompts[k],
-                "completion": self.tokenizer.decode(trajectory.response_ids, skip_special_tokens=False),
-                "turns": trajectory.messages, "truncated": trajectory.truncation,
-                "rewards": {name: values[k] for name, values in scores.raw.items()}, "total": scores.total[k]}
-
-    @torch.no_grad()
-    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
-        """Greedy mean reward over the evaluation rows' trajectories, over all ranks."""
-        mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
-        trajectories, environments, prompt_texts = self._trajectories(models, mine, repeat=1, sample=False, step=-1,
-                                                                      round_index=0, device=device)
-        batch = self._batch([row for _, row in mine], [i for i, _ in mine], trajectories, environments,
-                            prompt_texts)
-        scores = self._function_scores(batch)
-        sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
-        return float(sums[0] / sums[1])
+def _last_assistant_text(trajectory: Trajectory) -> str:
+    """The content of a trajectory's last assistant turn: its final answer."""
+    return next((m["content"] for m in reversed(trajectory.messages) if m["role"] == "assistant"), "")

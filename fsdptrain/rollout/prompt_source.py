@@ -1,6 +1,9 @@
-"""Prompt rows sampled by the policy, single-turn: :class:`PromptSource`.
+"""Prompt rows sampled by the policy: :class:`PromptSource`, one prompt source with a sampler, single-turn
+(fsdptrain/rollout/single_turn.py) or multi-turn (fsdptrain/rollout/multi_turn.py); multi-turn is composition, not a
+subclass.
 
-Rows of a prompt dataset, sampled ``n`` times each by the policy, scored by reward functions (and reward models). One
+Rows of a prompt dataset, sampled ``n`` times each by the policy, scored by reward functions (and reward models) the
+same way whichever the sampler (docs/reward-models.md), evaluated by fsdptrain/rollout/evaluation.py. One
 path for the bundled digit tasks and for a user's files (docs/your-task.md): ``data=task`` feeds the rows of
 :func:`fsdptrain.data.prompt_tasks.digit_task_rows` with the ``word_match`` reward, ``data=prompts`` the rows of
 ``data.path`` with ``reward.functions``; from there on the code is the same. Each step takes the next
@@ -11,34 +14,28 @@ state goes into checkpoints, so a resumed run sees exactly the prompts an uninte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from typing import Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError, reward_specs
 from fsdptrain.data.prompt_tasks import digit_task_rows
-from fsdptrain.data.prompts import (
-    EpochOrder,
-    PromptRow,
-    drop_long_prompts,
-    hold_out_eval,
-    load_prompts,
-    prompt_token_ids,
-)
+from fsdptrain.data.prompts import EpochOrder, PromptRow, drop_long_prompts, hold_out_eval, load_prompts
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rewards.builtin import comparable_answers
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
-from fsdptrain.rl.eval_metrics import sampled_eval_metrics
 from fsdptrain.rl.metrics import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
-from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN, eval_sample_seed, generation, sampling_seed
+from fsdptrain.rollout.evaluation import greedy_reward, sampled_eval
+from fsdptrain.rollout.samples import Sampler, SampleMode, Samples
+from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN
 from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
+from fsdptrain.rollout.single_turn import SingleTurnSampler
 from fsdptrain.train.build import Models
 from fsdptrain.train.perf import phase
 from fsdptrain.train.signals import user_code
@@ -75,11 +72,12 @@ def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[PromptRow], list[PromptR
 
 
 class PromptSource:
-    """Prompt rows in epoch order, ``n`` samples each, scored by the reward functions; see the module docstring."""
+    """Prompt rows in epoch order, ``n`` samples each from its sampler (single-turn by default, multi-turn with tools
+    or an environment), scored by the reward functions and models; see the module docstring."""
 
     generates = True
 
-    def __init__(self, cfg: DictConfig, tokenizer):
+    def __init__(self, cfg: DictConfig, tokenizer, sampler: Optional[Sampler] = None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
         self.num_train_rows = len(self.train_rows)
@@ -87,7 +85,9 @@ class PromptSource:
         columns = sorted({name for row in self.train_rows[:1] for name in row.columns}
                          | ({"environments"} if cfg.rollout.environment is not None else set()))
         specs = reward_specs(cfg)
-        self.functions = load_reward_functions(specs, cfg.reward.weights, columns=columns) if specs else []
+        functions = load_reward_functions(specs, cfg.reward.weights, columns=columns) if specs else []
+        self.sampler: Sampler = sampler if sampler is not None else SingleTurnSampler(cfg, tokenizer)
+        self.functions = self.sampler.reward_functions(functions)
         self.reward_moments = [RunningMoments() for _ in cfg.reward.models]
         """Running moments of each reward model's raw scores (reward.model_normalize=running), in checkpoints."""
         self.max_response_length = cfg.rollout.max_new_tokens
@@ -109,6 +109,7 @@ class PromptSource:
         if self.runner is not None:
             self.runner.close()
             self.runner = None
+        self.sampler.close()
 
     def epoch_progress(self) -> float:
         """Epochs of the training rows visited so far (fractional)."""
@@ -129,7 +130,8 @@ class PromptSource:
                    if dropped["train"] or dropped["eval"] else "")
                 + f"; {num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
                 f"{num_steps * cfg.rollout.prompts_per_step / len(self.train_rows):.3g} epochs; rewards: "
-                + ", ".join([f"{f.name} x {f.weight:g}" for f in self.functions] + models))
+                + ", ".join([f"{f.name} x {f.weight:g}" for f in self.functions] + models)
+                + self.sampler.describe())
 
     def can_evaluate(self) -> bool:
         return bool(self.eval_rows)
@@ -151,37 +153,35 @@ class PromptSource:
                               f"lists {len(self.reward_moments)}: resume with the run's own reward.models")
         self.reward_moments = [RunningMoments.from_state_dict(m) for m in saved]
 
-    def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device,
-                  row_seeds: Optional[list[int]] = None):
-        """``repeat`` responses per row: sampled at the rollout settings, greedy, or (``row_seeds``) sampled at
-        ``trainer.eval_temperature`` with one generator per response."""
-        ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
-        rollout = self.cfg.rollout
-        temperature = (rollout.temperature if sample else
-                       self.cfg.trainer.eval_temperature if row_seeds is not None else 1.0)
-        with generation(models.policy, self.cfg, device):  # timed, sdpa, weights gathered once, layers eager
-            return generate_responses(
-                models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
-                temperature=temperature, top_p=rollout.top_p if sample else 1.0,
-                do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds,
-                share_prompt_prefill=repeat > 1 and row_seeds is None)
+    def sample_and_score(self, models: Models, mine: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+                         step: int, round_index: int, rank: int,
+                         device) -> tuple[Samples, RewardBatch, RewardScores, Metrics]:
+        """``repeat`` samples of each of this rank's ``(global index, row)`` from the sampler, scored (see
+        :meth:`score`); a ``train`` call keeps the reward models' running moments. Collective."""
+        samples = self.sampler.sample(models, mine, repeat=repeat, mode=mode, step=step, round_index=round_index,
+                                      rank=rank, device=device)
+        rows = [row for _, row in mine for _ in range(repeat)]
+        groups = [i for i, _ in mine for _ in range(repeat)]
+        with phase("reward") if mode == "train" else contextlib.nullcontext():  # evaluation is not the step's
+            batch, scores, model_metrics = self.score(models, rows, groups, samples, device=device,
+                                                      training=mode == "train")
+        return samples, batch, scores, model_metrics
 
-    def _score(self, models: Models, rows: list[PromptRow], groups: list[int], outputs, *, device,
-               training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
+    def score(self, models: Models, rows: list[PromptRow], groups: list[int], samples: Samples, *, device,
+              training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
         """Score this rank's samples: the reward functions' weighted total plus the reward models' weighted, scaled
-        scores (docs/reward-models.md). A function's failure on any rank stops every rank (one agreed flag, no hang).
-        Only a ``training`` call keeps the reward models' running moments."""
+        scores (docs/reward-models.md), single- and multi-turn alike. A function's failure on any rank stops every
+        rank (one agreed flag, no hang). Only a ``training`` call keeps the reward models' running moments."""
         names = sorted({name for row in rows for name in row.columns})
         batch = RewardBatch(
-            prompts=[row.text for row in rows],
-            completions=[self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _ in outputs],
-            completion_ids=[list(ids) for _, ids, _ in outputs],
+            prompts=list(samples.prompts), completions=list(samples.completions),
+            completion_ids=[list(ids) for ids in samples.response_ids],
             rows=[row.index for row in rows], groups=list(groups),
-            columns={name: [row.columns.get(name) for row in rows] for name in names})
+            columns={**{name: [row.columns.get(name) for row in rows] for name in names}, **samples.columns})
         scores = self._function_scores(batch)
         if not models.reward_models:
             return batch, scores, Metrics({})
-        model_scores = self._score_with_models(models, batch, device=device)
+        model_scores = self._score_with_models(models, samples, device=device)
         if training:
             self.reward_moments = model_scores.running
         self.last_model_scores = model_scores
@@ -204,38 +204,45 @@ class PromptSource:
             raise error if error is not None else RewardFailedOnAnotherRank()
         return scores
 
-    def _score_with_models(self, models: Models, batch: RewardBatch, *, device) -> ModelScores:
+    def _score_with_models(self, models: Models, samples: Samples, *, device) -> ModelScores:
+        """The reward models' scores: of the prompt and completion texts, or of a multi-turn sample's conversation
+        (``samples.conversations``) through a model's chat template."""
         r = self.cfg.reward
         weights = [1.0] * len(r.models) if r.model_weights is None else [float(w) for w in r.model_weights]
         return score_with_reward_models(
-            models.reward_models, models.reward_specs, batch.prompts, batch.completions, weights=weights,
+            models.reward_models, models.reward_specs, samples.prompts, samples.response_texts, weights=weights,
             mode=r.model_normalize, clip=r.model_clip, running=self.reward_moments,
-            token_budget=self.cfg.trainer.token_budget, device=device)
+            token_budget=self.cfg.trainer.token_budget, device=device, conversations=samples.conversations)
 
     def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
                  round_index: int = 0) -> list[Rollout]:
         """This rank's rollouts of the step's next ``prompts_per_step`` rows; ``round_index`` > 0 is an extra round of
         dynamic sampling (the next rows of the order, its own sampling seed; the reward metrics cover every round)."""
-        cfg = self.cfg
-        n = cfg.rollout.n
-        positions = self.order.take(cfg.rollout.prompts_per_step)
+        n = self.cfg.rollout.n
+        positions = self.order.take(self.cfg.rollout.prompts_per_step)
         mine = [(i, self.train_rows[p]) for i, p in enumerate(positions) if i % world_size == rank]
-        seed = (sampling_seed(cfg.trainer.seed, step, rank) + 104_729 * round_index) % (2**31)
-        outputs = self._generate(models, [row for _, row in mine], repeat=n, sample=True, seed=seed, device=device)
-        rows = [row for _, row in mine for _ in range(n)]
-        groups = [i for i, _ in mine for _ in range(n)]
-        with phase("reward"):
-            batch, scores, model_metrics = self._score(models, rows, groups, outputs, device=device, training=True)
-        metrics = merge_all([reward_metrics(scores, groups=groups), model_metrics])
+        samples, batch, scores, model_metrics = self.sample_and_score(
+            models, mine, repeat=n, mode="train", step=step, round_index=round_index, rank=rank, device=device)
+        groups = batch.groups
+        metrics = merge_all([reward_metrics(scores, groups=groups), model_metrics, samples.metrics])
         self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
         self.last_batch, self.last_scores = batch, scores
-        self.samples = [{"row": batch.rows[k], "prompt": batch.prompts[k], "completion": batch.completions[k],
-                         "rewards": {**{name: values[k] for name, values in scores.raw.items()},
-                                     **self._model_rewards(models, k)},
-                         "total": scores.total[k]} for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
-        return [Rollout(prompt_ids=prompt_ids, response_ids=response_ids, reward=scores.total[k], group=groups[k],
-                        truncated=truncated, prompt_text=batch.prompts[k], response_text=batch.completions[k])
-                for k, (prompt_ids, response_ids, truncated) in enumerate(outputs)]
+        self.samples = [self._sample(models, batch, scores, samples, k)
+                        for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
+        masks = samples.response_masks
+        return [Rollout(prompt_ids=samples.prompt_ids[k], response_ids=samples.response_ids[k],
+                        reward=scores.total[k], group=groups[k], truncated=samples.truncated[k],
+                        prompt_text=samples.prompts[k], response_text=samples.response_texts[k],
+                        response_mask=None if masks is None else masks[k])
+                for k in range(len(samples))]
+
+    def _sample(self, models: Models, batch: RewardBatch, scores: RewardScores, samples: Samples, k: int) -> dict:
+        """One sample for samples.jsonl and the first step's printout: the prompt, the completion, what the sampler
+        adds (a trajectory's turns and truncation cause), the rewards."""
+        return {"row": batch.rows[k], "prompt": batch.prompts[k], "completion": samples.response_texts[k],
+                **(samples.details[k] if samples.details else {}),
+                "rewards": {**{name: values[k] for name, values in scores.raw.items()}, **self._model_rewards(models, k)},
+                "total": scores.total[k]}
 
     def _model_rewards(self, models: Models, k: int) -> dict[str, float]:
         """Sample ``k``'s scaled score from each reward model, for samples.jsonl."""
@@ -243,36 +250,13 @@ class PromptSource:
             return {}
         return {f"reward_model/{m}": float(s[k]) for m, s in enumerate(self.last_model_scores.scaled_N)}
 
-    @torch.no_grad()
     def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
-        """Greedy mean reward (the weighted total) over the evaluation rows, the same every time, over all ranks."""
-        mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
-        outputs = self._generate(models, [row for _, row in mine], repeat=1, sample=False, seed=0, device=device)
-        _, scores, _ = self._score(models, [row for _, row in mine], [i for i, _ in mine], outputs, device=device,
-                                   training=False)
-        sums = world.all_reduce_sum(torch.tensor([sum(scores.total), float(len(mine))], dtype=torch.float64))
-        return float(sums[0] / sums[1])
+        """Greedy mean reward over the evaluation rows (fsdptrain/rollout/evaluation.py)."""
+        return greedy_reward(functools.partial(self.sample_and_score, models, device=device), self.eval_rows,
+                             rank=rank, world_size=world_size)
 
-
-    @torch.no_grad()
     def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
-        """This rank's share of ``eval/pass@k``, ``eval/mean@n`` and ``eval/maj@n`` (`sampled_eval_metrics`; MEANs
-        to be reduced over ranks): ``trainer.eval_n`` samples of each of its evaluation rows (row i on rank
-        i % world_size), sample s of row i drawn with its own generator seeded by (seed, step, i, s). Collective
-        (generation, the reward functions' agreed failure flag). maj@n compares the samples' final answers when every
-        reward is a built-in that scores the final answer (`comparable_answers`); else it is absent."""
-        trainer = self.cfg.trainer
-        n = trainer.eval_n
-        mine = [(i, row) for i, row in enumerate(self.eval_rows) if i % world_size == rank]
-        seeds = [eval_sample_seed(trainer.seed, step, i, sample) for i, _ in mine for sample in range(n)]
-        outputs = self._generate(models, [row for _, row in mine], repeat=n, sample=False, seed=0, device=device,
-                                 row_seeds=seeds)
-        rows = [row for _, row in mine for _ in range(n)]
-        batch, scores, _ = self._score(models, rows, [i for i, _ in mine for _ in range(n)], outputs, device=device,
-                                       training=False)
-        rewards_PN = [scores.total[p * n:(p + 1) * n] for p in range(len(mine))]
-        answers = comparable_answers(batch.completions, [f.spec for f in self.functions],
-                                     num_reward_models=len(models.reward_models))
-        answers_PN = None if answers is None else [answers[p * n:(p + 1) * n] for p in range(len(mine))]
-        return sampled_eval_metrics(rewards_PN, answers_PN, n=n, ks=list(trainer.eval_k),
-                                    threshold=trainer.eval_correct_threshold)
+        """This rank's share of the sampled evaluation (fsdptrain/rollout/evaluation.py), to be reduced."""
+        return sampled_eval(functools.partial(self.sample_and_score, models, device=device), self.eval_rows,
+                            self.functions, num_reward_models=len(models.reward_models), trainer=self.cfg.trainer,
+                            step=step, rank=rank, world_size=world_size)

@@ -14,7 +14,7 @@ are returned for the caller to add to the reward functions' weighted total.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -52,15 +52,20 @@ def score_with_reward_models(
     running: Sequence[RunningMoments],
     token_budget: int,
     device: torch.device,
+    conversations: Optional[Sequence[list[dict]]] = None,
 ) -> ModelScores:
     """Score, normalise, clip and combine this rank's samples with every reward model (collective).
+
+    ``conversations`` (multi-turn: one list of messages per sample, the prompt's and the turns') are what a reward
+    model with a chat template reads instead of the prompt and completion texts (`reward_input_ids`).
 
     Metrics are named ``reward_model/<m>/raw/...`` and ``reward_model/<m>/scaled/...`` with ``m`` the model's index in
     ``reward.models``; they reduce exactly over ranks (``score_metrics``).
     """
     raw_N = []
     for model, spec in zip(models, specs):
-        input_ids = [reward_input_ids(spec, p, c) for p, c in zip(prompts, completions)]
+        messages = conversations if conversations is not None else [None] * len(prompts)
+        input_ids = [reward_input_ids(spec, p, c, messages=m) for p, c, m in zip(prompts, completions, messages)]
         plan = plan_agreed([len(ids) for ids in input_ids], token_budget)
         raw_N.append(score_sequences(model, input_ids, plan.packs, device=device).to(torch.float64))
         reshard_all(model)  # the root (and layers with parallel.reshard_after_forward=false) stay unsharded otherwise

@@ -1,10 +1,11 @@
 """What the train loop asks of a source of rollouts (:class:`RolloutSource`), which source the config names
-(:func:`build_source`) and how many steps a run has (:func:`resolve_steps`); docs/architecture.md, "Rollouts".
+(:func:`build_source`) and how many steps a run has (:func:`resolve_steps`); docs/architecture.md, "Rollout sources".
 
 The sources: :class:`~fsdptrain.rollout.prompt_source.PromptSource` (prompt rows sampled by the policy, scored by
-reward functions and models), :class:`~fsdptrain.rollout.multi_turn.MultiTurnSource` (the same prompts, each sample a
-trajectory of several turns with tools or an environment) and :class:`~fsdptrain.rollout.offline.OfflineSource`
-(rollouts read from a JSONL file). Group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md,
+reward functions and models) with a single-turn sampler (:class:`~fsdptrain.rollout.single_turn.SingleTurnSampler`)
+or a multi-turn one (:class:`~fsdptrain.rollout.multi_turn.MultiTurnSampler`: each sample a trajectory of several
+turns with tools or an environment), and :class:`~fsdptrain.rollout.offline.OfflineSource` (rollouts read from a JSONL
+file). The train loop imports this module only. Group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md,
 rank ownership).
 """
 
@@ -18,9 +19,10 @@ from omegaconf import DictConfig
 from fsdptrain.config import DEFAULT_STEPS, multi_turn
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.rl.metrics import Metrics
-from fsdptrain.rollout.multi_turn import MultiTurnSource
+from fsdptrain.rollout.multi_turn import MultiTurnSampler
 from fsdptrain.rollout.offline import OfflineSource
 from fsdptrain.rollout.prompt_source import PromptSource
+from fsdptrain.rollout.single_turn import SingleTurnSampler
 from fsdptrain.train.build import Models
 
 
@@ -31,8 +33,8 @@ class RolloutSource(Protocol):
     running moments): :meth:`state_dict` / :meth:`load_state_dict` save and restore it with the checkpoint. The
     rollouts it returns are this rank's groups of the step (group ``i`` on rank ``i % world_size``); the step packs
     each one's prompt and response ids and trains on the response tokens its ``response_mask`` marks (all of them
-    when it is None). The multi-turn source (fsdptrain/rollout/multi_turn.py) implements the same methods; its
-    rollouts' responses also hold tokens the policy did not sample (tool results, separators), marked 0.
+    when it is None). A multi-turn prompt source's rollouts' responses also hold tokens the policy did not sample
+    (tool results, separators), marked 0.
     """
 
     generates: bool
@@ -69,11 +71,12 @@ class RolloutSource(Protocol):
 
 
 def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
-    """The source ``data.source`` names: offline JSONL rollouts, else prompts, multi-turn when ``rollout.tools`` or
-    ``rollout.environment`` is set."""
+    """The source ``data.source`` names: offline JSONL rollouts, else prompts with a sampler, multi-turn when
+    ``rollout.tools`` or ``rollout.environment`` is set, else single-turn."""
     if cfg.data.source == "jsonl":
         return OfflineSource(cfg, tokenizer)
-    return MultiTurnSource(cfg, tokenizer) if multi_turn(cfg) else PromptSource(cfg, tokenizer)
+    sampler = MultiTurnSampler(cfg, tokenizer) if multi_turn(cfg) else SingleTurnSampler(cfg, tokenizer)
+    return PromptSource(cfg, tokenizer, sampler)
 
 
 def resolve_steps(cfg: DictConfig, num_train_rows: Optional[int]) -> int:

@@ -66,8 +66,9 @@ class TurnCaps:
     max_tool_response_tokens: int
 
 
-Generate = Callable[[list[list[int]], int, int], list[tuple[list[int], bool]]]
-"""``generate(inputs, max_new_tokens, turn) -> [(new_ids, ended_by_eos)]``, one per input."""
+Generate = Callable[[list[list[int]], int, int, list[int]], list[tuple[list[int], bool]]]
+"""``generate(inputs, max_new_tokens, turn, samples) -> [(new_ids, ended_by_eos)]``, one per input; ``samples`` are
+the inputs' trajectories (their indices in ``prompts``), for per-sample seeds."""
 CallTools = Callable[[list[tuple[int, str, dict]]], list]
 """``call_tools([(sample, name, arguments)]) -> [result]`` with ``result.content``, ``.failed``, ``.timed_out``."""
 
@@ -84,7 +85,8 @@ def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Genera
             break
         index = {id(t): i for i, t in enumerate(trajectories)}
         budgets = [caps.max_new_tokens - len(t.response_ids) for t in active]
-        outputs = generate([t.prompt_ids + t.response_ids for t in active], max(budgets), turn)
+        outputs = generate([t.prompt_ids + t.response_ids for t in active], max(budgets), turn,
+                           [index[id(t)] for t in active])
         pending: list[tuple[Trajectory, list[tuple[str, dict]]]] = []
         for t, budget, (new_ids, ended) in zip(active, budgets, outputs):
             if len(new_ids) > budget:

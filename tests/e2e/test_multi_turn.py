@@ -6,6 +6,7 @@ uninterrupted run; 1 and 2 ranks give the same metrics."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,11 @@ def saw_the_tool(prompts, completions, completion_ids, **kwargs):
 def saw_environments(prompts, completions, completion_ids, environments, **kwargs):
     """The environment's count again, read through the environments= argument."""
     return [float(e.count) for e in environments]
+
+
+def ran_a_tool(prompts, completions, completion_ids, **kwargs):
+    """1 when the conversation holds a tool message (a single-turn completion, a string, holds none)."""
+    return [float(not isinstance(c, str) and any(m["role"] == "tool" for m in c)) for c in completions]
 '''
 
 
@@ -122,11 +128,15 @@ def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
     from tests.e2e.test_resume_export import copy_checkpoint
 
     write_inputs(tmp_path)
-    args = (*common(tmp_path), *TOOL, "trainer.steps=3", "checkpoint.every=2")
+    # the sampled evaluation runs the turns too (after steps 2 and 3), the same on 2 ranks as on 1
+    evaluation = ("trainer.eval_every=2", "trainer.eval_n=2")
+    args = (*[a for a in common(tmp_path) if not a.startswith("trainer.eval_every=")], *evaluation, *TOOL,
+            "trainer.steps=3", "checkpoint.every=2")
     one = run_cli("train", *args, "trainer.run_name=one", cwd=tmp_path)
     assert one.returncode == 0, one.stdout + one.stderr
     reference = rows(tmp_path / "runs" / "one")
     assert [r["step"] for r in reference] == [0, 1, 2]
+    assert [r["step"] for r in reference if "eval/mean@2" in r] == [1, 2]
     first = reference[0]
     # Tools were called and failed (increment is no tool here), the mask kept tool tokens out of the counts.
     assert first["tools/call_frequency"] > 0 and 0 < first["tools/failure_frequency"] < 1
@@ -175,6 +185,63 @@ def test_rewards_and_samples_get_the_prompt_the_policy_saw(tmp_path):
     assert rows(tmp_path / "runs" / "seen")[0]["reward/saw_the_tool/mean"] == 1.0
     samples = [json.loads(line) for line in (tmp_path / "runs" / "seen" / "samples.jsonl").read_text().splitlines()]
     assert samples and all('"name": "add"' in s["prompt"] and s["prompt"].endswith("assistant\n") for s in samples)
+
+
+def test_the_sampled_evaluation_of_a_multi_turn_run_runs_the_turns(tmp_path):
+    """eval/mean@n of a multi-turn run is the mean reward of evaluation samples that called the tool (it was computed
+    on single-turn samples without the tools: every sample's tool reward was 0)."""
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    result = run_cli("train", *common(tmp_path), "rollout.tools=[tools.py:add]", "rollout.max_new_tokens=40",
+                     "rollout.max_turns=2", "rollout.n=2", "reward.functions=[rewards.py:ran_a_tool]",
+                     "trainer.steps=1", "trainer.eval_every=1", "trainer.eval_n=4", "trainer.eval_k=[1,4]",
+                     "trainer.run_name=evaluated", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    evaluated = [r for r in rows(tmp_path / "runs" / "evaluated") if "eval/mean@4" in r]
+    assert evaluated and all(0 < r["eval/mean@4"] <= 1 for r in evaluated), evaluated
+    assert all(r["eval/pass@4"] >= r["eval/pass@1"] > 0 for r in evaluated)
+
+
+def test_a_multi_turn_run_with_a_reward_model_trains_on_its_scores_of_the_conversations(tmp_path):
+    """reward.models score multi-turn trajectories (they were refused): the reward model reads each sample's whole
+    conversation (the prompt's message, the assistant turns, the tool messages) through its own chat template, and
+    the logged scores are the ones transformers gives each conversation alone."""
+    import torch
+
+    from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, reward_input_ids
+    from tests.conftest import run_cli
+    from tests.reward_models import CHAT_TEMPLATE, char_tokenizer, save_reward_model
+
+    write_inputs(tmp_path)
+    reward_model = save_reward_model(tmp_path / "rm", tokenizer=char_tokenizer(CHAT_TEMPLATE), seed=3)
+    result = run_cli("train", *common(tmp_path), "rollout.tools=[tools.py:add]", "rollout.max_new_tokens=100",
+                     "rollout.max_turns=2", "rollout.n=2", "reward.functions=[rewards.py:ran_a_tool]",
+                     f"reward.models=[{reward_model}]", "trainer.steps=2", "logging.samples_every=1",
+                     "trainer.run_name=scored", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "runs" / "scored"
+    metrics = rows(run)
+    assert [r["step"] for r in metrics] == [0, 1]
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    spec = load_reward_model_spec(reward_model)
+    model = load_full_reward_model(spec)
+    seen = []
+    for row in metrics:
+        mine = [s for s in samples if s["step"] == row["step"]]
+        assert len(mine) == 4  # every sample of the step (2 prompts x 2)
+        conversations = [prompts[s["row"]] + [m for m in s["turns"] if m.get("appended", True)] for s in mine]
+        seen += conversations
+        with torch.no_grad():
+            alone = [float(model(input_ids=torch.tensor([reward_input_ids(spec, "", "", messages=c)])).logits[0, 0])
+                     for c in conversations]
+        assert row["reward_model/0/raw/mean"] == pytest.approx(sum(alone) / 4, abs=1e-5)
+        # the total each sample trains on is the tool reward plus the reward model's (scaled) score
+        assert [s["total"] for s in mine] == pytest.approx(
+            [s["rewards"]["ran_a_tool"] + s["rewards"]["reward_model/0"] for s in mine], abs=1e-9)
+        assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0 and row["tools/call_frequency"] > 0
+    assert any(m["role"] == "tool" for c in seen for m in c)  # the reward model read tool results
 
 
 def test_a_tokenizer_without_a_tools_template_is_one_line_and_exit_2(cli, tmp_path):

@@ -55,7 +55,7 @@ def call(name: str, **arguments) -> str:
 
 def scripted(tokenizer, script: dict[int, list[str]], *, eos: bool = True):
     """A generate function that writes ``script[turn][i]`` (plus EOS) for the i-th input still active."""
-    def generate(inputs, max_new_tokens, turn):
+    def generate(inputs, max_new_tokens, turn, samples):
         out = []
         for text in script[turn][:len(inputs)]:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])

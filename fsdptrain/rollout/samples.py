@@ -1,0 +1,69 @@
+"""What a sampler hands the prompt source: one call's samples (:class:`Samples`), and the sampler's interface
+(:class:`Sampler`). A prompt source (fsdptrain/rollout/prompt_source.py) owns the rows, their order and the scoring;
+its sampler owns how a row becomes samples: one completion each (fsdptrain/rollout/single_turn.py) or a trajectory of
+turns with tools or an environment (fsdptrain/rollout/multi_turn.py). Training, the greedy evaluation and the sampled
+evaluation all go through the same sampler, so a multi-turn run is evaluated on trajectories that call its tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Protocol
+
+from fsdptrain.data.prompts import PromptRow
+from fsdptrain.rewards.loading import RewardFunction
+from fsdptrain.rl.metrics import Metrics
+from fsdptrain.train.build import Models
+
+SampleMode = Literal["train", "greedy", "eval"]
+"""``train``: sampled at ``rollout.temperature`` / ``rollout.top_p`` from the step's seeds; ``greedy``: the greedy
+evaluation; ``eval``: the sampled evaluation (docs/evaluation.md), each sample drawn at ``trainer.eval_temperature``
+from its own generator, seeded by (``trainer.seed``, step, prompt, sample) only."""
+
+
+@dataclass
+class Samples:
+    """One sampling call's samples, group by group (``repeat`` per row, in the rows' order); every list has one entry
+    per sample."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    truncated: list[bool]
+    prompts: list[str]
+    """The prompt as reward functions get it (``prompts=``) and as ``Rollout.prompt_text``."""
+    completions: list
+    """What reward functions get as ``completions=``: the decoded text, or the conversation after the prompt."""
+    response_texts: list[str]
+    """``Rollout.response_text`` and samples.jsonl's ``completion``."""
+    answers: list[str]
+    """The text a majority vote (``eval/maj@n``) reads: the completion, or a trajectory's last assistant turn."""
+    response_masks: Optional[list[list[int]]] = None
+    """1 on the ids the policy sampled, 0 on those a tool or the template wrote; None: all sampled."""
+    conversations: Optional[list[list[dict]]] = None
+    """The whole conversation per sample (the prompt's messages, then the turns), for reward models with a chat
+    template; None: single-turn (reward models read the prompt and the completion)."""
+    columns: dict[str, list] = field(default_factory=dict)
+    """More per-sample reward-function arguments (``environments=``)."""
+    details: list[dict] = field(default_factory=list)
+    """Per sample, more fields for samples.jsonl (the turns, the truncation cause); empty: none."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """The sampler's own metrics of this rank's samples (``tools/*``, ``turns/*``, ``truncated/*``)."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+class Sampler(Protocol):
+    """How a prompt source's rows become samples; see the module docstring."""
+
+    def sample(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+               step: int, round_index: int, rank: int, device) -> Samples:
+        """``repeat`` samples of each ``(global index, row)`` of this rank. Collective (generation)."""
+
+    def reward_functions(self, functions: list[RewardFunction]) -> list[RewardFunction]:
+        """The run's reward functions with the sampler's own added (an environment's ``get_reward``)."""
+
+    def describe(self) -> str:
+        """What the start report adds about the sampler ('' for none)."""
+
+    def close(self) -> None: ...

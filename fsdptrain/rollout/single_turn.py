@@ -1,0 +1,67 @@
+"""Single-turn sampling: each sample is one completion of its prompt (:class:`SingleTurnSampler`).
+
+Training: a rank samples all its groups in one batched ``generate`` call from a generator seeded by
+(``trainer.seed``, step, rank) (``sampling_seed``; an extra round of dynamic sampling adds its own offset), the
+group's ``rollout.n`` copies of a prompt prefilled once. The greedy evaluation decodes greedily; the sampled one draws
+each sample from its own generator (``eval_sample_seed``), so it is the same at any world size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from fsdptrain.data.prompts import PromptRow, prompt_token_ids
+from fsdptrain.model.generate import generate_responses
+from fsdptrain.rewards.loading import RewardFunction
+from fsdptrain.rollout.samples import SampleMode, Samples
+from fsdptrain.rollout.sampling import eval_sample_seed, generation, sampling_seed
+from fsdptrain.train.build import Models
+
+
+class SingleTurnSampler:
+    """One completion per sample; see the module docstring."""
+
+    def __init__(self, cfg: DictConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def reward_functions(self, functions: list[RewardFunction]) -> list[RewardFunction]:
+        return functions
+
+    def describe(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+    def sample(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+               step: int, round_index: int, rank: int, device) -> Samples:
+        seed = self.cfg.trainer.seed
+        rows = [row for _, row in groups]
+        row_seeds = None
+        if mode == "eval":
+            row_seeds = [eval_sample_seed(seed, step, i, s) for i, _ in groups for s in range(repeat)]
+        generator_seed = (sampling_seed(seed, step, rank) + 104_729 * round_index) % (2**31) if mode == "train" else 0
+        outputs = self._generate(models, rows, repeat=repeat, sample=mode == "train", seed=generator_seed,
+                                 device=device, row_seeds=row_seeds)
+        completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _ in outputs]
+        return Samples(prompt_ids=[prompt_ids for prompt_ids, _, _ in outputs],
+                       response_ids=[ids for _, ids, _ in outputs], truncated=[t for _, _, t in outputs],
+                       prompts=[row.text for row in rows for _ in range(repeat)], completions=completions,
+                       response_texts=completions, answers=completions)
+
+    def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device,
+                  row_seeds: Optional[list[int]] = None):
+        """``repeat`` responses per row: sampled at the rollout settings, greedy, or (``row_seeds``) sampled at
+        ``trainer.eval_temperature`` with one generator per response."""
+        ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
+        rollout = self.cfg.rollout
+        temperature = (rollout.temperature if sample else
+                       self.cfg.trainer.eval_temperature if row_seeds is not None else 1.0)
+        with generation(models.policy, self.cfg, device):  # timed, sdpa, weights gathered once, layers eager
+            return generate_responses(
+                models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
+                temperature=temperature, top_p=rollout.top_p if sample else 1.0,
+                do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds,
+                share_prompt_prefill=repeat > 1 and row_seeds is None)
