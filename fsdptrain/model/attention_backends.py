@@ -11,6 +11,8 @@ expanded) and return `[1, T, Hq, D]`.
 - `flash_attn`:    flash-attention's `flash_attn_varlen_func` (package `flash_attn`, CUDA, fp16/bf16).
 - `torch_varlen`:  torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16; it has no CPU kernel).
 - `sdpa_segments`: one `scaled_dot_product_attention(is_causal=True)` per segment; exact, any device and dtype.
+  Under context parallelism (a `context_shard` kwarg, `parallel.cp` > 1) it attends this rank's queries to the whole
+  row's keys and values, gathered by the shard (`context_parallel_attention`).
 
 A GPU backend reaches its kernel only through `flash_kernel()` / `torch_varlen_kernel()`, each a `VarlenKernel`
 declaring the devices and dtypes it runs on; tests install a CPU stand-in there (docs/packing.md).
@@ -231,6 +233,9 @@ def sdpa_segments_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention per segment: SDPA with is_causal (a band mask under a sliding window), or the explicit softmax
     when the layer soft-caps logits or has sinks. Exact, any device, any dtype, forward and backward."""
+    shard = kwargs.pop("context_shard", None)
+    if shard is not None:
+        return context_parallel_attention(module, query, key, value, attention_mask, shard, scaling, dropout, kwargs)
     call = read_call(SDPA_SEGMENTS, module, query, key, attention_mask, scaling, dropout, kwargs)
     num_groups = query.shape[1] // key.shape[1]
     explicit = call.softcap is not None or call.sinks is not None
@@ -262,6 +267,49 @@ def sdpa_segments_attention(
                 enable_gqa=num_groups > 1,
             )
         )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_context_call(module: torch.nn.Module, attention_mask, dropout: float, kwargs: dict[str, Any]) -> None:
+    """Context parallelism serves plain causal attention (GQA included): anything else is refused, never ignored."""
+    is_causal = kwargs.get("is_causal")
+    features = (
+        (attention_mask is not None, "an attention mask"),
+        (not bool(getattr(module, "is_causal", True) if is_causal is None else is_causal), "non-causal attention"),
+        (kwargs.get("sliding_window") is not None, "a sliding window"),
+        (kwargs.get("softcap") is not None, "logit soft-capping"),
+        (kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None, "attention sinks"),
+        (bool(dropout) and module.training, "attention dropout"),
+        (kwargs.get("prompt_branches") is not None, "shared prompts"),
+        (kwargs.get("output_attentions"), "output_attentions=True"),
+    )
+    for present, feature in features:
+        if present:
+            raise refuse(SDPA_SEGMENTS, f"{feature} under context parallelism", "set parallel.cp=1 (docs/scaling.md)")
+
+
+def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, shard: Any, scaling: float | None, dropout: float,
+                               kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """This rank's queries `[1, Hq, L, D]` against the whole row's keys and values, segment by segment.
+
+    `shard` (fsdptrain.distributed.context_parallel.ContextShard) all-gathers the keys and values of the CP group into
+    the row's order (`gather`, differentiable) and holds the split (`split.pieces`: fsdptrain/data/context_split.py)
+    and one causal mask per piece whose queries do not start at their segment's first key (`mask`, built once per
+    forward and shared by every layer). A piece whose queries start at its first key is plain causal attention."""
+    _check_context_call(module, attention_mask, dropout, kwargs)
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    key_T, value_T = shard.gather(key), shard.gather(value)
+    num_groups = query.shape[1] // key.shape[1]
+    outs = []
+    for index, piece in enumerate(shard.split.pieces):
+        q = query[:, :, piece.q_start:piece.q_end]
+        k = key_T[:, :, piece.k_start:piece.k_end]
+        v = value_T[:, :, piece.k_start:piece.k_end]
+        allowed = shard.mask(index)
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale,
+                                                   enable_gqa=num_groups > 1))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 

@@ -17,7 +17,9 @@ from fsdptrain.data.shared_prompts import SharedPromptPack
 from fsdptrain.model.attention_switch import packed_model_inputs, shared_model_inputs
 
 
-def _model_inputs(packed: PackedBatch) -> dict:
+def _model_inputs(packed: PackedBatch, shard=None) -> dict:
+    if shard is not None:  # context parallelism: this rank's positions (fsdptrain/distributed/context_parallel.py)
+        return shard.model_inputs(packed)
     if isinstance(packed, SharedPromptPack):
         return shared_model_inputs(packed.model_row)
     return packed_model_inputs(packed)
@@ -30,8 +32,9 @@ def _at_loss_positions(outputs_T: Tensor, packed: PackedBatch) -> Tensor:
     return outputs_T
 
 
-def final_hidden_states(model, packed: PackedBatch) -> Tensor:
-    """`[T, H]` hidden states after the final norm, from one forward of the ROOT model (so FSDP's root hooks run).
+def final_hidden_states(model, packed: PackedBatch, shard=None) -> Tensor:
+    """`[T, H]` hidden states after the final norm, from one forward of the ROOT model (so FSDP's root hooks run);
+    with a context-parallel `shard` (`ContextShard`), `[L, H]` at this rank's positions of the row.
 
     The decoder's output is captured with a forward hook; ``logits_to_keep=1`` keeps the model's own projection to one
     position, whose logits are not used.
@@ -43,13 +46,15 @@ def final_hidden_states(model, packed: PackedBatch) -> Tensor:
 
     handle = model.get_decoder().register_forward_hook(keep_output)
     try:
-        model(**_model_inputs(packed), logits_to_keep=1)
+        model(**_model_inputs(packed, shard), logits_to_keep=1)
     finally:
         handle.remove()
-    return _at_loss_positions(captured["hidden"][0], packed)
+    return captured["hidden"][0] if shard is not None else _at_loss_positions(captured["hidden"][0], packed)
 
 
-def value_token_outputs(model, packed: PackedBatch) -> Tensor:
-    """Per-token values `[T]` of a token-classification value model (one label) over the packed row, float32."""
-    out = model(**_model_inputs(packed))
-    return _at_loss_positions(out.logits[0, :, 0].float(), packed)
+def value_token_outputs(model, packed: PackedBatch, shard=None) -> Tensor:
+    """Per-token values `[T]` of a token-classification value model (one label) over the packed row, float32; with
+    a context-parallel `shard`, `[L]` at this rank's positions."""
+    out = model(**_model_inputs(packed, shard))
+    values = out.logits[0, :, 0].float()
+    return values if shard is not None else _at_loss_positions(values, packed)

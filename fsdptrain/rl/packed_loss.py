@@ -163,9 +163,17 @@ def policy_loss_of_hidden(hidden_TH: Tensor, head_weight_VH: Tensor, head_bias_V
     (times dp_size, applied inside `agg_loss`): summing it over micro-batches and FSDP's mean over ranks give the
     whole mini-batch's loss.
     """
-    device = packed.input_ids.device
     logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head_weight_VH, head_bias_V, packed,
                                                    temperature=settings.temperature, chunk_size=settings.chunk_size)
+    return policy_loss_of_outputs(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
+
+
+def policy_loss_of_outputs(logprobs_T: Tensor, entropy_T: Optional[Tensor], packed: PackedRow,
+                           targets: Sequence[SeqTargets], *, norms: LossNormalizers, settings: PolicyLossSettings
+                           ) -> tuple[Tensor, Metrics]:
+    """`policy_loss_of_hidden` from the row's per-token log-probs and entropy `[T]` (`token_logprobs_entropy`'s;
+    under context parallelism gathered from the CP group's ranks)."""
+    device = packed.input_ids.device
     mask_T = packed.response_mask[0]
     ref_T = None
     if settings.use_reference:

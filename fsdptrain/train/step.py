@@ -23,10 +23,12 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from fsdptrain.data.context_split import padded_length
 from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared, reduce_metrics
+from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
 from fsdptrain.model.build import trainable_parameters
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
@@ -36,6 +38,7 @@ from fsdptrain.rl.packed_loss import (
     SeqTargets,
     ValueLossSettings,
     policy_loss_of_hidden,
+    policy_loss_of_outputs,
     token_logprobs_entropy,
     value_loss_of_values,
 )
@@ -77,11 +80,37 @@ def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chun
                                   temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
 
 
+@dataclass(frozen=True)
+class LocalRows:
+    """What `token_logprobs_entropy` reads of a row, at a context-parallel rank's positions (`[1, L]`)."""
+
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+
+
+def context_token_outputs(model, packed: PackedBatch, shard: ContextShard, *, temperature: float, chunk_size: int,
+                          compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`policy_token_outputs` under context parallelism: the forward and the head at this rank's positions, then
+    the whole row's `[T]` log-probs and entropy gathered from the CP group (each rank's gradient: its positions')."""
+    head = model.get_output_embeddings()
+    local = LocalRows(shard.split.take(packed.labels), shard.split.take(packed.response_mask))
+    logprobs_L, entropy_L = token_logprobs_entropy(final_hidden_states(model, packed, shard), head.weight, head.bias,
+                                                   local, temperature=temperature, chunk_size=chunk_size,
+                                                   compute_entropy=compute_entropy)
+    return shard.gather_tokens(logprobs_L), None if entropy_L is None else shard.gather_tokens(entropy_L)
+
+
 def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                       settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, Metrics]:
+                       settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None,
+                       context: ContextGroup = NO_CONTEXT_PARALLEL) -> tuple[torch.Tensor, Metrics]:
     """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
-    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`)."""
+    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`). Under
+    context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
+    if context.enabled:
+        assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
+        logprobs_T, entropy_T = context_token_outputs(model, packed, shard_row(packed, context),
+                                                      temperature=settings.temperature, chunk_size=settings.chunk_size)
+        return policy_loss_of_outputs(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
     if hidden_TH is None:
         hidden_TH = final_hidden_states(model, packed)
     head = model.get_output_embeddings()
@@ -89,9 +118,16 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
 
 
 def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                      settings: ValueLossSettings) -> tuple[torch.Tensor, Metrics]:
-    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`)."""
-    return value_loss_of_values(value_token_outputs(model, packed), packed, targets, norms=norms, settings=settings)
+                      settings: ValueLossSettings, context: ContextGroup = NO_CONTEXT_PARALLEL
+                      ) -> tuple[torch.Tensor, Metrics]:
+    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`);
+    under context parallelism the values of this rank's positions, gathered into the row."""
+    if context.enabled:
+        shard = shard_row(packed, context)
+        values_T = shard.gather_tokens(value_token_outputs(model, packed, shard))
+    else:
+        values_T = value_token_outputs(model, packed)
+    return value_loss_of_values(values_T, packed, targets, norms=norms, settings=settings)
 
 
 def local_counts(batch: MiniBatch) -> tuple[int, int]:
@@ -101,10 +137,14 @@ def local_counts(batch: MiniBatch) -> tuple[int, int]:
     return sum(counted), sum(1 for n in counted if n > 0)
 
 
-def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float]) -> LossNormalizers:
+def global_normalizers(batch: MiniBatch, *, dp_size: int, loss_scale_factor: Optional[float],
+                       context: ContextGroup = NO_CONTEXT_PARALLEL) -> LossNormalizers:
     """The mini-batch's global counts (collective): counted response tokens (the mask's sum) and sequences with at
-    least one such token."""
-    (norms,) = normalizers_of(local_counts(batch), dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+    least one such token. ``dp_size``: the ranks FSDP averages gradients over (dp x cp: `world.dp_size`). The ranks
+    of a CP group hold the same batch: its first rank counts it and the others count nothing, so the world-wide sum
+    counts each token once (docs/loss.md)."""
+    counts = local_counts(batch) if context.rank == 0 else (0, 0)
+    (norms,) = normalizers_of(counts, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
     return norms
 
 
@@ -127,7 +167,7 @@ class Accumulated:
 
 def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, norms: LossNormalizers,
                          token_budget: int, device: torch.device, plan: Optional[PackPlan] = None,
-                         share_prompts: bool = False) -> Accumulated:
+                         share_prompts: bool = False, context: ContextGroup = NO_CONTEXT_PARALLEL) -> Accumulated:
     """Forward and backward every micro-batch of this rank's share of the mini-batch; their merged metrics and the
     summed loss.
 
@@ -135,15 +175,21 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
     number of packs (check-metrics forces layouts this way). The gradients accumulate in the model; the caller clips
     and steps. ``share_prompts``: each pack's model forward holds each of its prompts once
     (`fsdptrain.data.shared_prompts`), and the agreed plan keeps a prompt's sequences together where the budget allows.
+    ``context``: each pack's row is split over the CP group (padded to 2 x cp equal chunks); the group's ranks hold
+    the same batch and compute the same loss and metrics, which its first rank alone reports (`replica_metrics`).
     """
     if plan is None:
         plan = (plan_agreed_shared(batch.prompts, batch.responses, token_budget) if share_prompts
                 else plan_agreed(batch.lengths(), token_budget))
     pack_fn = pack_shared_prompts if share_prompts else pack_sequences
     total, collected = 0.0, []
+    extra = {"context": context} if context.enabled else {}
+    lengths = batch.lengths()
     for pack in plan.packs:
-        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks()).to(device)
-        loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings)
+        pad = {"pad_to": padded_length(sum(lengths[i] for i in pack), context.size)} if context.enabled else {}
+        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks(), **pad).to(device)
+        loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings,
+                                **extra)
         loss.backward()  # micro-batch losses are summed (by backward), never averaged
         total += float(loss.detach())
         collected.append(metrics)
@@ -151,7 +197,15 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
         "fill_efficiency": Diagnostic(Mean(sum(plan.fill_efficiency), len(plan.fill_efficiency))),
         "micro_batches": Diagnostic(Sum(plan.num_packs)),
     })
-    return Accumulated(merge_all([*collected, work]), total)
+    return Accumulated(replica_metrics(merge_all([*collected, work]), context), total)
+
+
+def replica_metrics(metrics: Metrics, context: ContextGroup) -> Metrics:
+    """The metrics this rank adds to the world-wide reduction: all of them, or, on a CP group's ranks after its
+    first (which computed the same numbers over the same rows), each metric's identity, so each counts once."""
+    if context.rank == 0:
+        return metrics
+    return Metrics((name, metric.empty()) for name, metric in metrics.items())
 
 
 @dataclass
@@ -240,7 +294,8 @@ def minibatch_step(model, optimizer, norms: LossNormalizers, *, grad_clip: float
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
                         guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None,
-                        share_prompts: bool = False) -> tuple[Metrics, StepOutcome]:
+                        share_prompts: bool = False, context: ContextGroup = NO_CONTEXT_PARALLEL
+                        ) -> tuple[Metrics, StepOutcome]:
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
 
     With ``auxiliary`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
@@ -249,13 +304,15 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
     see :func:`accumulate_gradients` (not with an auxiliary loss, whose forward reads the unshared row).
     """
     if auxiliary is None:
-        norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor)
+        norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor, context=context)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
-                                           token_budget=token_budget, device=device, share_prompts=share_prompts)
+                                           token_budget=token_budget, device=device, share_prompts=share_prompts,
+                                           context=context)
         outcome = minibatch_step(model, optimizer, norms, grad_clip=grad_clip, guard=guard)
         return reduce_metrics(accumulated.metrics), outcome
     assert loss_fn is packed_policy_loss, "an auxiliary loss trains with the policy loss only"
     assert not share_prompts, "shared prompts are refused with an auxiliary loss (fsdptrain/config/validate.py)"
+    assert not context.enabled, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
     plan = plan_agreed(batch.lengths(), token_budget)
     norms, aux_norms = normalizers_of(local_counts(batch), auxiliary.local_counts(batch, plan), dp_size=dp_size,
                                       loss_scale_factor=loss_scale_factor)
