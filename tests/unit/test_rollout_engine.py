@@ -1,0 +1,147 @@
+"""The continuous engine (fsdptrain/rollout/engine.py): a row's tokens do not depend on its neighbours, their number or
+its arrival; a kept cache continues a conversation as re-prefilling it does; a finished row costs no decode forward;
+the engine's tokens are `generate`'s with the same row seeds."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fsdptrain.data.tokenizer import load_bundled_tokenizer
+from fsdptrain.model.generate import generate_responses
+from fsdptrain.rollout.engine import ContinuousEngine, Request
+
+NEVER = 10**9  # an eos id no row samples: every row runs to its cap
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = load_bundled_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config), tokenizer
+
+
+PROMPTS = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 =", "sort 9 8 7 6 5 ="]
+
+
+def _ids(tokenizer, texts):
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def _engine(model, tokenizer, eos=None, **kw):
+    return ContinuousEngine(model, eos_id=tokenizer.eos_token_id if eos is None else eos,
+                            pad_id=tokenizer.pad_token_id, temperature=0.7, **kw)
+
+
+def _by_key(finished):
+    return {f.key: (f.new_ids, f.logprobs) for f in finished}
+
+
+def test_tokens_equal_generate_with_the_same_row_seeds(setup):
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    seeds = [11, 12, 13, 14]
+    reference = generate_responses(model, tokenizer, ids, max_new_tokens=12, temperature=0.7, top_p=1.0,
+                                   do_sample=False, generator_seed=0, device=torch.device("cpu"), row_seeds=seeds)
+    out = _by_key(_engine(model, tokenizer).run(
+        [Request(i, p, 12, seed=s) for i, (p, s) in enumerate(zip(ids, seeds))]))
+    assert [out[i][0] for i in range(4)] == [response for _, response, _ in reference]
+
+
+def test_a_rows_tokens_do_not_depend_on_its_neighbours_their_number_or_its_arrival(setup):
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    requests = lambda order: [Request(i, ids[i], 10, seed=100 + i) for i in order]  # noqa: E731
+    alone = {i: _by_key(_engine(model, tokenizer, eos=NEVER).run(requests([i])))[i] for i in range(4)}
+    together = _by_key(_engine(model, tokenizer, eos=NEVER).run(requests([0, 1, 2, 3])))
+    reversed_ = _by_key(_engine(model, tokenizer, eos=NEVER).run(requests([3, 2, 1, 0])))
+    late = _by_key(_engine(model, tokenizer, eos=NEVER, max_live_rows=2).run(requests([2, 0, 3, 1])))
+    for run in (together, reversed_, late):
+        for i in range(4):
+            assert run[i][0] == alone[i][0]
+            torch.testing.assert_close(torch.tensor(run[i][1]), torch.tensor(alone[i][1]), rtol=0, atol=1e-5)
+
+
+def test_rows_enter_as_room_frees_within_the_live_row_bound(setup):
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    engine = _engine(model, tokenizer, eos=NEVER, max_live_rows=2)
+    caps = [3, 8, 2, 4]
+    finished = engine.run([Request(i, ids[i], caps[i], seed=i) for i in range(4)])
+    assert engine.stats.max_live_rows == 2
+    assert sorted(len(f.new_ids) for f in finished) == sorted(caps)
+    assert [f.key for f in finished] == [0, 2, 3, 1]  # 0 leaves at decode 2, 2 enters; 2 leaves at 3, 3 enters; 3 leaves at 6, 1 at 7
+
+
+def test_a_finished_row_costs_no_further_decode_forwards(setup):
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    engine = _engine(model, tokenizer, eos=NEVER)
+    caps = [2, 9, 4, 1]
+    engine.run([Request(i, ids[i], caps[i], seed=i) for i in range(4)])
+    # a row's first token comes from its prefill, each later one from one decode forward's row
+    assert engine.stats.num_row_steps == sum(c - 1 for c in caps)
+    assert engine.stats.num_decode_forwards == max(caps) - 1
+
+
+def test_decoding_onto_a_kept_cache_equals_re_prefilling_the_conversation(setup):
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS[:2])
+    tool_message = tokenizer("result 42 ; answer", add_special_tokens=False)["input_ids"]
+    first = _by_key_full(_engine(model, tokenizer, eos=NEVER).run(
+        [Request(i, ids[i], 6, seed=i, keep=True) for i in range(2)]))
+    for i in range(2):
+        assert first[i].kept.length == len(ids[i]) + 5  # all but the last sampled token
+    kept = _by_key(_engine(model, tokenizer, eos=NEVER).run(
+        [Request(i, first[i].new_ids[-1:] + tool_message, 7, seed=50 + i, kept=first[i].kept) for i in range(2)]))
+    fresh = _by_key(_engine(model, tokenizer, eos=NEVER).run(
+        [Request(i, ids[i] + first[i].new_ids + tool_message, 7, seed=50 + i) for i in range(2)]))
+    for i in range(2):
+        assert kept[i][0] == fresh[i][0]
+        torch.testing.assert_close(torch.tensor(kept[i][1]), torch.tensor(fresh[i][1]), rtol=0, atol=1e-5)
+
+
+def _by_key_full(finished):
+    return {f.key: f for f in finished}
+
+
+def test_a_shared_prompt_is_prefilled_once_and_changes_no_token(setup):
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS[:2])
+    requests = [Request((g, s), ids[g], 6, seed=10 * g + s) for g in range(2) for s in range(4)]
+    engine = _engine(model, tokenizer, eos=NEVER)
+    shared = _by_key(engine.run(requests))
+    assert engine.stats.num_prefill_forwards == 2  # the two prompts' prefixes, then every row's last prompt token
+    alone = {r.key: _by_key(_engine(model, tokenizer, eos=NEVER).run([r]))[r.key] for r in requests}
+    assert {k: v[0] for k, v in shared.items()} == {k: v[0] for k, v in alone.items()}
+
+
+def test_tools_run_while_other_rows_decode(setup):
+    """on_finish hands back a Future (a tool in a thread pool); the trajectory re-enters with the tool's tokens on
+    its kept cache when the future is done, and its tokens are those of the same turns run one after the other."""
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    tool_ids = tokenizer("tool says 5", add_special_tokens=False)["input_ids"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        def on_finish(f):
+            turn, i = f.key
+            if turn == 1:
+                return None
+            return pool.submit(lambda: Request((1, i), f.new_ids[-1:] + tool_ids, 5, seed=7 + i, kept=f.kept))
+        engine = _engine(model, tokenizer, eos=NEVER)
+        out = _by_key(engine.run([Request((0, i), ids[i], 3 + i, seed=i, keep=True) for i in range(4)], on_finish))
+    for i in range(4):
+        conversation = ids[i] + out[(0, i)][0] + tool_ids
+        again = _by_key(_engine(model, tokenizer, eos=NEVER).run([Request(0, conversation, 5, seed=7 + i)]))[0]
+        assert out[(1, i)][0] == again[0]
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError, match="max_live_rows=0"):
+        ContinuousEngine(torch.nn.Linear(1, 1), eos_id=2, pad_id=0, max_live_rows=0)
