@@ -314,7 +314,9 @@ class ParallelConfig:
     dp_replicate: int = bounded(1, ge=1)
     """HSDP replica groups (1 = plain FSDP)."""
     dp_shard: str = "auto"
-    """Ranks each replica shards over; auto = world size / dp_replicate."""
+    """Ranks each replica shards over; auto = world size / (dp_replicate x cp)."""
+    cp: int = bounded(1, ge=1)
+    """Context parallelism: ranks that split each packed row of the update (world = dp_replicate x dp_shard x cp; docs/scaling.md)."""
     param_dtype: str = choice("float32", DTYPES)
     """Dtype of unsharded parameters in forward/backward (MixedPrecisionPolicy)."""
     reduce_dtype: str = choice("float32", DTYPES)

@@ -232,9 +232,32 @@ def _check_cross_fields(cfg: DictConfig) -> None:
     if too_big:
         raise ConfigError(f"trainer.eval_k: pass@{too_big[0]} needs at least {too_big[0]} samples per prompt, but "
                           f"trainer.eval_n={eval_n}: each k must be in [1, eval_n]")
+    _check_context_parallel(cfg)
     if cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
+
+
+CP_BACKENDS = ("auto", "sdpa_segments")
+"""The packed attention backends that run context parallelism (fsdptrain/model/attention_backends.py)."""
+
+
+def _check_context_parallel(cfg: DictConfig) -> None:
+    """parallel.cp > 1 with a feature that does not compose with it: one line naming the combination."""
+    if cfg.parallel.cp == 1:
+        return
+    cp = f"parallel.cp={cfg.parallel.cp}"
+    if cfg.model.attn_backend not in CP_BACKENDS:
+        raise ConfigError(f"{cp} runs on model.attn_backend=auto or sdpa_segments, got {cfg.model.attn_backend!r}")
+    refused = (
+        (cfg.trainer.share_prompts, "trainer.share_prompts=true", "set trainer.share_prompts=false"),
+        (cfg.drafter.enabled, "drafter.enabled=true", "set drafter.enabled=false"),
+        (cfg.algorithm.filter_groups, "algorithm.filter_groups=true", "set algorithm.filter_groups=false"),
+        (cfg.parallel.compile, "parallel.compile=true", "set parallel.compile=false"),
+    )
+    for present, setting, fix in refused:
+        if present:
+            raise ConfigError(f"{cp} does not compose with {setting}: {fix} or parallel.cp=1 (docs/scaling.md)")
 
 
 def _check_loss_settings(alg: DictConfig) -> None:
@@ -280,10 +303,11 @@ def validate(cfg: DictConfig) -> None:
         rule(cfg)
 
 
-def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None) -> tuple[int, int]:
-    """Check a (dp_replicate, dp_shard) layout against the world size and return it with `dp_shard` resolved.
+def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None, cp: int = 1) -> tuple[int, int]:
+    """Check a (dp_replicate, dp_shard, cp) layout against the world size and return (dp_replicate, dp_shard) with
+    `dp_shard` resolved.
 
-    `dp_shard=None` means auto: world_size / dp_replicate. Pure (no process group, no torch), so the CLI rejects a
+    `dp_shard=None` means auto: world_size / (dp_replicate x cp). Pure (no process group, no torch), so the CLI rejects a
     bad layout in the parent before any rank starts; `fsdptrain.distributed.world.build_mesh` applies the same rule.
     Raises ConfigError (a ValueError) with the fix in the message.
     """
@@ -291,6 +315,17 @@ def validate_mesh_shape(world_size: int, dp_replicate: int, dp_shard: int | None
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
     if not isinstance(dp_replicate, int) or dp_replicate < 1:
         raise ConfigError(f"parallel.dp_replicate must be a positive integer, got {dp_replicate!r}")
+    if not isinstance(cp, int) or cp < 1:
+        raise ConfigError(f"parallel.cp must be a positive integer, got {cp!r}")
+    if world_size % cp != 0:
+        raise ConfigError(f"parallel.cp={cp} does not divide the world size {world_size}: choose a cp that divides "
+                          f"{world_size}, or launch a multiple of {cp} processes")
+    if cp > 1:  # the data-parallel layout covers world_size / cp ranks; each holds a CP group of cp ranks
+        try:
+            return validate_mesh_shape(world_size // cp, dp_replicate, dp_shard)
+        except ConfigError as error:
+            raise ConfigError(f"with parallel.cp={cp} the data-parallel ranks are the world size / cp = "
+                              f"{world_size // cp}: {error}") from None
     if dp_shard is None:
         if world_size % dp_replicate != 0:
             raise ConfigError(
@@ -323,4 +358,5 @@ def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be at least the number of ranks "
                               f"({world_size}): every rank needs a prompt")
     shard = cfg.parallel.dp_shard
-    return validate_mesh_shape(world_size, cfg.parallel.dp_replicate, None if shard == "auto" else int(shard))
+    return validate_mesh_shape(world_size, cfg.parallel.dp_replicate, None if shard == "auto" else int(shard),
+                               cfg.parallel.cp)

@@ -65,9 +65,14 @@ def build_context_group(cp: int) -> ContextGroup:
     return ContextGroup(group=mine, size=cp, rank=rank % cp)
 
 
-def data_rank(rank: int, cp: int) -> int:
-    """The data-parallel rank of global `rank`: the index of its CP group."""
-    return rank // cp
+def group_rollouts(rollouts: list, group: ContextGroup) -> list:
+    """The CP group's rollouts, in rank order, on every rank of the group (collective within it): each rank generates
+    its own rows as without CP, and the group trains the union, so its ranks agree on the rows of every pack."""
+    if not group.enabled:
+        return list(rollouts)
+    parts = [None] * group.size
+    torch.distributed.all_gather_object(parts, list(rollouts), group=group.group)
+    return [rollout for part in parts for rollout in part]
 
 
 class _GatherRow(torch.autograd.Function):

@@ -123,20 +123,23 @@ def exit_process(code: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str) -> DeviceMesh:
-    """The data-parallel DeviceMesh: 1-D ("dp_shard",) for FSDP when dp_replicate == 1, else 2-D
-    ("dp_replicate", "dp_shard") for HSDP (parameters replicated across dim 0, sharded across dim 1).
+def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str, cp: int = 1) -> DeviceMesh:
+    """The FSDP DeviceMesh: 1-D ("dp_shard",) for FSDP when dp_replicate == 1, else 2-D ("dp_replicate",
+    "dp_shard") for HSDP (parameters replicated across dim 0, sharded across dim 1).
 
-    Requires the default process group (`init_distributed`).
+    With context parallelism (`cp` > 1) the shard dimension spans dp_shard x cp ranks, as the anchors do: the
+    parameters are sharded over the CP ranks too, not replicated on them. A CP group is cp consecutive ranks
+    (`fsdptrain.distributed.context_parallel.build_context_group`). Requires the default process group
+    (`init_distributed`).
     """
-    dp_replicate, dp_shard = validate_mesh_shape(torch.distributed.get_world_size(), dp_replicate, dp_shard)
+    dp_replicate, dp_shard = validate_mesh_shape(torch.distributed.get_world_size(), dp_replicate, dp_shard, cp)
     if dp_replicate == 1:
-        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=(DP_SHARD,))
-    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+        return init_device_mesh(device_type, (dp_shard * cp,), mesh_dim_names=(DP_SHARD,))
+    return init_device_mesh(device_type, (dp_replicate, dp_shard * cp), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
 
 
 def dp_size(mesh: DeviceMesh) -> int:
-    """Number of data-parallel ranks: dp_replicate x dp_shard. FSDP2 averages gradients over exactly these ranks,
+    """Number of ranks FSDP2 averages gradients over: dp_replicate x dp_shard (x cp under context parallelism),
     which is why the loss carries this factor (docs/loss.md)."""
     return mesh.size()
 

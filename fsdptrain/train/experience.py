@@ -294,8 +294,13 @@ def rejected(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], masks: Sequ
     return [keep_BR[i, : o.numel()].clone() for i, o in enumerate(old_R)], metrics.prefixed("experience/")
 
 
+def _replica_sum(stats: Tensor) -> Tensor:
+    """`_sum_over_ranks` from a rank whose rollouts another rank of its CP group also holds: it adds nothing."""
+    return _sum_over_ranks(torch.zeros_like(stats))
+
+
 def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings, *, device: torch.device,
-                 skip_old_passes: bool = False) -> tuple[list[SeqTargets], bool, Metrics]:
+                 skip_old_passes: bool = False, replica: bool = False) -> tuple[list[SeqTargets], bool, Metrics]:
     """Old/ref log-probs, values, rewards, advantages, returns and importance weights for this rank's rollouts.
 
     Collective (packed passes, one all-reduce). Returns the targets, whether the step is on-policy (no rollout
@@ -304,12 +309,14 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/build.py `skips_old_passes`): the old
     log-probs, and the critic's old values when the estimator does not read them, are left None; the first update
     forward's detached outputs stand in for them, which is what the passes would have computed.
+    ``replica``: another rank (its CP group's first) holds the same rollouts; its whitening moments count once.
     """
+    sum_across_ranks = _replica_sum if replica else None
     budget = settings.token_budget
     logprob_args = dict(temperature=settings.temperature, chunk_size=settings.chunk_size, token_budget=budget,
                         device=device, share_prompts=settings.share_prompts)
     if skip_old_passes:
-        return _on_policy_targets(models, rollouts, settings, logprob_args)
+        return _on_policy_targets(models, rollouts, settings, logprob_args, sum_across_ranks)
     masks = rollout_masks(rollouts)
     any_mask = any(m is not None for m in masks)
     old = policy_logprobs(models.policy, rollouts, **logprob_args)
@@ -327,7 +334,8 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     values = (critic_values(models.critic, rollouts, token_budget=budget, device=device,
                             share_prompts=settings.share_prompts) if models.critic is not None else None)
     advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn,
-                                              settings=settings.adv, masks=masks if any_mask else None)
+                                              settings=settings.adv, masks=masks if any_mask else None,
+                                              sum_across_ranks=sum_across_ranks)
     if values is not None and returns is None:
         returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
     targets = [_targets(old_logprobs=old[i], advantages=advantages[i],
@@ -367,7 +375,7 @@ def _targets(*, policy_mask: Optional[Tensor], response_mask: Optional[Tensor], 
 
 
 def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings,
-                       logprob_args: dict) -> tuple[list[SeqTargets], bool, Metrics]:
+                       logprob_args: dict, sum_across_ranks=None) -> tuple[list[SeqTargets], bool, Metrics]:
     """`make_targets` without the old log-prob pass (and without the critic's pass when the built-in estimator reads
     no values): no behaviour log-probs, no KL in the reward, no rollout correction (the caller guarantees it)."""
     masks = rollout_masks(rollouts)
@@ -379,7 +387,7 @@ def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: Experience
                             device=logprob_args["device"], share_prompts=settings.share_prompts)
               if needs_values else None)
     advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn, settings=settings.adv,
-                                              masks=masks if any_mask else None)
+                                              masks=masks if any_mask else None, sum_across_ranks=sum_across_ranks)
     if models.critic is not None and returns is None:
         returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
     targets = [_targets(old_logprobs=None, advantages=advantages[i],

@@ -29,6 +29,7 @@ from fsdptrain.config import validate_world
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
+from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
 from fsdptrain.distributed.files import write_atomic
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
@@ -67,7 +68,14 @@ from fsdptrain.train.build import (
     value_settings,
 )
 from fsdptrain.train.signals import StopRequest
-from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, packed_policy_loss, packed_value_loss, update_on_minibatch
+from fsdptrain.train.step import (
+    AuxiliaryLoss,
+    MiniBatch,
+    packed_policy_loss,
+    packed_value_loss,
+    replica_metrics,
+    update_on_minibatch,
+)
 from fsdptrain.train.trackers import Trackers
 
 
@@ -128,6 +136,8 @@ class Trainer:
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
         self.device = info.device
         self.dp_size = world.dp_size(mesh)
+        self.context = build_context_group(cfg.parallel.cp)
+        """This rank's CP group (docs/scaling.md): its ranks train the union of their rollouts, each row split."""
         self.tokenizer = build_tokenizer(cfg)
         self.source = build_source(cfg, self.tokenizer)
         self.num_steps = resolve_steps(cfg, self.source.num_train_rows)
@@ -158,14 +168,15 @@ class Trainer:
                                    "raise algorithm.filter_groups_max_rounds or rollout.prompts_per_step")
             for extension in self.extensions:
                 extension.on_rollouts(step, rollouts)
+            trained = group_rollouts(rollouts, self.context)  # this rank's own without context parallelism
             with phase("experience"):
-                targets, experience = self.make_experience(rollouts)
-            batches = self.minibatches(rollouts, targets)
+                targets, experience = self.make_experience(trained)
+            batches = self.minibatches(trained, targets)
             with phase("update"):
                 update_metrics, update_facts = self.update(batches, experience["on_policy"])
             for scheduler in self.checkpointed().schedulers.values():
                 scheduler.step()
-            experience_metrics = merge_all([filter_metrics, experience["metrics"]])
+            experience_metrics = merge_all([filter_metrics, replica_metrics(experience["metrics"], self.context)])
             if experience_metrics:  # names fixed by the config
                 experience_metrics = reduce_metrics(experience_metrics)
             metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience_metrics,
@@ -201,7 +212,8 @@ class Trainer:
         """Old/ref log-probs, values, rewards, advantages and weights for this rank's rollouts (collective passes);
         facts: ``on_policy`` and this rank's experience ``metrics``."""
         targets, on_policy, metrics = make_targets(self.models, rollouts, self.experience_settings,
-                                                   device=self.device, skip_old_passes=self.skip_old_passes)
+                                                   device=self.device, skip_old_passes=self.skip_old_passes,
+                                                   replica=self.context.rank != 0)
         return targets, {"on_policy": on_policy, "metrics": metrics}
 
     def minibatches(self, rollouts: list[Rollout], targets: list[SeqTargets]) -> list[MiniBatch]:
@@ -255,7 +267,7 @@ class Trainer:
         cfg, models = self.cfg, self.models
         common = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
                       token_budget=cfg.trainer.token_budget, device=self.device,
-                      share_prompts=cfg.trainer.share_prompts)
+                      share_prompts=cfg.trainer.share_prompts, context=self.context)
         auxiliary = self.auxiliary_loss()
         collected, facts = [], []
         for epoch in range(cfg.algorithm.ppo_epochs):
@@ -382,7 +394,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     stop.install()
     info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
-    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type, cp=cfg.parallel.cp)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     run_path = Path(run_dir)

@@ -42,3 +42,20 @@ def test_mismatch_message_offers_auto():
     with pytest.raises(ValueError) as excinfo:
         validate_mesh_shape(8, 2, 2)
     assert "parallel.dp_shard=auto" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("world_size, dp_replicate, dp_shard, cp, expected", [
+    (2, 1, None, 2, (1, 1)),
+    (4, 1, None, 2, (1, 2)),
+    (8, 2, None, 2, (2, 2)),
+    (8, 2, 2, 2, (2, 2)),
+])
+def test_cp_is_the_third_factor_of_the_world(world_size, dp_replicate, dp_shard, cp, expected):
+    assert validate_mesh_shape(world_size, dp_replicate, dp_shard, cp) == expected
+
+
+def test_bad_cp_layouts_name_the_fix():
+    with pytest.raises(ValueError, match="parallel.cp=3 does not divide the world size 4"):
+        validate_mesh_shape(4, 1, None, 3)
+    with pytest.raises(ValueError, match="with parallel.cp=2 the data-parallel ranks are the world size / cp = 2"):
+        validate_mesh_shape(4, 1, 4, 2)
