@@ -127,6 +127,9 @@ def _read_folder(path: Path, datasets, what: str):
     except (FileNotFoundError, ValueError, OSError) as err:
         raise ConfigError(f"{what}={str(path)!r}: not a folder written by Dataset.save_to_disk "
                           f"({first_line(err)})") from None
+    except Exception as err:  # damaged metadata (state.json, dataset_info.json) fails in datasets as anything
+        raise ConfigError(f"{what}={str(path)!r}: a Dataset.save_to_disk folder whose metadata is damaged "
+                          f"({type(err).__name__}: {first_line(err)}); save it again") from None
     if isinstance(table, datasets.DatasetDict):
         raise ConfigError(f"{path}: a DatasetDict with splits {sorted(table)}; pass one split's folder, "
                           f"e.g. {path / sorted(table)[0]}")

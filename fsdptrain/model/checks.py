@@ -8,8 +8,10 @@ sees; these are the mistakes users make.
 from __future__ import annotations
 
 import json
+import pickletools
 import re
 import struct
+import zipfile
 from pathlib import Path
 
 from fsdptrain.config import ConfigError
@@ -63,6 +65,22 @@ def check_gguf_file(location: str, *, key: str) -> None:
     problem = gguf_package_problem()
     if problem is not None:
         raise ConfigError(f"{key}: {location!r} is a GGUF file; reading it {problem}")
+    problem = gguf_file_problem(file)
+    if problem is not None:
+        raise ConfigError(f"{key}: {location!r} is damaged ({problem}): it is cut short or not a whole GGUF file; "
+                          f"download or convert it again")
+
+
+def gguf_file_problem(file: Path) -> str | None:
+    """Why the ``gguf`` reader cannot lay out the file's metadata and tensors (a file cut short), or None. The file
+    is memory-mapped: no tensor data is read."""
+    import gguf
+
+    try:
+        gguf.GGUFReader(str(file))
+    except Exception as err:  # the reader reports a short file as whatever numpy raises (ValueError, IndexError)
+        return f"{type(err).__name__}: {first_line(err)}"
+    return None
 
 
 def check_model_folder(path: str, *, key: str = "model.path") -> None:
@@ -151,6 +169,8 @@ def _check_weights(folder: Path, path: str, key: str) -> None:
     present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
     if not present:
         raise ConfigError(f"{key}={path!r} has no weights (none of {', '.join(WEIGHT_FILES)})")
+    if present[0] == "pytorch_model.bin":
+        _check_pickled_weights(folder / "pytorch_model.bin", path, key)
     if "model.safetensors" in present:
         _check_safetensors(folder / "model.safetensors", path, key)
     elif "model.safetensors.index.json" in present:
@@ -194,3 +214,71 @@ def _check_safetensors(file: Path, path: str, key: str) -> None:
     problem = safetensors_problem(file)
     if problem is not None:
         raise ConfigError(f"{key}={path!r}: {problem}; save or download the weights again")
+
+
+_TORCH_PICKLE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device")}
+"""The globals a ``torch.save``'d state dict names besides ``torch._utils._rebuild_*``, ``torch.*Storage`` and
+dtypes: what torch's safe loader (``weights_only=True``, the one transformers uses) accepts in a weights file."""
+
+
+def pickle_globals(data: bytes) -> list[str]:
+    """The ``module.name`` globals the first pickle in ``data`` names, without unpickling it (``?`` for a name built
+    at load time that a scan cannot read); raises ValueError for bytes that are not a whole pickle."""
+    names, strings, memo = [], [], {}
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING"):
+            strings.append(arg)
+        elif op.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+            memo[len(memo) if op.name == "MEMOIZE" else arg] = strings[-1] if strings else None
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            strings.append(memo.get(arg))
+        elif op.name == "GLOBAL":
+            names.append(str(arg).replace(" ", "."))
+        elif op.name == "STACK_GLOBAL":
+            module, name = (strings[-2:] if len(strings) >= 2 else [None, None])
+            names.append(f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else "?")
+        elif op.name in ("INST", "OBJ"):
+            names.append("?")
+    return names
+
+
+def _torch_safe(name: str) -> bool:
+    module, _, attr = name.rpartition(".")
+    return ((module, attr) in _TORCH_PICKLE_GLOBALS or (module == "torch._utils" and attr.startswith("_rebuild_"))
+            or (module == "torch" and (attr.endswith("Storage") or attr in _TORCH_DTYPES)))
+
+
+_TORCH_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def _check_pickled_weights(file: Path, path: str, key: str) -> None:
+    """A ``pytorch_model.bin`` whose pickle names code (anything but tensors and their containers) is refused by
+    torch's safe loader deep inside loading; say so here, in one line, before any rank starts."""
+    try:
+        if zipfile.is_zipfile(file):
+            with zipfile.ZipFile(file) as archive:
+                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                data = archive.read(pickles[0]) if pickles else b""
+        else:
+            data = file.read_bytes()
+            for _ in range(3):  # the legacy format: magic number, protocol, system info, then the state dict
+                data = data[_pickle_end(data):]
+        names = pickle_globals(data)
+    except (ValueError, zipfile.BadZipFile, OSError, IndexError, EOFError):
+        raise ConfigError(f"{key}={path!r}: {file.name} is damaged (not a whole torch.save file); save or "
+                          f"download the weights again") from None
+    unsafe = sorted({name for name in names if not _torch_safe(name)})
+    if unsafe:
+        raise ConfigError(f"{key}={path!r}: {file.name} is a pickle that names {', '.join(unsafe)} (code, not "
+                          f"weights), which torch's safe loader refuses; fsdptrain loads tensors only: save the "
+                          f"weights as safetensors (model.save_pretrained(DIR))")
+
+
+def _pickle_end(data: bytes) -> int:
+    """The length of the first pickle in ``data``."""
+    end = 0
+    for op, _, pos in pickletools.genops(data):
+        end = pos + 1
+        if op.name == "STOP":
+            return end
+    raise ValueError("no STOP")

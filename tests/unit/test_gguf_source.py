@@ -114,3 +114,15 @@ def test_missing_gguf_package_names_the_extra(gguf_model, monkeypatch):
                              f"pip install 'fsdptrain[gguf]'"
     monkeypatch.setattr(metadata, "version", lambda name: "0.9.1" if name == "gguf" else real_version(name))
     assert gguf_package_problem() == "needs gguf>=0.10 (installed: 0.9.1): pip install -U 'fsdptrain[gguf]'"
+
+
+@pytest.mark.parametrize("keep", [30, 200, 0.5, -10])
+def test_a_gguf_file_cut_short_is_one_line_naming_it(gguf_model, tmp_path, keep):
+    _, file = gguf_model
+    data = file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(ConfigError) as err:
+        check_model_source(str(cut), None)
+    assert str(err.value).startswith(f"model.path: {str(cut)!r} is damaged (") and "\n" not in str(err.value)
+    assert "cut short or not a whole GGUF file" in str(err.value)

@@ -202,3 +202,17 @@ def test_order_refuses_a_state_from_another_dataset():
     state = EpochOrder(10, seed=5).state_dict()
     with pytest.raises(ConfigError, match="for 10 rows with seed 5, this run has 11 rows with seed 5"):
         EpochOrder(11, seed=5).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("state.json", "[]"), ("state.json", '{"_data_files": 3}'), ("state.json", '{"_data_files": [{}]}'),
+    ("dataset_info.json", '{"features": 5}'), ("dataset_info.json", "[1]"),
+])
+def test_a_save_to_disk_folder_with_damaged_metadata_is_one_line(tmp_path, tok, name, content):
+    from datasets import Dataset
+
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "saved" / name).write_text(content)
+    with pytest.raises(ConfigError) as err:
+        load_prompts(str(tmp_path / "saved"), tokenizer=tok)
+    assert f"data.path={str(tmp_path / 'saved')!r}" in str(err.value) and "\n" not in str(err.value)
