@@ -33,6 +33,7 @@ VALUE_INITS = ("policy", "seed", "reward_model")
 REWARD_MODEL_NORMALIZE = ("none", "batch", "running")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
+ROLLOUT_ENGINES = ("generate", "continuous")
 RECOMPUTE_MODES = ("auto", "always")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DEFAULT_STEPS = 100
@@ -243,6 +244,12 @@ class RolloutConfig:
     """With tools: most assistant turns per sample (a tool call in the last one is not run; truncated/max_turns)."""
     max_tool_response_tokens: int = bounded(256, ge=1)
     """With tools: most tokens of one tool result's content; a longer one is cut (tools/num_cut_results)."""
+    engine: str = choice("generate", ROLLOUT_ENGINES)
+    """How rollouts are decoded (docs/rollout.md): generate (transformers' generate, one padded batch per call; multi-turn one group and turn at a time) or continuous (every trajectory of the rank in one decode loop, finished rows leave at once, cache kept across turns, tools run while rows decode; row-seeded, so ranks never change a token)."""
+    max_live_rows: int = bounded(64, ge=1)
+    """rollout.engine=continuous: most rows decoded at once; waiting rows enter as rows finish."""
+    max_live_tokens: int = bounded(262144, ge=1)
+    """rollout.engine=continuous: most cache positions (live rows x the longest live row) before waiting rows are held back; one row always runs."""
 
 
 @dataclass

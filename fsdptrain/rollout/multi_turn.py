@@ -34,6 +34,7 @@ from fsdptrain.data.prompts import PromptRow
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.loading import RewardFunction
 from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum
+from fsdptrain.rollout.continuous import make_engine, row_seed, run_turns_continuous
 from fsdptrain.rollout.samples import SampleMode, Samples
 from fsdptrain.rollout.sampling import eval_sample_seed, generation
 from fsdptrain.rollout.tools import (
@@ -226,6 +227,9 @@ class MultiTurnSampler:
     def _trajectories(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
                       step: int, round_index: int, device) -> _Turns:
         """Every sample's trajectory, group by group (see :class:`_Turns`)."""
+        if self.cfg.rollout.engine == "continuous":
+            return self._continuous(models, groups, repeat=repeat, mode=mode, step=step, round_index=round_index,
+                                    device=device)
         caller = self._caller()
         out = _Turns([], [], [], [])
         with generation(models.policy, self.cfg, device, always_gather=True):
@@ -243,6 +247,43 @@ class MultiTurnSampler:
                 out.trajectories += run_turns(self.chat, [ids for _, _, ids in prompts], generate=generate,
                                               call_tools=call_tools, caps=self.caps)
                 out.environments += envs or [None] * repeat
+        return out
+
+    def _continuous(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+                    step: int, round_index: int, device) -> _Turns:
+        """Every sample's trajectory, all groups and turns in one loop of the continuous engine
+        (fsdptrain/rollout/continuous.py); each sample's turn from its own seed (greedy: none)."""
+        caller = self._caller()
+        out = _Turns([], [], [], [])
+        owners: list[tuple[int, int]] = []  # (group, sample) of each trajectory
+        prompt_ids = []
+        for group, row in groups:
+            envs = [self.environment.cls() for _ in range(repeat)] if self.environment is not None else []
+            prompts = self._prompts(row, envs, repeat)
+            out.prompt_messages += [messages for messages, _, _ in prompts]
+            out.prompt_texts += [text for _, text, _ in prompts]
+            prompt_ids += [ids for _, _, ids in prompts]
+            out.environments += envs or [None] * repeat
+            owners += [(group, s) for s in range(repeat)]
+        seed, rollout = self.cfg.trainer.seed, self.cfg.rollout
+
+        def turn_seed(sample: int, turn: int) -> Optional[int]:
+            group, s = owners[sample]
+            if mode == "train":
+                return row_seed(seed, step, group, s, round_index, turn)
+            return eval_turn_seed(eval_sample_seed(seed, step, group, s), turn) if mode == "eval" else None
+
+        def call_tools(requests):
+            envs = out.environments if self.environment is not None else []
+            return caller.run([ToolCall(s, name, args) for s, name, args in requests], envs)
+
+        sample = mode == "train"
+        temperature = rollout.temperature if sample else self.cfg.trainer.eval_temperature if mode == "eval" else 1.0
+        with generation(models.policy, self.cfg, device, always_gather=True):
+            engine = make_engine(models.policy, self.cfg, self.tokenizer, temperature=temperature,
+                                 top_p=rollout.top_p if sample else 1.0)
+            out.trajectories = run_turns_continuous(engine, self.chat, prompt_ids, seed=turn_seed,
+                                                    call_tools=call_tools, caps=self.caps)
         return out
 
 

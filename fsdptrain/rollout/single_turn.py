@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from fsdptrain.data.prompts import PromptRow, prompt_token_ids
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rewards.loading import RewardFunction
+from fsdptrain.rollout.continuous import generate_continuous, make_engine, row_seed
 from fsdptrain.rollout.samples import SampleMode, Samples
 from fsdptrain.rollout.sampling import eval_sample_seed, generation, sampling_seed
 from fsdptrain.train.build import Models
@@ -43,11 +44,16 @@ class SingleTurnSampler:
         if mode == "eval":
             row_seeds = [eval_sample_seed(seed, step, i, s) for i, _ in groups for s in range(repeat)]
         generator_seed = (sampling_seed(seed, step, rank) + 104_729 * round_index) % (2**31) if mode == "train" else 0
-        outputs = self._generate(models, rows, repeat=repeat, sample=mode == "train", seed=generator_seed,
-                                 device=device, row_seeds=row_seeds)
-        completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _ in outputs]
-        return Samples(prompt_ids=[prompt_ids for prompt_ids, _, _ in outputs],
-                       response_ids=[ids for _, ids, _ in outputs], truncated=[t for _, _, t in outputs],
+        if self.cfg.rollout.engine == "continuous":
+            if mode == "train":
+                row_seeds = [row_seed(seed, step, i, s, round_index, 0) for i, _ in groups for s in range(repeat)]
+            outputs = self._continuous(models, rows, repeat=repeat, mode=mode, device=device, row_seeds=row_seeds)
+        else:
+            outputs = self._generate(models, rows, repeat=repeat, sample=mode == "train", seed=generator_seed,
+                                     device=device, row_seeds=row_seeds)
+        completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _, *_ in outputs]
+        return Samples(prompt_ids=[out[0] for out in outputs], response_ids=[out[1] for out in outputs],
+                       truncated=[out[2] for out in outputs],
                        prompts=[row.text for row in rows for _ in range(repeat)], completions=completions,
                        response_texts=completions, answers=completions)
 
@@ -65,3 +71,17 @@ class SingleTurnSampler:
                 temperature=temperature, top_p=rollout.top_p if sample else 1.0,
                 do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds,
                 share_prompt_prefill=repeat > 1 and row_seeds is None)
+
+    def _continuous(self, models: Models, rows: list[PromptRow], *, repeat: int, mode: SampleMode, device,
+                    row_seeds: Optional[list[int]]):
+        """The same samples through the continuous engine (fsdptrain/rollout/continuous.py): each from its own
+        seed (greedy: none), the weights gathered for the block."""
+        ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
+        rollout = self.cfg.rollout
+        sample = mode == "train"
+        temperature = rollout.temperature if sample else self.cfg.trainer.eval_temperature if mode == "eval" else 1.0
+        with generation(models.policy, self.cfg, device, always_gather=True):
+            engine = make_engine(models.policy, self.cfg, self.tokenizer, temperature=temperature,
+                                 top_p=rollout.top_p if sample else 1.0)
+            return generate_continuous(engine, ids, row_seeds or [None] * len(ids),
+                                       max_new_tokens=rollout.max_new_tokens)

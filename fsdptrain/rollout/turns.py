@@ -78,7 +78,6 @@ def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Genera
     """The trajectories of ``prompts`` (prompt ids each), all advanced turn by turn together; see the module
     docstring for what each cap does."""
     trajectories = [Trajectory(prompt_ids=list(p)) for p in prompts]
-    tokenizer = chat.tokenizer
     for turn in range(caps.max_turns):
         active = [t for t in trajectories if not t.done]
         if not active:
@@ -89,40 +88,49 @@ def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Genera
                            [index[id(t)] for t in active])
         pending: list[tuple[Trajectory, list[tuple[str, dict]]]] = []
         for t, budget, (new_ids, ended) in zip(active, budgets, outputs):
-            if len(new_ids) > budget:
-                new_ids, ended = new_ids[:budget], False
-            prefix = t.prompt_ids + t.response_ids
-            t.response_ids += new_ids
-            t.response_mask += [1] * len(new_ids)
-            t.num_turns += 1
-            text_ids = new_ids[:-1] if ended else new_ids
-            message = {"role": "assistant", "content": tokenizer.decode(text_ids, skip_special_tokens=False)}
-            t.messages.append(message)
-            if not ended:
-                t.end("length")
-                continue
-            parsed = chat.parse(new_ids, prefix_ids=prefix)
-            if parsed.malformed:
-                t.num_malformed += 1
-                t.end()
-                continue
-            if not parsed.calls:
-                t.end()
-                continue
-            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": arguments}}
-                                     for name, arguments in parsed.calls]
-            if turn == caps.max_turns - 1:
-                t.end("max_turns")
-                continue
-            pending.append((t, parsed.calls))
+            calls = finish_turn(chat, t, new_ids, ended, budget=budget, last_turn=turn == caps.max_turns - 1)
+            if calls:
+                pending.append((t, calls))
         requests = [(index[id(t)], name, arguments) for t, calls in pending for name, arguments in calls]
         results = iter(call_tools(requests) if requests else [])
         for t, calls in pending:
-            _append_tool_results(chat, t, calls, [next(results) for _ in calls], caps)
+            append_tool_results(chat, t, calls, [next(results) for _ in calls], caps)
     return trajectories
 
 
-def _append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, dict]], results: list,
+def finish_turn(chat: ChatTurns, t: Trajectory, new_ids: list[int], ended: bool, *, budget: int,
+                last_turn: bool) -> Optional[list[tuple[str, dict]]]:
+    """Append one assistant turn (``new_ids``, cut to ``budget``; ``ended``: it ended on EOS) to ``t``; the tool calls
+    to run next, or None when the trajectory ended here (no call, a malformed one, its length, its last turn)."""
+    if len(new_ids) > budget:
+        new_ids, ended = new_ids[:budget], False
+    prefix = t.prompt_ids + t.response_ids
+    t.response_ids += new_ids
+    t.response_mask += [1] * len(new_ids)
+    t.num_turns += 1
+    text_ids = new_ids[:-1] if ended else new_ids
+    message = {"role": "assistant", "content": chat.tokenizer.decode(text_ids, skip_special_tokens=False)}
+    t.messages.append(message)
+    if not ended:
+        t.end("length")
+        return None
+    parsed = chat.parse(new_ids, prefix_ids=prefix)
+    if parsed.malformed:
+        t.num_malformed += 1
+        t.end()
+        return None
+    if not parsed.calls:
+        t.end()
+        return None
+    message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": arguments}}
+                             for name, arguments in parsed.calls]
+    if last_turn:
+        t.end("max_turns")
+        return None
+    return parsed.calls
+
+
+def append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, dict]], results: list,
                          caps: TurnCaps) -> None:
     """Append the tool messages answering one turn's calls (each result cut to ``max_tool_response_tokens``), or end
     the trajectory as ``tool_overflow`` when their segment would not fit the response budget."""

@@ -145,3 +145,43 @@ def test_tools_run_while_other_rows_decode(setup):
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="max_live_rows=0"):
         ContinuousEngine(torch.nn.Linear(1, 1), eos_id=2, pad_id=0, max_live_rows=0)
+
+
+def test_multi_turn_in_one_loop_equals_the_turn_by_turn_reference(tmp_path):
+    """All trajectories and turns in one continuous loop, each turn decoded onto its kept cache, give the
+    trajectories ``run_turns`` builds re-prefilling each conversation through ``generate`` with the same row seeds
+    (the tool-calling tiny model of tests/e2e/test_multi_turn.py calls tools from the start)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdptrain.data.conversation import ChatTurns
+    from fsdptrain.rollout.continuous import run_turns_continuous
+    from fsdptrain.rollout.tools import ToolCall, ToolCaller, load_tools
+    from fsdptrain.rollout.turns import TurnCaps, run_turns
+    from tests.e2e.test_multi_turn import write_inputs
+
+    write_inputs(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    tools = load_tools([str(tmp_path / "tools.py") + ":add"])
+    chat = ChatTurns(tok, [t.schema for t in tools])
+    caller = ToolCaller(tools, pool=None, timeout_s=None)
+    call_tools = lambda reqs: caller.run([ToolCall(s, n, a) for s, n, a in reqs])  # noqa: E731
+    prompts = [chat.prompt_ids([{"role": "user", "content": f"What is {a}+3?"}]) for a in range(3) for _ in range(3)]
+    caps = TurnCaps(max_turns=3, max_new_tokens=60, max_tool_response_tokens=20)
+    seed = lambda sample, turn: 1000 * sample + turn  # noqa: E731
+
+    def generate(inputs, max_new_tokens, turn, samples):
+        out = generate_responses(model, tok, inputs, max_new_tokens=max_new_tokens, temperature=0.7, top_p=1.0,
+                                 do_sample=False, generator_seed=0, device=torch.device("cpu"),
+                                 row_seeds=[seed(s, turn) for s in samples], synced_gpus=False)
+        return [(ids, not truncated) for _, ids, truncated in out]
+
+    reference = run_turns(chat, prompts, generate=generate, call_tools=call_tools, caps=caps)
+    engine = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0.7,
+                              max_live_rows=4)
+    got = run_turns_continuous(engine, chat, prompts, seed=seed, call_tools=call_tools, caps=caps)
+    assert max(t.num_turns for t in reference) >= 2 and sum(t.num_calls for t in reference) > 0
+    for g, r in zip(got, reference, strict=True):
+        assert (g.response_ids, g.response_mask, g.messages, g.truncation) == \
+            (r.response_ids, r.response_mask, r.messages, r.truncation)
+    assert engine.stats.num_row_steps == sum(sum(t.response_mask) for t in got) - sum(t.num_turns for t in got)

@@ -1,0 +1,83 @@
+"""``rollout.engine=continuous``: the samplers' rollouts through :class:`fsdptrain.rollout.engine.ContinuousEngine`
+(docs/rollout.md).
+
+Single-turn: every sample of this rank's groups is one request, each prompt's shared part prefilled once. Multi-turn:
+every trajectory of this rank (all groups) is in the one decode loop; a turn that calls tools leaves the batch, its
+calls run on a tool thread (through :class:`fsdptrain.rollout.tools.ToolCaller`: the worker pool, ``reward.timeout_s``
+and the counting of ``tools/*`` as with ``generate``) while the other rows decode, and the trajectory re-enters with
+only its new tokens (the turn's last sampled id, then the tool messages and the template's separators) prefilled
+onto its kept cache. The turn logic is :func:`fsdptrain.rollout.turns.finish_turn` and
+:func:`~fsdptrain.rollout.turns.append_tool_results`, the same as ``run_turns``'s.
+
+Every sample draws from its own generator (:func:`row_seed`: trainer.seed, step, the group's global index, the
+sample, the round and the turn), so its tokens never depend on the rank, the world size or the other rows. Ranks run
+different numbers of forwards, so the policy's weights are always gathered for the block (as multi-turn does).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+from typing import Callable, Optional, Sequence
+
+from fsdptrain.data.conversation import ChatTurns
+from fsdptrain.rollout.engine import ContinuousEngine, Finished, Request
+from fsdptrain.rollout.turns import Trajectory, TurnCaps, append_tool_results, finish_turn
+
+
+def row_seed(seed: int, step: int, group: int, sample: int, round_index: int, turn: int) -> int:
+    """The training seed of one sample's turn under the continuous engine: where it is in the run, never the rank."""
+    return random.Random(f"row:{seed}:{step}:{group}:{sample}:{round_index}:{turn}").getrandbits(62)
+
+
+def make_engine(model, cfg, tokenizer, *, temperature: float, top_p: float) -> ContinuousEngine:
+    rollout = cfg.rollout
+    return ContinuousEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                            temperature=temperature, top_p=top_p, max_live_rows=rollout.max_live_rows,
+                            max_live_tokens=rollout.max_live_tokens)
+
+
+def generate_continuous(engine: ContinuousEngine, prompts: Sequence[list[int]], seeds: Sequence[Optional[int]], *,
+                        max_new_tokens: int) -> list[tuple[list[int], list[int], bool, list[float]]]:
+    """``(prompt_ids, response_ids, truncated, behaviour_logprobs)`` per prompt, in order (seed None: greedy)."""
+    finished = {f.key: f for f in engine.run([Request(i, list(p), max_new_tokens, seed=s)
+                                              for i, (p, s) in enumerate(zip(prompts, seeds))])}
+    return [(list(p), finished[i].new_ids, not finished[i].ended, finished[i].logprobs)
+            for i, p in enumerate(prompts)]
+
+
+CallTools = Callable[[list[tuple[int, str, dict]]], list]
+"""``call_tools([(sample, name, arguments)]) -> [result]``, as :func:`fsdptrain.rollout.turns.run_turns` takes it."""
+
+
+def run_turns_continuous(engine: ContinuousEngine, chat: ChatTurns, prompts: Sequence[list[int]], *,
+                         seed: Callable[[int, int], Optional[int]], call_tools: CallTools,
+                         caps: TurnCaps) -> list[Trajectory]:
+    """The trajectories of ``prompts``, every turn of every one in the engine's one loop; ``seed(sample, turn)`` is
+    a turn's seed (None: greedy). What a trajectory becomes is what ``run_turns`` makes of the same turns."""
+    trajectories = [Trajectory(prompt_ids=list(p)) for p in prompts]
+
+    def request(sample: int, new_ids: list[int], finished: Optional[Finished]) -> Request:
+        t = trajectories[sample]
+        return Request(sample, new_ids, caps.max_new_tokens - len(t.response_ids), seed=seed(sample, t.num_turns),
+                       kept=finished.kept if finished else None, keep=t.num_turns + 1 < caps.max_turns)
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tools") as tool_thread:
+
+        def after_tools(finished: Finished, calls: list[tuple[str, dict]]) -> Optional[Request]:
+            t = trajectories[finished.key]
+            results = call_tools([(finished.key, name, arguments) for name, arguments in calls])
+            before = len(t.response_ids)
+            append_tool_results(chat, t, calls, results, caps)
+            return None if t.done else request(finished.key, finished.new_ids[-1:] + t.response_ids[before:],
+                                               finished)
+
+        def on_finish(finished: Finished):
+            t = trajectories[finished.key]
+            calls = finish_turn(chat, t, finished.new_ids, finished.ended, budget=len(finished.new_ids),
+                                last_turn=t.num_turns == caps.max_turns - 1)
+            return tool_thread.submit(after_tools, finished, calls) if calls else None
+
+        engine.run([request(i, t.prompt_ids, None) for i, t in enumerate(trajectories)], on_finish)
+    return trajectories
+
