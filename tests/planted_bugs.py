@@ -97,3 +97,25 @@ def plant_rejected_tokens_in_the_normaliser(set_attr=setattr) -> None:
 
     set_attr(experience, "rejected", remembering)
     set_attr(step, "local_counts", unrejected)
+
+
+def plant_normaliser_per_cp_rank(set_attr=setattr) -> None:
+    """The CP normaliser bug of the anchors' trackers (verl #6836's class): every rank of a CP group counts the
+    tokens and sequences of the batch it holds, so the global counts hold each token cp times."""
+    normalizers = step.global_normalizers
+    set_attr(step, "global_normalizers", lambda batch, *, context=None, **kw: normalizers(batch, **kw))
+
+
+def plant_position_ids_restarting_per_chunk(set_attr=setattr) -> None:
+    """Context parallelism's position ids restarting at 0 in each chunk a rank holds, instead of the row's."""
+    from fsdptrain.distributed.context_parallel import ContextShard
+
+    model_inputs = ContextShard.model_inputs
+
+    def restarting(self, packed):
+        inputs = model_inputs(self, packed)
+        chunks = [torch.arange(end - start, device=packed.position_ids.device) for start, end in self.split.chunks]
+        inputs["position_ids"] = torch.cat(chunks).view(1, -1)
+        return inputs
+
+    set_attr(ContextShard, "model_inputs", restarting)

@@ -403,12 +403,21 @@ def with_behaviour(rollouts: list[Rollout], old_R: list[torch.Tensor], *, seed: 
     return out
 
 
+def without_context_parallel(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with parallel.cp=1: the trainer of a check keeps each rank's own rollouts (the batch, the experience
+    and the update pass compare ranks against the gathered batch); parallel.cp is checked by its own layout
+    (``context parallel cp=C`` in fsdptrain/check/layouts.py), on the same mesh."""
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    plain.parallel.cp = 1
+    return plain
+
+
 def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     """The checked config, the models (as ``fsdptrain train`` builds them) and the batch (collective)."""
     checked = check_config(cfg, info.world_size)
     random.seed(checked.trainer.seed)
     torch.manual_seed(checked.trainer.seed)
-    trainer = Trainer(checked, run_dir=None, info=info, mesh=mesh)
+    trainer = Trainer(without_context_parallel(checked), run_dir=None, info=info, mesh=mesh)
     batch = make_batch(trainer)
     if checked.drafter.enabled and trainer.auxiliary_loss() is None:  # no vocabulary file or saved drafter yet:
         vocab_size = trainer.models.policy.config.vocab_size  # the batch's ids

@@ -18,6 +18,10 @@ own counts with dp_size 1, except the simulated data-parallel one:
 - ``ranks=W``: the product path on the real ranks: each rank's own share, ``global_normalizers``,
   ``world.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
   mesh's ranks;
+- with ``parallel.cp=C`` > 1, ``context parallel cp=C``: the train step's path under context parallelism on the
+  real ranks: each CP group of C ranks holds its data-parallel share (sequences ``i % (W / C) == rank // C``), every
+  row split over the group (fsdptrain/distributed/context_parallel.py), ``global_normalizers`` with the group,
+  ``world.dp_size(mesh)`` (dp x cp) and ``reduce_metrics``;
 - with ``trainer.share_prompts=true``, ``shared prompts`` and ``shared prompts, ranks=W``: ``packed budget=B`` and
   ``ranks=W`` again with each pack's forward holding each of its prompts once (fsdptrain/data/shared_prompts.py),
   compared like every layout with the reference, which never shares.
@@ -39,6 +43,7 @@ from torch import Tensor
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
+from fsdptrain.distributed.context_parallel import build_context_group
 from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.build import trainable_parameters
@@ -256,8 +261,30 @@ def real_ranks(part: Part, ctx: Context, *, share_prompts: bool = False) -> Run:
     return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
 
 
+def context_parallel(cp: int) -> Callable[[Part, Context], Run]:
+    """The train step's path with CP groups of ``cp`` ranks (collective: the groups are built on every rank)."""
+
+    def run(part: Part, ctx: Context) -> Run:
+        _fresh(part)
+        group = build_context_group(cp)
+        num_groups = world.world_size() // cp
+        share = _sub_batch(ctx.full, [i for i in range(ctx.full.num_seqs) if i % num_groups == world.rank() // cp])
+        norms = step.global_normalizers(share, dp_size=world.dp_size(ctx.mesh),
+                                        loss_scale_factor=ctx.norms.loss_scale_factor, context=group)
+        accumulated = step.accumulate_gradients(part.model, share, loss_fn=part.packed_loss, settings=part.settings,
+                                                norms=norms, token_budget=ctx.token_budget, device=ctx.device,
+                                                context=group)
+        # every rank of a group summed the same scalars: its first rank's count once, averaged as FSDP averages
+        mine = accumulated.loss if group.rank == 0 else 0.0
+        total = world.all_reduce_sum(torch.tensor([mine], dtype=torch.float64))
+        return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(accumulated.metrics),
+                   gather_full_grads(part.model))
+
+    return run
+
+
 def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world_size: int,
-            share_prompts: bool = False) -> list[tuple[str, Callable[[Part, Context], Run]]]:
+            share_prompts: bool = False, cp: int = 1) -> list[tuple[str, Callable[[Part, Context], Run]]]:
     """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only).
 
     Whatever the configured budget, one layout packs under the smallest budget that fits the longest sequence
@@ -281,6 +308,8 @@ def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world
         (f"simulated dp={simulated_dp_size}", simulated_dp),
         (f"ranks={world_size}", real_ranks),
     ]
+    if cp > 1:
+        out.append((f"context parallel cp={cp}", context_parallel(cp)))
     if share_prompts:
         out += [("shared prompts", shared_prompts), (f"shared prompts, ranks={world_size}", shared_prompts_ranks)]
     return out

@@ -290,7 +290,7 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
     ctx = _context(off, off_batch, counts)
     reference, scales, ref_grads = _reference(off, parts, counts)
     planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=off.world_size, share_prompts=cfg.trainer.share_prompts)
+                      world_size=off.world_size, share_prompts=cfg.trainer.share_prompts, cp=cfg.parallel.cp)
     outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, off) for name, run_layout in planned]
     reference = _prefixed(reference, keep_rollout=False)
     outcomes = [_prefixed(o, keep_rollout=False) for o in outcomes]
@@ -405,7 +405,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     counts = Counts.of(batch.counted_masks(), tr.loss_scale_factor)
     ctx = _context(session, batch, counts)
     planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=session.world_size, share_prompts=cfg.trainer.share_prompts)
+                      world_size=session.world_size, share_prompts=cfg.trainer.share_prompts, cp=cfg.parallel.cp)
     tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
     found = Found(Outcome("reference", {}, covers=()))
     grad_scale = GradScale(_scale_report(session, mode, counts))
@@ -467,7 +467,7 @@ def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
     """The ``fsdptrain check-metrics`` job on this rank; returns the exit code (the same on every rank)."""
     info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
-    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type, cp=cfg.parallel.cp)
     session = build_session(cfg, info, mesh)
     report = run_checks(session)
     if info.is_main:

@@ -106,7 +106,6 @@ class ContextShard:
     group: ContextGroup
     split: RowSplit
     device: torch.device
-    _masks: dict = field(default_factory=dict)
     _splits: dict = field(default_factory=dict)
 
     def assemble(self, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -135,18 +134,6 @@ class ContextShard:
     def gather_tokens(self, local_L: torch.Tensor) -> torch.Tensor:
         """Per-token outputs `[L]` -> `[T]` for a loss every rank of the group computes over the whole row."""
         return _GatherRow.apply(local_L, self, 0, True)
-
-    def mask(self, index: int) -> Optional[torch.Tensor]:
-        """bool `[q, k]` of piece `index` (causal, bottom-right), or None when the piece is plain causal attention
-        (its queries start at its first key). Built once per row and shared by every layer (and the recomputation
-        under activation checkpointing), so autograd saves one copy."""
-        piece = self.split.pieces[index]
-        if piece.num_queries == piece.num_keys:
-            return None
-        if index not in self._masks:
-            ones = torch.ones(piece.num_queries, piece.num_keys, dtype=torch.bool, device=self.device)
-            self._masks[index] = ones.tril(diagonal=piece.num_keys - piece.num_queries)
-        return self._masks[index]
 
     def model_inputs(self, packed: PackedBatch) -> dict:
         """Keyword arguments of an HF causal LM's forward on this rank's positions of `packed` (the row's position

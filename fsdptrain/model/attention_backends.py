@@ -295,21 +295,25 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
     """This rank's queries `[1, Hq, L, D]` against the whole row's keys and values, segment by segment.
 
     `shard` (fsdptrain.distributed.context_parallel.ContextShard) all-gathers the keys and values of the CP group into
-    the row's order (`gather`, differentiable) and holds the split (`split.pieces`: fsdptrain/data/context_split.py)
-    and one causal mask per piece whose queries do not start at their segment's first key (`mask`, built once per
-    forward and shared by every layer). A piece whose queries start at its first key is plain causal attention."""
+    the row's order (`gather`, differentiable) and holds the split (`split.pieces`: fsdptrain/data/context_split.py).
+    A piece of q queries and k >= q keys, causal aligned bottom-right, runs as square causal attention over k rows
+    whose first k - q queries are zeros (discarded, so they get no gradient): no `[q, k]` mask exists (a mask sends
+    the CPU kernel to `[heads, q, k]` scores; measured in docs/performance.md), at the price of the dummy rows'
+    compute."""
     _check_context_call(module, attention_mask, dropout, kwargs)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     key_T, value_T = shard.gather(key), shard.gather(value)
     num_groups = query.shape[1] // key.shape[1]
     outs = []
-    for index, piece in enumerate(shard.split.pieces):
+    for piece in shard.split.pieces:
         q = query[:, :, piece.q_start:piece.q_end]
         k = key_T[:, :, piece.k_start:piece.k_end]
         v = value_T[:, :, piece.k_start:piece.k_end]
-        allowed = shard.mask(index)
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=scale,
-                                                   enable_gqa=num_groups > 1))
+        num_dummy = piece.num_keys - piece.num_queries
+        if num_dummy:
+            q = F.pad(q, (0, 0, num_dummy, 0))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_groups > 1)
+        outs.append(out[:, :, num_dummy:])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
