@@ -14,7 +14,10 @@ pytest.importorskip("peft")
 
 VARIANTS = ("plain", "checkpointing", "lora")
 KEYS = [f"{variant}/policy/{mode}" for variant in VARIANTS for mode in AGG_MODES] + [
-    f"{variant}/value/{mode}" for variant in VARIANTS for mode in ("token-mean", "seq-mean-token-mean")]
+    f"{variant}/value/{mode}" for variant in VARIANTS for mode in ("token-mean", "seq-mean-token-mean")] + [
+    "bf16/policy/token-mean"]
+# bf16 params against the fp32 reference: the bounds of tests/dist/test_lora.py's bf16 variant
+GRAD_TOLERANCE, METRIC_TOLERANCE, LOGPROB_TOLERANCE = {"bf16": 2e-2}, {"bf16": 2e-2}, {"bf16": 5e-2}
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +31,14 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("key", KEYS)
 def test_cp2_equals_one_process(ranks, key):
+    variant = key.split("/")[0]
     for results in ranks:
         r = results[key]
         # fp32, the same arithmetic up to summation order: measured <= 5.1e-7 relative
-        assert r["grad_abs"] <= 1e-6 * r["grad_scale"], r
-        assert r["metric_names_equal"] and r["metric_rel"] <= 1e-6, r
+        assert r["grad_abs"] <= GRAD_TOLERANCE.get(variant, 1e-6) * r["grad_scale"], r
+        assert r["metric_names_equal"] and r["metric_rel"] <= METRIC_TOLERANCE.get(variant, 1e-6), r
         # each token counted once: the CP group's 2 ranks do not double the counts; the factor is dp x cp = 2
         assert r["norms"] == [*r["ref_counts"], 2], r
         if "logprob_abs" in r:
-            assert r["logprob_abs"] <= 1e-6, r
+            assert r["logprob_abs"] <= LOGPROB_TOLERANCE.get(variant, 1e-6), r
             assert r["crossing_pieces"] >= 2, r  # sequences that cross a chunk boundary are exercised

@@ -4,7 +4,8 @@ Every rank holds the whole mini-batch of tests/dist/workers/train_step_checks.py
 24-token budget into several rows, each padded to a multiple of 2 x cp; sequences cross the chunk boundaries). The
 reference is the unsharded model (the same weights) on the same packs through `accumulate_gradients` with no CP and
 dp_size 1. For every agg mode and every variant (plain, activation checkpointing, LoRA) each rank writes the largest
-log-prob, gradient and metric differences to <out>/rank<r>.json.
+log-prob, gradient and metric differences to <out>/rank<r>.json; bf16 params (fp32 reduce), the policy in token-mean,
+against the same fp32 reference.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def models(kind: str, variant: str, mesh):
         nudged(reference, seed + 100)
     build = build_policy if kind == "policy" else build_value_model
     model = build(path=None, config=CONFIG, seed=seed, mesh=mesh, lora=lora,
-                  activation_checkpointing=variant == "checkpointing")
+                  activation_checkpointing=variant == "checkpointing",
+                  param_dtype=torch.bfloat16 if variant == "bf16" else torch.float32)
     set_model_state_dict(model, dict(reference.state_dict()), options=StateDictOptions(full_state_dict=True))
     for m in (reference, model):
         set_attention(m, "sdpa_segments")
@@ -131,7 +133,7 @@ def run(kind: str, mode: str, variant: str, mesh, context, batch) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", default="plain,checkpointing,lora")
+    parser.add_argument("--variants", default="plain,checkpointing,lora,bf16")
     args = parser.parse_args()
     torch.set_num_threads(1)
     info = world.init_distributed(device_type="cpu")
@@ -142,7 +144,9 @@ def main() -> None:
         context = build_context_group(info.world_size)
         batch = global_batch()
         for variant in args.variants.split(","):
-            for kind, modes in (("policy", AGG_MODES), ("value", ("token-mean", "seq-mean-token-mean"))):
+            kinds = ((("policy", ("token-mean",)),) if variant == "bf16" else
+                     (("policy", AGG_MODES), ("value", ("token-mean", "seq-mean-token-mean"))))
+            for kind, modes in kinds:
                 for mode in modes:
                     out["results"][f"{variant}/{kind}/{mode}"] = run(kind, mode, variant, mesh, context, batch)
     except Exception:  # the test reads the traceback from the JSON
