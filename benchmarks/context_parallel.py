@@ -5,8 +5,8 @@ The medium model of benchmarks/fsdp_memory.py (qwen2, hidden 256, 4 layers, 8 he
 under gloo. One packed row of `--tokens` tokens holding two sequences (a quarter and three quarters of the row, so one
 crosses the chunk boundaries), the policy loss (token-mean) through the trainer's path (`accumulate_gradients`).
 cp=1 runs in one process; cp=2 runs on 2 ranks, one CP group (FSDP shards over both). The peak is the process's
-resident set (ru_maxrss) minus the resident set just before the step: activations, the gathered keys and values,
-the masks and the gradients, not the model's start-up.
+resident set (ru_maxrss) minus the resident set just before the step: activations, the gathered keys and values
+and the gradients, not the model's start-up.
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/context_parallel.py --tokens 16384
 """
