@@ -270,7 +270,11 @@ class ContinuousEngine:
     def _forward(self, ids, mask, positions, cache_layers):
         from transformers import DynamicCache
 
-        cache = DynamicCache(ddp_cache_data=cache_layers) if cache_layers else DynamicCache()
+        cache = DynamicCache()
+        if cache_layers:  # the layers take the tensors as they are (a cache built from data would copy them)
+            cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in cache_layers])
+            for layer, (k, v) in zip(cache.layers, cache_layers):
+                layer.keys, layer.values = k, v
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self.cache_name: cache})
         cache = getattr(out, self.cache_name)
@@ -296,23 +300,23 @@ def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]
     A row with a generator draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
     uniform per vocabulary entry from its generator; with ``top_p`` < 1 the draw is over the nucleus, as
     transformers' ``TopPLogitsWarper`` cuts it); a row without one takes the argmax of its logits (greedy, its
-    log-prob at temperature 1)."""
+    log-prob at temperature 1). The log-softmax and argmax run over the whole batch; only the uniforms are drawn row
+    by row."""
     scores = logits.float()
-    tokens, logprobs = [], []
-    tiny = torch.finfo(torch.float64).tiny
-    for r, generator in enumerate(generators):
-        if generator is None:
-            logp = torch.log_softmax(scores[r], dim=-1)
-            token = int(scores[r].argmax())
-        else:
-            logp = torch.log_softmax(scores[r] / temperature, dim=-1)
-            drawn = logp if top_p >= 1.0 else _nucleus(logp, top_p)
-            u = torch.rand(scores.shape[-1], generator=generator, device=scores.device,
-                           dtype=torch.float64).clamp(tiny, 1.0 - 1e-16)
-            token = int((drawn + (-torch.log(-torch.log(u))).to(logp.dtype)).argmax())
-        tokens.append(token)
-        logprobs.append(float(logp[token]))
-    return tokens, logprobs
+    seeded = [g is not None for g in generators]
+    logp = torch.log_softmax(scores / temperature, dim=-1) if any(seeded) else None
+    greedy_logp = torch.log_softmax(scores, dim=-1) if not all(seeded) else None
+    tokens = scores.argmax(-1)
+    if any(seeded):
+        rows = [r for r, s in enumerate(seeded) if s]
+        drawn = logp[rows] if top_p >= 1.0 else torch.stack([_nucleus(logp[r], top_p) for r in rows])
+        tiny = torch.finfo(torch.float64).tiny
+        u = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=scores.device,
+                                    dtype=torch.float64) for r in rows]).clamp(tiny, 1.0 - 1e-16)
+        tokens[rows] = (drawn + (-torch.log(-torch.log(u))).to(drawn.dtype)).argmax(-1)
+    chosen = torch.stack([(logp if s else greedy_logp)[r] for r, s in enumerate(seeded)])
+    values = chosen.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), values.tolist()
 
 
 def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
