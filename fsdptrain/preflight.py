@@ -29,9 +29,34 @@ def check_inputs(cfg: DictConfig) -> None:
         check_model_source(cfg.model.path, cfg.model.gguf_file)
     if cfg.data.source == "jsonl":
         check_text_file(cfg.data.path, key="data.path")
+    if cfg.algorithm.distill.teacher is not None:
+        check_teacher(cfg)
     check_device(cfg)
     if cfg.model.lora.r > 0:
         check_lora_targets(cfg)
+
+
+def check_teacher(cfg: DictConfig) -> None:
+    """``algorithm.distill.teacher`` is a usable causal-LM folder or GGUF file whose tokenizer is the student's
+    (docs/algorithms.md, "On-policy distillation"); loads both tokenizers, no weights."""
+    from transformers import AutoTokenizer
+
+    from fsdptrain.model.checks import check_gguf_file, check_model_folder, check_tokenizer_fits, vocabulary_mismatch
+    from fsdptrain.model.source import is_gguf, pretrained_args
+    from fsdptrain.train.build import build_tokenizer
+
+    key, teacher = "algorithm.distill.teacher", cfg.algorithm.distill.teacher
+    if is_gguf(teacher):
+        check_gguf_file(teacher, key=key)
+    else:
+        check_model_folder(teacher, key=key)
+    name, gguf = pretrained_args(teacher)
+    teacher_tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False, **gguf)
+    check_tokenizer_fits(teacher_tokenizer, teacher, key=key)
+    problem = vocabulary_mismatch(build_tokenizer(cfg), teacher_tokenizer)
+    if problem is not None:
+        raise ConfigError(f"{key}={teacher!r} cannot score the student's tokens: {problem}; distill from a teacher "
+                          "with the student's tokenizer (docs/algorithms.md, \"On-policy distillation\")")
 
 
 def check_lora_targets(cfg: DictConfig) -> None:

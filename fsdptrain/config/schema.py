@@ -86,6 +86,20 @@ class ModelConfig:
     """LoRA adapters (docs/lora.md)."""
 
 
+DISTILL_TASK_REWARDS = ("ignore", "add")
+"""``algorithm.distill.task_reward``: whether the task reward's advantage is added to the distillation advantage."""
+
+
+@dataclass
+class DistillConfig:
+    teacher: Optional[str] = None
+    """On-policy distillation (docs/algorithms.md, "On-policy distillation"): the teacher, a local Hugging Face folder or a `.gguf` file, frozen and sharded like the reference; its tokenizer must be the student's. null: no distillation."""
+    coef: float = bounded(1.0, gt=0)
+    """Weight of the per-token reverse KL (log p_student - log p_teacher of each sampled policy token) in the advantage: A_t = [task_reward=add] A_task_t - coef * kl_t."""
+    task_reward: str = choice("ignore", DISTILL_TASK_REWARDS)
+    """ignore: the advantage is the distillation term alone (the reward is still scored and logged); add: the estimator's advantage of the task reward (e.g. GRPO's group advantage) plus the distillation term."""
+
+
 @dataclass
 class AlgorithmConfig:
     name: str = choice("ppo", ALGORITHM_NAMES)
@@ -158,6 +172,8 @@ class AlgorithmConfig:
     """Per-token KL penalty subtracted from the reward (0 turns it off; needs the reference model)."""
     recompute_old_logprobs: str = choice("auto", RECOMPUTE_MODES)
     """Old log-probs: auto skips their pass when the update is strictly on-policy (exact), always recomputes."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (docs/algorithms.md)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.config.distill_rules import check_distill
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.config.lora_rules import check_lora
 from fsdptrain.registry import names
@@ -286,7 +287,7 @@ def _check_loss_settings(alg: DictConfig) -> None:
                           f"{', '.join(names.ROLLOUT_DIVERGENCE_REJECTIONS)}, or the max to null")
 
 
-EXTENSION_RULES = (check_drafter, check_lora)
+EXTENSION_RULES = (check_drafter, check_lora, check_distill)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
 

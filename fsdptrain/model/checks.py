@@ -131,6 +131,20 @@ def check_tokenizer_fits(tokenizer, path: str, *, key: str = "model.path") -> No
                           f"(model.resize_token_embeddings(len(tokenizer))) and save both")
 
 
+def vocabulary_mismatch(student, teacher) -> str | None:
+    """Why ``teacher``'s tokenizer cannot score ``student``'s token ids (different sizes, or the first id whose token
+    differs), or None when the two share one vocabulary. Distillation reads the teacher's log-prob of the student's
+    ids, so an id must mean the same token to both."""
+    if len(student) != len(teacher):
+        return f"the teacher's tokenizer has {len(teacher)} tokens and the student's {len(student)}"
+    teacher_tokens = {index: token for token, index in teacher.get_vocab().items()}
+    for token, index in sorted(student.get_vocab().items(), key=lambda item: item[1]):
+        if teacher_tokens.get(index) != token:
+            return (f"token id {index} is {token!r} to the student and {teacher_tokens.get(index)!r} to the teacher "
+                    f"(both have {len(student)} tokens)")
+    return None
+
+
 CODE_MAP_FILES = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 """The files in which a folder can name its own Python code (``auto_map``) for transformers to import."""
 

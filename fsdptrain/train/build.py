@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from fsdptrain.config.distill_rules import distilling
 from fsdptrain.config.lora_rules import target_module_names
 from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
@@ -126,6 +127,9 @@ class Models:
     """The checked folders of ``reward.models``, in order (tokenizers for re-tokenising the text)."""
     reward_models: list[torch.nn.Module] = field(default_factory=list)
     """The frozen sharded reward models, one per spec, on the packed attention backend."""
+    teacher: Optional[torch.nn.Module] = None
+    """On-policy distillation's frozen sharded teacher (``algorithm.distill.teacher``), built like the reference;
+    a separate model under LoRA too."""
 
 
 def adamw_settings(cfg: DictConfig) -> dict:
@@ -168,6 +172,9 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
         reference = build_reference_model(**source, **parallel, seed=seed)
         set_attention(reference, backend)
         models.reference = ReferencePolicy(reference)
+    if distilling(cfg):
+        models.teacher = build_reference_model(path=cfg.algorithm.distill.teacher, config=None, **parallel, seed=seed)
+        set_attention(models.teacher, backend)
     for spec in models.reward_specs:
         reward_model = build_reward_model(spec, mesh=mesh, param_dtype=parallel["param_dtype"],
                                           reshard_after_forward=cfg.parallel.reshard_after_forward,
@@ -217,11 +224,12 @@ def resolve_device_type(cfg: DictConfig) -> str:
 def skips_old_passes(cfg: DictConfig) -> bool:
     """Whether the old log-prob pass (and the critic's old-value pass when GAE does not need the values) can be
     skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
-    experience; no behaviour log-probs from data; no KL-in-reward (it reads the old log-probs before the update); and
+    experience; no behaviour log-probs from data; no KL-in-reward and no distillation (both read the old log-probs before
+    the update); and
     no rollout correction or rejection: their ratios exp(old - behaviour) need the old log-probs before the update. On-policy the
     behaviour log-probs are the old ones, so the kept pass gives weights of exactly 1 (exp(0)) and the logged
     ``experience/rollout_is_*`` (docs/algorithms.md)."""
     return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
             and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
-            and cfg.algorithm.kl_in_reward_coef == 0 and cfg.algorithm.rollout_correction == "none"
+            and cfg.algorithm.kl_in_reward_coef == 0 and not distilling(cfg) and cfg.algorithm.rollout_correction == "none"
             and cfg.algorithm.rollout_rejection == "none" and cfg.algorithm.rollout_rejection_divergence == "none")

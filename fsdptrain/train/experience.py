@@ -49,6 +49,7 @@ from fsdptrain.rl.adv_estimators import (
     whiten_stats,
     whitened,
 )
+from fsdptrain.rl.distill import DistillSettings, distill_advantages, distill_metrics
 from fsdptrain.rl.metrics import Metrics, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.rollout_correction import (
@@ -103,6 +104,27 @@ def reference_logprobs(reference, rollouts, **logprob_args) -> Optional[list[Ten
         return None
     with reference.forward_context():
         return policy_logprobs(reference.model, rollouts, **logprob_args)
+
+
+def teacher_logprobs(teacher, rollouts, **logprob_args) -> Optional[list[Tensor]]:
+    """Response log-probs under the distillation teacher (``algorithm.distill.teacher``: a frozen sharded model, at
+    the rollout temperature like the student's), or None without one; arguments as `policy_logprobs`."""
+    if teacher is None:
+        return None
+    return policy_logprobs(teacher, rollouts, **logprob_args)
+
+
+def distilled(advantages: Sequence[Tensor], student_R: Sequence[Tensor], teacher_R: Sequence[Tensor],
+              masks: Sequence[Optional[Tensor]], settings: DistillSettings) -> tuple[list[Tensor], Metrics]:
+    """Per sequence, the distillation advantage (`fsdptrain.rl.distill.distill_advantages`: the task's, when added,
+    minus coef times the per-token reverse KL) over its policy tokens, and this rank's ``distill/*`` metrics (reduced
+    over ranks with the step's other experience metrics)."""
+    student_BR, mask_BR = _pad(student_R, masks)
+    teacher_BR, _ = _pad(teacher_R)
+    task_BR, _ = _pad(advantages)
+    adv_BR = distill_advantages(task_BR, student_BR, teacher_BR, mask_BR, coef=settings.coef,
+                                add_task=settings.add_task)
+    return _unpad(adv_BR, advantages), distill_metrics(student_BR, teacher_BR, mask_BR)
 
 
 def critic_values(model, rollouts, *, token_budget: int, device: torch.device,
@@ -183,6 +205,8 @@ class ExperienceSettings:
     rejection: RejectionSettings = RejectionSettings()
     share_prompts: bool = False
     """The packed passes hold each prompt of a pack once (`trainer.share_prompts`)."""
+    distill: Optional[DistillSettings] = None
+    """On-policy distillation's advantage (``algorithm.distill``); None: no teacher."""
 
 
 def experience_settings(cfg) -> ExperienceSettings:
@@ -196,7 +220,9 @@ def experience_settings(cfg) -> ExperienceSettings:
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
         rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
-        rejection=rejection_settings(alg), share_prompts=cfg.trainer.share_prompts)
+        rejection=rejection_settings(alg), share_prompts=cfg.trainer.share_prompts,
+        distill=(DistillSettings(coef=alg.distill.coef, add_task=alg.distill.task_reward == "add")
+                 if alg.distill.teacher is not None else None))
 
 
 def rejection_settings(alg) -> RejectionSettings:
@@ -336,6 +362,10 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn,
                                               settings=settings.adv, masks=masks if any_mask else None,
                                               sum_across_ranks=sum_across_ranks)
+    teacher = teacher_logprobs(models.teacher, rollouts, **logprob_args)
+    if teacher is not None:  # the student's log-probs are the old ones (the sampler's, when rollouts carry them)
+        advantages, distill_facts = distilled(advantages, old, teacher, masks, settings.distill)
+        metrics = metrics.merge(distill_facts)
     if values is not None and returns is None:
         returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
     targets = [_targets(old_logprobs=old[i], advantages=advantages[i],
