@@ -1,0 +1,43 @@
+"""On-policy distillation through the real CLI: a teacher whose vocabulary is not the student's is one line, exit 2,
+before any run folder is written; a run with a matching teacher logs the typed distill/* metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.teacher_models import save_teacher
+
+TINY = ("algorithm=grpo", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4",
+        "trainer.eval_every=0", "logging.progress=false")
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    return save_teacher(root / "good", sharpen=4.0), save_teacher(root / "more-tokens", extra_tokens=("zzzq",))
+
+
+def test_a_teacher_with_another_vocabulary_is_one_line_exit_2_and_nothing_written(cli, tmp_path, teachers):
+    run_dir = tmp_path / "runs" / "bad"
+    result = cli("train", *TINY, f"algorithm.distill.teacher={teachers[1]}", f"trainer.run_dir={run_dir}")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    assert "algorithm.distill.teacher=" in lines[0] and "has 25 tokens and the student's 24" in lines[0], lines[0]
+    assert not run_dir.exists()
+
+
+def test_a_distillation_run_logs_its_typed_metrics(cli, tmp_path, teachers):
+    run_dir = tmp_path / "runs" / "distill"
+    result = cli("train", *TINY, f"algorithm.distill.teacher={teachers[0]}", "trainer.steps=2",
+                 f"trainer.run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = json.loads((run_dir / "metric_kinds.json").read_text())
+    assert {kinds[k] for k in ("distill/reverse_kl_mean", "distill/teacher_logprob_mean")} == {"mean"}
+    assert kinds["distill/reverse_kl_max"] == "max"
+    for row in rows:  # task_reward=ignore: the pg loss is the token-mean of -A = coef * kl on the first (ratio 1) pass
+        assert row["distill/reverse_kl_max"] >= row["distill/reverse_kl_mean"] > 0
+        assert row["actor/pg_loss"] == pytest.approx(row["distill/reverse_kl_mean"], rel=1e-5, abs=1e-6)
