@@ -119,3 +119,14 @@ def plant_position_ids_restarting_per_chunk(set_attr=setattr) -> None:
         return inputs
 
     set_attr(ContextShard, "model_inputs", restarting)
+
+
+def plant_teacher_logprobs_shifted_by_one(set_attr=setattr) -> None:
+    """Distillation: the teacher's log-prob of token t + 1 read for token t (a label misaligned by one position)."""
+    teacher = experience.teacher_logprobs
+
+    def shifted(model, rollouts, **kw):
+        out = teacher(model, rollouts, **kw)
+        return None if out is None else [torch.roll(values_R, -1) for values_R in out]
+
+    set_attr(experience, "teacher_logprobs", shifted)

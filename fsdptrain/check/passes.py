@@ -21,6 +21,7 @@ import torch
 
 from fsdptrain.check.batch import CheckBatch, CheckSession, IsCorrection
 from fsdptrain.check.compare import Check
+from fsdptrain.check.per_sequence import reference_policy_outputs
 from fsdptrain.check.experience_reference import OracleSettings, SeqInputs, max_difference, oracle_experience
 from fsdptrain.distributed import world
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
@@ -113,7 +114,11 @@ def experience_checks(session: CheckSession, *, rtol: float, atol: float) -> tup
         return [], (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} is a user's function: its advantages "
                     "are not recomputed (no oracle)")
     got = [batch.full.targets[i] for i in real]
-    checks = [_check("experience: advantages = oracle (global whitening)", [t.advantages.double().tolist() for t in got],
+    checks = []
+    if session.trainer.models.teacher is not None:  # collective: every rank runs the same per-sequence forwards
+        want, distill_checks = _distilled_oracle(session, inputs, want, rtol=rtol, atol=atol)
+        checks += distill_checks
+    checks += [_check("experience: advantages = oracle (global whitening)", [t.advantages.double().tolist() for t in got],
                      [w[0] for w in want], rtol=rtol, atol=atol)]
     if want[0][1] is not None:
         checks.append(_check("experience: returns = oracle", [t.returns.double().tolist() for t in got],
@@ -126,6 +131,34 @@ def experience_checks(session: CheckSession, *, rtol: float, atol: float) -> tup
     checks.append(Check(f"experience: advantages = oracle at gamma={PROBE_GAMMA}, lambda={PROBE_LAM} on the real "
                         "ranks", "experience", worst, ok, f"max |diff| {worst:.3g}"))
     return checks, None
+
+
+def _distilled_oracle(session: CheckSession, inputs: list[SeqInputs], want: Optional[list], *, rtol: float,
+                      atol: float) -> tuple[Optional[list], list[Check]]:
+    """The oracle's advantages with distillation's term (docs/algorithms.md: ``[add] A_task - coef * (old -
+    teacher)`` at policy tokens), the teacher's log-probs from one-sequence-at-a-time forwards, and ``distill/*``
+    (as the step logged them, reduced over ranks) against their definitions over every policy token."""
+    batch, trainer = session.batch, session.trainer
+    alg = session.cfg.algorithm.distill
+    with torch.no_grad():
+        teachers = [reference_policy_outputs(trainer.models.teacher, batch.full.prompts[i], batch.full.responses[i],
+                                             temperature=trainer.experience_settings.temperature)[0].double().tolist()
+                    if batch.full.responses[i] else [] for i in range(len(inputs))]
+    kls, teacher_at_policy = [], []
+    out = None if want is None else []
+    for k, (q, teacher) in enumerate(zip(inputs, teachers)):
+        kl = [o - t for o, t in zip(q.old, teacher)]
+        policy = q.policy if q.policy is not None else [True] * len(kl)
+        kls += [x for x, p in zip(kl, policy) if p]
+        teacher_at_policy += [t for t, p in zip(teacher, policy) if p]
+        if out is not None:
+            task = want[k][0] if alg.task_reward == "add" else [0.0] * len(kl)
+            out.append(([a - alg.coef * x if p else 0.0 for a, x, p in zip(task, kl, policy)], want[k][1]))
+    expected = {"distill/reverse_kl_mean": sum(kls) / len(kls), "distill/reverse_kl_max": max(kls),
+                "distill/teacher_logprob_mean": sum(teacher_at_policy) / len(teacher_at_policy)}
+    checks = [_check(f"experience: {name} = its definition", [[batch.experience.get(name, float("inf"))]], [[value]],
+                     rtol=rtol, atol=atol) for name, value in expected.items()]
+    return out, checks
 
 
 def _probe(session: CheckSession) -> list[tuple[list[float], Optional[list[float]]]]:
