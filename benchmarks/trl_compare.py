@@ -101,7 +101,7 @@ def run_fsdptrain(args, log: StepLog) -> None:
     loop.Trainer.run_step = timed_step
     from fsdptrain.cli import app
 
-    shared = ["trainer.share_prompts=true"] if args.side == SHARED else []
+    shared = ["trainer.share_prompts=true" if args.side == SHARED else "trainer.share_prompts=false"]
     app(["train", *shared, "model=local", f"model.path={args.gguf}", "algorithm=grpo", "data=prompts",
          f"data.path={EXAMPLE / 'train.jsonl'}", f"reward.functions=[{EXAMPLE / 'reward.py'}:last_number]",
          f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new}",

@@ -80,7 +80,7 @@ from fsdptrain.distributed.fsdp import gather_full_grads, reset_after_error, zer
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.train.build import resolve_device_type
+from fsdptrain.train.build import resolve_device_type, resolve_share_prompts
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
@@ -273,6 +273,12 @@ def _context(session: CheckSession, batch, counts: Counts) -> Context:
                    device=tr.device)
 
 
+def _shares_prompts(cfg, trainer) -> bool:
+    """``trainer.share_prompts`` of the checked config, resolved as training resolves it (auto: on where the backend,
+    the model and the features allow): the shared-prompt layouts run when training would share prompts."""
+    return resolve_share_prompts(cfg, trainer.models.backend, trainer.models.policy.config)[0]
+
+
 def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, list[Comparison], list[Check]]:
     """The off-policy pass (:mod:`fsdptrain.check.passes`): every layout on the perturbed batch with the off-policy
     paths on; names carry the ``off-policy/`` prefix."""
@@ -290,7 +296,7 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
     ctx = _context(off, off_batch, counts)
     reference, scales, ref_grads = _reference(off, parts, counts)
     planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=off.world_size, share_prompts=cfg.trainer.share_prompts, cp=cfg.parallel.cp)
+                      world_size=off.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
     outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, off) for name, run_layout in planned]
     reference = _prefixed(reference, keep_rollout=False)
     outcomes = [_prefixed(o, keep_rollout=False) for o in outcomes]
@@ -405,7 +411,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     counts = Counts.of(batch.counted_masks(), tr.loss_scale_factor)
     ctx = _context(session, batch, counts)
     planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=session.world_size, share_prompts=cfg.trainer.share_prompts, cp=cfg.parallel.cp)
+                      world_size=session.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
     tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
     found = Found(Outcome("reference", {}, covers=()))
     grad_scale = GradScale(_scale_report(session, mode, counts))

@@ -19,7 +19,7 @@ def check_drafter(cfg: DictConfig) -> None:
     if drafter.path is not None and drafter.vocab_path is not None:
         raise ConfigError(f"drafter.path={drafter.path} brings its own vocabulary (d2t/t2d): unset "
                           f"drafter.vocab_path={drafter.vocab_path}")
-    if drafter.enabled and cfg.trainer.share_prompts:
+    if drafter.enabled and cfg.trainer.share_prompts == "true":
         raise ConfigError("trainer.share_prompts=true is not supported with drafter.enabled=true (the drafter reads "
                           "the unshared packed row): set one of them to false")
     steps = cfg.trainer.steps if cfg.trainer.steps is not None else DEFAULT_STEPS  # epochs: checked at the run

@@ -34,6 +34,7 @@ REWARD_MODEL_NORMALIZE = ("none", "batch", "running")
 MODEL_ARCHS = ("llama", "qwen2", "mistral")
 GATHER_MODES = ("auto", "always", "never")
 ROLLOUT_ENGINES = ("generate", "continuous")
+SHARE_PROMPTS_MODES = ("auto", "true", "false")
 RECOMPUTE_MODES = ("auto", "always")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 DEFAULT_STEPS = 100
@@ -280,8 +281,8 @@ class TrainerConfig:
     """Optimizer steps per epoch: the step's prompt groups are split into this many mini-batches."""
     token_budget: int = bounded(2048, ge=1)
     """Most tokens in one packed micro-batch on one rank."""
-    share_prompts: bool = False
-    """Packed forwards hold each prompt once, then every response to it (docs/packing.md, "Shared prompts"): fewer FLOPs and activations with rollout.n > 1; the same numbers up to rounding."""
+    share_prompts: str = choice("auto", SHARE_PROMPTS_MODES)
+    """Packed forwards hold each prompt once, then every response to it (docs/packing.md, "Shared prompts"): fewer FLOPs and activations with rollout.n > 1; the same numbers up to rounding. auto: on wherever the backend, the model and the features in use allow (the start report says which and why), true or false."""
     lr: float = bounded(3.0e-3, gt=0)
     """Policy learning rate (3e-3: the embedded default climbs steadily on 1 and 2 ranks; 5e-3 collapsed late on 2)."""
     critic_lr: float = bounded(5.0e-3, gt=0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import typing
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -198,7 +198,7 @@ def _check_run_name(name: Any) -> None:
 
 def _check_cross_fields(cfg: DictConfig) -> None:
     alg = cfg.algorithm
-    if cfg.trainer.share_prompts and cfg.model.attn_backend == "torch_varlen":
+    if cfg.trainer.share_prompts == "true" and cfg.model.attn_backend == "torch_varlen":
         raise ConfigError("trainer.share_prompts=true needs keys apart from queries, which model.attn_backend="
                           "torch_varlen does not take: choose auto, flash_attn or sdpa_segments")
     if alg.adv_estimator == "gae" and not alg.use_critic:
@@ -251,7 +251,7 @@ def _check_context_parallel(cfg: DictConfig) -> None:
     if cfg.model.attn_backend not in CP_BACKENDS:
         raise ConfigError(f"{cp} runs on model.attn_backend=auto or sdpa_segments, got {cfg.model.attn_backend!r}")
     refused = (
-        (cfg.trainer.share_prompts, "trainer.share_prompts=true", "set trainer.share_prompts=false"),
+        (cfg.trainer.share_prompts == "true", "trainer.share_prompts=true", "set trainer.share_prompts=false"),
         (cfg.drafter.enabled, "drafter.enabled=true", "set drafter.enabled=false"),
         (cfg.algorithm.filter_groups, "algorithm.filter_groups=true", "set algorithm.filter_groups=false"),
         (cfg.parallel.compile, "parallel.compile=true", "set parallel.compile=false"),
@@ -291,8 +291,35 @@ EXTENSION_RULES = (check_drafter, check_lora, check_distill)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
 
+SWITCHES = ("trainer.share_prompts",)
+"""Fields that take true, false or auto: Hydra parses ``=true`` to a bool, which the str field holds as 'True'."""
+
+
+def _normalise_switches(cfg: DictConfig) -> None:
+    for key in SWITCHES:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or value in ("True", "False"):
+            OmegaConf.update(cfg, key, str(value).lower())
+
+
+def share_prompts_off_reason(cfg: DictConfig, backend: str) -> Optional[str]:
+    """Why ``trainer.share_prompts=auto`` turns shared prompts off for the config and the resolved packed attention
+    ``backend``, or None when they allow it (the model's own attention is checked where it is built:
+    `fsdptrain/model/attention_backends.py` `shared_prompts_blocker`)."""
+    if cfg.drafter.enabled:
+        return "drafter.enabled=true reads the unshared packed row"
+    if backend == "torch_varlen":
+        return "the packed attention backend torch_varlen takes no keys apart from queries"
+    if cfg.parallel.cp > 1:
+        return f"parallel.cp={cfg.parallel.cp} splits the packed rows over a context-parallel group"
+    if cfg.rollout.n == 1 and cfg.data.source != "jsonl":
+        return "rollout.n=1: no prompt repeats in a pack"
+    return None
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every choice, range and cross-field rule of a composed config; raise :class:`ConfigError` on the first."""
+    _normalise_switches(cfg)
     _check_choices(cfg)
     _check_ranges(cfg)
     _check_cross_fields(cfg)

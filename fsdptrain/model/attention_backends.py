@@ -177,6 +177,23 @@ def read_call(
     )
 
 
+def shared_prompts_blocker(config) -> str | None:
+    """Why a model's attention, read from its config, cannot serve shared prompts (the features
+    `_check_shared_prompts` refuses at the first forward), or None for plain causal attention. Conservative: a
+    config that declares a sliding window (unless ``use_sliding_window`` is false), sliding layers, attention
+    soft-capping or sinks blocks them."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True) is not False:
+        return f"the model ({text.model_type}) has sliding-window attention"
+    if "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+        return f"the model ({text.model_type}) has sliding-window layers"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return f"the model ({text.model_type}) soft-caps its attention logits"
+    if text.model_type == "gpt_oss" or getattr(text, "sinks", None) is not None:
+        return f"the model ({text.model_type}) has attention sinks"
+    return None
+
+
 def _check_shared_prompts(backend: str, is_causal: bool, sliding_window, softcap, sinks) -> None:
     """Shared prompts (a row of `fsdptrain.data.shared_prompts`) serve plain causal attention only."""
     for present, feature in ((not is_causal, "non-causal attention"), (sliding_window is not None, "a sliding window"),

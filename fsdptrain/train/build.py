@@ -16,8 +16,10 @@ from omegaconf import DictConfig
 from fsdptrain.config.distill_rules import distilling
 from fsdptrain.config.lora_rules import target_module_names
 from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
+from fsdptrain.config.validate import share_prompts_off_reason
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
 from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
+from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.build import TINY_CONFIG
 from fsdptrain.model.checks import check_tokenizer_fits
@@ -123,6 +125,10 @@ class Models:
     critic_scheduler: Optional[object] = None
     reference: Optional[ReferencePolicy] = None
     backend: str = "sdpa_segments"
+    share_prompts: bool = False
+    """``trainer.share_prompts`` resolved (auto: on where the backend, the model and the features allow)."""
+    share_prompts_why: str = ""
+    """Why, for the start report."""
     reward_specs: list[RewardModelSpec] = field(default_factory=list)
     """The checked folders of ``reward.models``, in order (tokenizers for re-tokenising the text)."""
     reward_models: list[torch.nn.Module] = field(default_factory=list)
@@ -136,6 +142,16 @@ def adamw_settings(cfg: DictConfig) -> dict:
     """AdamW's betas, epsilon and weight decay from ``trainer.*`` (shared by every optimizer of the run)."""
     t = cfg.trainer
     return dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
+def resolve_share_prompts(cfg: DictConfig, backend: str, model_config) -> tuple[bool, str]:
+    """``trainer.share_prompts`` as a bool, and why: true and false as set; auto on unless the config, the resolved
+    packed attention ``backend`` or the policy's attention rules it out (docs/packing.md, "Shared prompts")."""
+    setting = str(cfg.trainer.share_prompts).lower()  # a bool merged in by code reads as 'True'
+    if setting != "auto":
+        return setting == "true", f"trainer.share_prompts={setting}"
+    why = share_prompts_off_reason(cfg, backend) or shared_prompts_blocker(model_config)
+    return why is None, "auto: " + (why or "the backend, the model and the features in use allow it")
 
 
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
@@ -157,8 +173,9 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
                     schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
     optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
+    share, why = resolve_share_prompts(cfg, backend, policy.config)
     models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),
-                    backend=backend)
+                    backend=backend, share_prompts=share, share_prompts_why=why)
     models.reward_specs = [load_reward_model_spec(path) for path in cfg.reward.models]
     if cfg.algorithm.use_critic:
         critic = _build_critic(cfg, source, parallel, tokenizer, models.reward_specs)

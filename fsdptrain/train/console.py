@@ -18,11 +18,12 @@ def log(message: str) -> None:
         print(message, flush=True)
 
 
-def print_start_report(cfg, *, world_size: int, device, mesh_shape: tuple, backend: str, policy, dp_size: int,
-                       loss_scale_factor: float, max_len: int, source_line: Optional[str]) -> None:
+def print_start_report(cfg, *, world_size: int, device, mesh_shape: tuple, backend: str, share_prompts: str, policy,
+                       dp_size: int, loss_scale_factor: float, max_len: int, source_line: Optional[str]) -> None:
     """Model sizes, the backend, the source's line, and the gradient scale of the configured mode with its
     normalisation in words."""
-    log(f"fsdptrain: {world_size} rank(s) on {device.type}, mesh {mesh_shape}, packed attention: {backend}")
+    log(f"fsdptrain: {world_size} rank(s) on {device.type}, mesh {mesh_shape}, packed attention: {backend}, shared "
+        f"prompts: {share_prompts}")
     if source_line is not None:
         log(source_line)
     log("policy: " + describe_model_memory(policy, num_shards=dp_size))

@@ -209,7 +209,7 @@ class ExperienceSettings:
     """On-policy distillation's advantage (``algorithm.distill``); None: no teacher."""
 
 
-def experience_settings(cfg) -> ExperienceSettings:
+def experience_settings(cfg, *, share_prompts: bool) -> ExperienceSettings:
     """The settings of ``cfg``; resolves ``algorithm.adv_estimator`` (a built-in or a user's function)."""
     alg = cfg.algorithm
     return ExperienceSettings(
@@ -220,7 +220,7 @@ def experience_settings(cfg) -> ExperienceSettings:
         chunk_size=cfg.loss.logprob_chunk_size, token_budget=cfg.trainer.token_budget,
         rollout_correction=alg.rollout_correction, rollout_correction_level=alg.rollout_correction_level,
         rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
-        rejection=rejection_settings(alg), share_prompts=cfg.trainer.share_prompts,
+        rejection=rejection_settings(alg), share_prompts=share_prompts,
         distill=(DistillSettings(coef=alg.distill.coef, add_task=alg.distill.task_reward == "add")
                  if alg.distill.teacher is not None else None))
 

@@ -143,7 +143,7 @@ class Trainer:
         self.num_steps = resolve_steps(cfg, self.source.num_train_rows)
         self.models = build_models(cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
         self.policy_settings = policy_settings(cfg)
-        self.experience_settings = experience_settings(cfg)
+        self.experience_settings = experience_settings(cfg, share_prompts=self.models.share_prompts)
         self.value_settings = value_settings(cfg)
         self.loss_scale_factor = loss_scale_factor(cfg)
         self.policy_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
@@ -267,7 +267,7 @@ class Trainer:
         cfg, models = self.cfg, self.models
         common = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
                       token_budget=cfg.trainer.token_budget, device=self.device,
-                      share_prompts=cfg.trainer.share_prompts, context=self.context)
+                      share_prompts=models.share_prompts, context=self.context)
         auxiliary = self.auxiliary_loss()
         collected, facts = [], []
         for epoch in range(cfg.algorithm.ppo_epochs):
@@ -420,6 +420,8 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
         keep_metrics_before(samples_path, start)
     print_start_report(cfg, world_size=info.world_size, device=trainer.device, mesh_shape=tuple(trainer.mesh.shape),
                        backend=trainer.models.backend, policy=trainer.models.policy, dp_size=trainer.dp_size,
+                       share_prompts=("on" if trainer.models.share_prompts else "off")
+                       + f" ({trainer.models.share_prompts_why})",
                        loss_scale_factor=trainer.loss_scale_factor, max_len=max_response_length(cfg),
                        source_line=trainer.source.describe(num_steps))
     eval_rewards: dict[int, float] = {}

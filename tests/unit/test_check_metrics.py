@@ -113,12 +113,12 @@ def _session(*overrides: str):
 
 @pytest.fixture(scope="module")
 def ppo():
-    return _session()
+    return _session("trainer.share_prompts=false")  # CI time: the shared layouts run in the slow test that needs them
 
 
 @pytest.fixture(scope="module")
 def grpo():
-    return _session("algorithm=grpo")
+    return _session("algorithm=grpo", "trainer.share_prompts=false")
 
 
 def _one_each(session) -> str:

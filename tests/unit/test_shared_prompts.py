@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForTokenClassification,
+    MistralConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from fsdptrain.compose import compose_config
 from fsdptrain.config import ConfigError
@@ -242,3 +250,30 @@ def test_shared_prompts_under_compiled_layers_equal_the_eager_ones():
         torch._dynamo.reset()
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("overrides", "backend", "model_config", "want"), [
+    ([], "sdpa_segments", LlamaConfig(**TINY), (True, "auto: the backend, the model and the features in use allow it")),
+    ([], "flash_attn", LlamaConfig(**TINY), (True, "auto: the backend, the model and the features in use allow it")),
+    ([], "torch_varlen", LlamaConfig(**TINY),
+     (False, "auto: the packed attention backend torch_varlen takes no keys apart from queries")),
+    (["drafter.enabled=true"], "sdpa_segments", LlamaConfig(**TINY),
+     (False, "auto: drafter.enabled=true reads the unshared packed row")),
+    (["rollout.n=1"], "sdpa_segments", LlamaConfig(**TINY), (False, "auto: rollout.n=1: no prompt repeats in a pack")),
+    ([], "sdpa_segments", MistralConfig(sliding_window=8),
+     (False, "auto: the model (mistral) has sliding-window attention")),
+    ([], "sdpa_segments", Qwen2Config(use_sliding_window=False),
+     (True, "auto: the backend, the model and the features in use allow it")),
+    ([], "sdpa_segments", Gemma2Config(), (False, "auto: the model (gemma2) has sliding-window attention")),
+    ([], "sdpa_segments", Gemma2Config(sliding_window=None, layer_types=["full_attention"] * 26),
+     (False, "auto: the model (gemma2) soft-caps its attention logits")),
+    (["trainer.share_prompts=true"], "sdpa_segments", LlamaConfig(**TINY), (True, "trainer.share_prompts=true")),
+    (["trainer.share_prompts=false"], "sdpa_segments", LlamaConfig(**TINY), (False, "trainer.share_prompts=false")),
+])
+def test_share_prompts_auto_is_on_wherever_the_backend_model_and_features_allow(overrides, backend, model_config, want):
+    """trainer.share_prompts=auto (the default) resolves to on, or off naming why; true and false stay as set (Hydra's
+    bool `=true` included)."""
+    from fsdptrain.train.build import resolve_share_prompts
+
+    cfg = compose_config(overrides)
+    assert resolve_share_prompts(cfg, backend, model_config) == want
