@@ -14,7 +14,8 @@ RUN = (*TINY, "trainer.steps=3")
 
 def test_cp2_trains_resumes_exactly_and_equals_the_dp_run(cli, tmp_path):
     runs = tmp_path / "runs"
-    for name, extra in (("cp", ("parallel.cp=2", "checkpoint.every=1")), ("dp", ())):
+    # the DP run with the CP run's unshared rows (trainer.share_prompts=auto shares prompts there, not under CP)
+    for name, extra in (("cp", ("parallel.cp=2", "checkpoint.every=1")), ("dp", ("trainer.share_prompts=false",))):
         result = cli("train", "--nproc", "2", *RUN, *extra, f"trainer.run_name={name}")
         assert result.returncode == 0, result.stderr[-3000:]
     cp, dp = read_metrics(runs / "cp"), read_metrics(runs / "dp")

@@ -260,6 +260,8 @@ def test_shared_prompts_under_compiled_layers_equal_the_eager_ones():
     (["drafter.enabled=true"], "sdpa_segments", LlamaConfig(**TINY),
      (False, "auto: drafter.enabled=true reads the unshared packed row")),
     (["rollout.n=1"], "sdpa_segments", LlamaConfig(**TINY), (False, "auto: rollout.n=1: no prompt repeats in a pack")),
+    (["parallel.cp=2"], "sdpa_segments", LlamaConfig(**TINY),
+     (False, "auto: parallel.cp=2 splits the packed rows over a context-parallel group")),
     ([], "sdpa_segments", MistralConfig(sliding_window=8),
      (False, "auto: the model (mistral) has sliding-window attention")),
     ([], "sdpa_segments", Qwen2Config(use_sliding_window=False),
