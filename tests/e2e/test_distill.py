@@ -4,6 +4,8 @@ before any run folder is written; a run with a matching teacher logs the typed d
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +43,24 @@ def test_a_distillation_run_logs_its_typed_metrics(cli, tmp_path, teachers):
     for row in rows:  # task_reward=ignore: the pg loss is the token-mean of -A = coef * kl on the first (ratio 1) pass
         assert row["distill/reverse_kl_max"] >= row["distill/reverse_kl_mean"] > 0
         assert row["actor/pg_loss"] == pytest.approx(row["distill/reverse_kl_mean"], rel=1e-5, abs=1e-6)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
+
+
+def test_check_metrics_passes_on_distillation_and_fails_the_teacher_shifted_by_one(cli, tmp_path, teachers):
+    args = (*TINY[:4], f"algorithm.distill.teacher={teachers[0]}")
+    good = cli("check-metrics", *args, "--json", str(tmp_path / "good.json"))
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
+    rules = {c["rule"] for c in json.loads((tmp_path / "good.json").read_text())["checks"] if c["pass"]}
+    assert "experience: distill/reverse_kl_mean = its definition" in rules
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        "from tests.planted_bugs import plant_teacher_logprobs_shifted_by_one\nplant_teacher_logprobs_shifted_by_one()\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(patch), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    bad = cli("check-metrics", *args, "--json", str(tmp_path / "bad.json"), env=env)
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
+    failures = json.loads((tmp_path / "bad.json").read_text())["failures"]
+    assert any("distill/reverse_kl_mean" in f for f in failures), failures
+    assert any("advantages = oracle" in f for f in failures), failures
