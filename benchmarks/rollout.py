@@ -62,7 +62,7 @@ def load_real(args):
     rows = [json.loads(line) for line in (ROOT / "examples/real-model/train.jsonl").read_text().splitlines()[:8]]
     prompts = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
                                              return_dict=False) for r in rows]
-    return model, tokenizer, prompts, 8, 256
+    return model, tokenizer, prompts, 8, args.real_max_new_tokens
 
 
 def load_tiny(args):
@@ -205,6 +205,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="real,tools,tiny")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json")
+    parser.add_argument("--real-max-new-tokens", type=int, default=256,
+                        help="the real workload's max_new_tokens (256, the issue's, took over 12 min a side at load ~6)")
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--logprob-gap", action="store_true", help="only the behaviour log-prob gap, then exit")
@@ -219,7 +221,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for engine in ENGINES:
                 done = subprocess.run([sys.executable, __file__, "--workload", workload, "--engine", engine,
-                                       "--gguf", args.gguf], capture_output=True, text=True, cwd=ROOT,
+                                       "--gguf", args.gguf, "--real-max-new-tokens", str(args.real_max_new_tokens)],
+                                      capture_output=True, text=True, cwd=ROOT,
                                       env={**os.environ, "PYTHONPATH": str(ROOT)})
                 if done.returncode != 0:
                     sys.exit(f"{workload}/{engine} failed:\n{done.stderr[-3000:]}")
