@@ -138,6 +138,52 @@ def _preflight(cfg: DictConfig) -> None:
         raise ConfigError(missing)
 
 
+def _preflight_sft(cfg: DictConfig) -> None:
+    """``fsdptrain sft``'s checks in the parent: the data paths are local, and every demonstration renders within
+    the token budget with an assistant turn to train on (this loads the tokenizer, so torch), so a bad row is one
+    line and exit 2 before any run folder exists (docs/sft.md)."""
+    from fsdptrain.data.prompt_files import check_local_paths
+    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.train.sft import load_rows
+    from fsdptrain.train.trackers import missing_backend_message
+
+    def plain(value):
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    check_local_paths(plain(cfg.data.path), what="data.path")
+    if cfg.data.eval_path is not None:
+        check_local_paths(plain(cfg.data.eval_path), what="data.eval_path")
+    from fsdptrain.preflight import check_inputs
+
+    check_inputs(cfg)  # the model folder first: its tokenizer renders the rows
+    load_rows(cfg, build_tokenizer(cfg))
+    missing = missing_backend_message(cfg.logging.backends)
+    if missing is not None:
+        raise ConfigError(missing)
+
+
+def _sft_overrides(overrides: List[str]) -> List[str]:
+    """``fsdptrain sft``'s overrides: the ``data=sft`` preset first (a user's ``data=...`` replaces it); an
+    ``algorithm`` choice or setting is refused, since supervised fine-tuning has none."""
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key == "algorithm" or key.startswith("algorithm."):
+            raise ConfigError(f"{item} does not apply to fsdptrain sft, which trains on demonstrations (no "
+                              "algorithm, rollout or reward settings): drop it (docs/sft.md)")
+    has_data = any(item.split("=", 1)[0] == "data" for item in overrides)
+    return list(overrides) if has_data else ["data=sft", *overrides]
+
+
+def _check_command_source(command: str, cfg: DictConfig) -> None:
+    """``data.source=sft`` is ``fsdptrain sft``'s, and ``fsdptrain sft`` reads nothing else."""
+    if command == "sft" and cfg.data.source != "sft":
+        raise ConfigError(f"fsdptrain sft reads demonstrations: data.source={cfg.data.source} is for fsdptrain "
+                          "train; drop the data=... override (fsdptrain sft selects data=sft)")
+    if command != "sft" and cfg.data.source == "sft":
+        raise ConfigError(f"data.source=sft (demonstrations) is for fsdptrain sft, not fsdptrain {command}: run "
+                          "fsdptrain sft model.path=... data.path=... (docs/sft.md)")
+
+
 def _claim_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """Check, lock and claim the run directory for this run (rank 0 under torchrun; the parent otherwise)."""
     from fsdptrain.preflight import check_run_dir
@@ -160,7 +206,10 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         _fail_usage(f"--nproc {nproc} was given under torchrun: torchrun already started the ranks; drop --nproc")
     _refuse_hydra_flags(overrides or [], print_cfg)
     try:
+        if command == "sft":
+            overrides = _sft_overrides(overrides or [])
         cfg = compose_config(overrides or [], config_dir=config_dir, config_name=config_name)
+        _check_command_source(command, cfg)
         world_size = torchrun_world_size() if under_torchrun() else nproc
         validate_world(cfg, world_size)
         _check_user_functions(cfg)
@@ -175,8 +224,11 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
     try:
         from fsdptrain.preflight import check_inputs
 
-        check_inputs(cfg)
-        if command == "train" and env_rank() == 0:
+        if command == "sft":
+            _preflight_sft(cfg)
+        else:
+            check_inputs(cfg)
+        if command in ("train", "sft") and env_rank() == 0:
             _claim_run_dir(cfg, Path(run_dir))
     except ConfigError as err:
         _fail_usage(str(err))
@@ -214,6 +266,25 @@ def train(
     Example: fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5
     """
     _dispatch("train", overrides, config_dir, config_name, print_cfg, nproc)
+
+
+@app.command(
+    context_settings={"ignore_unknown_options": True},
+    short_help="Supervised fine-tuning on demonstrations. e.g. fsdptrain sft model.path=DIR data.path=chats.jsonl",
+)
+def sft(
+    overrides: Optional[List[str]] = OVERRIDES,
+    config_dir: Optional[str] = CONFIG_DIR,
+    config_name: str = CONFIG_NAME,
+    print_cfg: bool = PRINT_CFG,
+    nproc: int = NPROC,
+) -> None:
+    """Fine-tune the policy on demonstrations: chats (messages, tool calls included) or prompt + completion rows,
+    the loss on the assistant's (the completion's) tokens only (docs/sft.md).
+
+    Example: fsdptrain sft model.path=DIR data.path=chats.jsonl data.eval_path=held_out.jsonl trainer.steps=100
+    """
+    _dispatch("sft", overrides, config_dir, config_name, print_cfg, nproc)
 
 
 @app.command(

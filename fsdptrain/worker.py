@@ -20,7 +20,7 @@ from fsdptrain.distributed.rank_errors import ERROR_DIR_ENV, PEER_LOST_EXIT, pee
 from fsdptrain.distributed.torchrun import env_rank
 from fsdptrain.distributed.world import exit_process
 
-COMMANDS = ("train", "check-metrics", "check-reward")
+COMMANDS = ("train", "sft", "check-metrics", "check-reward")
 
 
 def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> int:
@@ -44,6 +44,10 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
             from fsdptrain.train.loop import train
 
             return train(cfg, run_dir)
+        if command == "sft":
+            from fsdptrain.train.sft import sft
+
+            return sft(cfg, run_dir)
         if command == "check-reward":
             from fsdptrain.check.reward import check_reward
 

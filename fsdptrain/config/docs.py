@@ -35,6 +35,7 @@ GROUP_INTROS = {
     "checkpoint": "Periodic checkpoints (see docs/checkpointing.md).",
     "check": "Tolerances of `fsdptrain check-metrics` (see docs/check-metrics.md).",
     "drafter": "An EAGLE-3 speculative-decoding drafter co-trained with the policy (see docs/drafter.md).",
+    "sft": "Supervised fine-tuning on demonstrations, for `fsdptrain sft` only (see docs/sft.md).",
 }
 
 

@@ -23,7 +23,7 @@ ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "cosine")
-DATA_SOURCES = ("task", "jsonl", "prompts")
+DATA_SOURCES = ("task", "jsonl", "prompts", "sft")
 LONG_PROMPTS = ("skip", "error")
 LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 TASKS = ("repeat_digit", "copy_digits", "reverse_digits", "sort_digits")
@@ -190,17 +190,17 @@ class LossConfig:
 @dataclass
 class DataConfig:
     source: str = choice("task", DATA_SOURCES)
-    """Where experience comes from: task (a bundled digit task), prompts (your prompt files) or jsonl (offline rollouts)."""
+    """Where experience comes from: task (a bundled digit task), prompts (your prompt files), jsonl (offline rollouts) or sft (demonstrations: fsdptrain sft sets it)."""
     task: str = choice("repeat_digit", TASKS)
     """Bundled task when source=task: repeat_digit, copy_digits, reverse_digits or sort_digits."""
     num_rows: int = bounded(4096, ge=1)
     """source=task: training rows generated from data.seed (visited epoch by epoch like a prompt file's rows)."""
     path: Any = None
-    """source=prompts: a local .jsonl/.json/.parquet/.csv file, a list of them, or a save_to_disk folder; source=jsonl: the rollouts file."""
+    """source=prompts: a local .jsonl/.json/.parquet/.csv file, a list of them, or a save_to_disk folder; source=jsonl: the rollouts file; source=sft: the demonstrations (same formats as prompts)."""
     prompt_key: str = "prompt"
     """source=prompts: the column holding the prompt (a string, or a chat: a list of {role, content} messages)."""
     eval_path: Any = None
-    """source=prompts: held-out prompts for the greedy evaluation (same formats as path); null holds out data.num_eval_prompts rows of path."""
+    """source=prompts: held-out prompts for the greedy evaluation (same formats as path); null holds out data.num_eval_prompts rows of path; source=sft: held-out demonstrations for eval/loss (null: none)."""
     max_prompt_length: Optional[int] = bounded(None, ge=1)
     """source=prompts: prompts with more tokens are skipped and counted (or an error, see long_prompts); null keeps all."""
     long_prompts: str = choice("skip", LONG_PROMPTS)
@@ -428,6 +428,20 @@ class DrafterConfig:
 
 
 @dataclass
+class SftConfig:
+    rows_per_step: int = bounded(16, ge=1)
+    """fsdptrain sft: demonstration rows per step over all ranks (split into trainer.mini_batches_per_step optimizer
+    steps; each packed into micro-batches of trainer.token_budget tokens: docs/sft.md)."""
+    messages_key: str = "messages"
+    """fsdptrain sft: the column holding a row's chat (a list of messages); without it a row is data.prompt_key and
+    completion_key."""
+    completion_key: str = "completion"
+    """fsdptrain sft: the column holding the completion trained on, beside data.prompt_key (a string or messages)."""
+    tools_key: str = "tools"
+    """fsdptrain sft: the optional column of a chat's tool schemas, handed to the chat template."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -442,6 +456,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
 
 SCHEMA_GROUPS = {
@@ -458,6 +473,7 @@ SCHEMA_GROUPS = {
     "checkpoint": CheckpointConfig,
     "check": CheckConfig,
     "drafter": DrafterConfig,
+    "sft": SftConfig,
 }
 
 

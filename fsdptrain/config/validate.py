@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.distill_rules import check_distill
+from fsdptrain.config.sft_rules import check_sft
 from fsdptrain.config.drafter_rules import check_drafter
 from fsdptrain.config.lora_rules import check_lora
 from fsdptrain.registry import names
@@ -234,7 +235,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.eval_k: pass@{too_big[0]} needs at least {too_big[0]} samples per prompt, but "
                           f"trainer.eval_n={eval_n}: each k must be in [1, eval_n]")
     _check_context_parallel(cfg)
-    if cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
+    if cfg.data.source != "sft" and cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
 
@@ -287,7 +288,7 @@ def _check_loss_settings(alg: DictConfig) -> None:
                           f"{', '.join(names.ROLLOUT_DIVERGENCE_REJECTIONS)}, or the max to null")
 
 
-EXTENSION_RULES = (check_drafter, check_lora, check_distill)
+EXTENSION_RULES = (check_drafter, check_lora, check_distill, check_sft)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
 

@@ -41,6 +41,53 @@ def render_ids(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequence[
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def extend_response(response_ids: list[int], response_mask: list[int], ids: Sequence[int], *, trained: bool) -> None:
+    """Append ``ids`` to a response and to its mask: 1 (``trained``) where the policy wrote them, 0 where the
+    template, a user or a tool did. The one place a response mask grows: multi-turn rollouts
+    (fsdptrain/rollout/turns.py) and SFT's demonstrations (:func:`chat_response`) both build theirs here."""
+    response_ids.extend(ids)
+    response_mask.extend([1 if trained else 0] * len(ids))
+
+
+def chat_response(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequence[dict]]
+                  ) -> tuple[list[int], list[int], list[int]]:
+    """A whole chat as a trajectory: ``(prompt_ids, response_ids, response_mask)``.
+
+    The prompt is everything before the first assistant message, with the generation prompt: the ids a multi-turn
+    rollout starts from (:meth:`ChatTurns.prompt`). Each assistant turn adds its ids up to and including its EOS with
+    mask 1, as a sampled turn is; what the template writes between two assistant turns (its separator after the EOS,
+    the user's or the tools' messages, the next generation prompt) is added with mask 0, as a rollout's tool segment
+    is. Messages after the last assistant turn are not part of it. Built from the template's renderings of the
+    conversation's own prefixes, so the ids equal the rendering of the whole chat token for token (up to the
+    separator after the final EOS). Raises ValueError when there is no assistant message, the template is not
+    prefix-preserving on this chat, or it does not end an assistant turn with the EOS token.
+    """
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not turns:
+        raise ValueError("it has no assistant message, so nothing would be trained on")
+    eos = tokenizer.eos_token_id
+    prompt_ids = render_ids(tokenizer, messages[:turns[0]], tools=tools, add_generation_prompt=True)
+    so_far, response_ids, response_mask = list(prompt_ids), [], []
+    for i in turns:
+        before = (prompt_ids if i == turns[0] else
+                  render_ids(tokenizer, messages[:i], tools=tools, add_generation_prompt=True))
+        through = render_ids(tokenizer, messages[:i + 1], tools=tools, add_generation_prompt=False)
+        if before[:len(so_far)] != so_far or through[:len(before)] != before:
+            raise ValueError(f"the chat template is not prefix-preserving on it (rendering message {i} changes the ids "
+                             "of the messages before it), so its turns cannot be told apart; use a template that "
+                             "renders history unchanged")
+        turn = through[len(before):]
+        if eos not in turn:
+            raise ValueError(f"the chat template does not end its assistant message {i} with the EOS token "
+                             f"{tokenizer.eos_token!r}; set the tokenizer's eos_token to the template's end-of-turn "
+                             "token")
+        end = len(turn) - turn[::-1].index(eos)
+        extend_response(response_ids, response_mask, before[len(so_far):], trained=False)
+        extend_response(response_ids, response_mask, turn[:end], trained=True)
+        so_far = before + turn[:end]
+    return prompt_ids, response_ids, response_mask
+
+
 @dataclass(frozen=True)
 class ParsedTurn:
     """The calls of one assistant turn (``name``, ``arguments``) and whether the turn held a malformed call."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from fsdptrain.data.conversation import ChatTurns
+from fsdptrain.data.conversation import ChatTurns, extend_response
 
 TRUNCATION_CAUSES = ("length", "max_turns", "tool_overflow")
 """Why a trajectory was truncated (``truncated/<cause>`` metrics)."""
@@ -105,8 +105,7 @@ def finish_turn(chat: ChatTurns, t: Trajectory, new_ids: list[int], ended: bool,
     if len(new_ids) > budget:
         new_ids, ended = new_ids[:budget], False
     prefix = t.prompt_ids + t.response_ids
-    t.response_ids += new_ids
-    t.response_mask += [1] * len(new_ids)
+    extend_response(t.response_ids, t.response_mask, new_ids, trained=True)
     t.num_turns += 1
     text_ids = new_ids[:-1] if ended else new_ids
     message = {"role": "assistant", "content": chat.tokenizer.decode(text_ids, skip_special_tokens=False)}
@@ -153,7 +152,6 @@ def append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, d
         t.messages.extend({**m, "appended": False} for m in tool_messages)
         t.end("tool_overflow")
         return
-    t.response_ids += segment
-    t.response_mask += [0] * len(segment)
+    extend_response(t.response_ids, t.response_mask, segment, trained=False)
     t.num_tool_tokens += len(segment)
     t.messages.extend(tool_messages)

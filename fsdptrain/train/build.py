@@ -154,27 +154,48 @@ def resolve_share_prompts(cfg: DictConfig, backend: str, model_config) -> tuple[
     return why is None, "auto: " + (why or "the backend, the model and the features in use allow it")
 
 
+def model_source(cfg: DictConfig, tokenizer) -> dict:
+    """Where the policy's weights come from: ``model.path`` (a folder or .gguf file), else the config-built model."""
+    path = model_path(cfg)
+    return dict(path=path, config=None if path else tiny_model_config(cfg, tokenizer))
+
+
+def parallel_settings(cfg: DictConfig, mesh) -> dict:
+    """How every model of the run is sharded, in which dtypes, compiled or not (``parallel.*``)."""
+    return dict(mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
+                reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
+                reshard_after_forward=cfg.parallel.reshard_after_forward,
+                cpu_offload=cfg.parallel.cpu_offload, compile=cfg.parallel.compile,
+                compile_backend=cfg.parallel.compile_backend)
+
+
+def schedule_settings(cfg: DictConfig, num_steps: int) -> dict:
+    return dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
+                schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
+
+
+def build_trained_policy(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int):
+    """The policy both recipes train (``fsdptrain train`` and ``fsdptrain sft``): sharded over ``mesh`` (LoRA
+    adapters with ``model.lora``), on the packed attention backend, with its AdamW and learning-rate schedule over
+    ``num_steps``. Returns ``(policy, optimizer, scheduler, backend)``."""
+    policy = build_policy(**model_source(cfg, tokenizer), **parallel_settings(cfg, mesh), seed=cfg.trainer.seed,
+                          activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg))
+    backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
+    set_attention(policy, backend)
+    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
+    return policy, optimizer, build_scheduler(optimizer, **schedule_settings(cfg, num_steps)), backend
+
+
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
     """Policy, optional critic, reference and reward models, sharded over ``mesh``, on the packed attention backend;
     the learning-rate schedules span ``num_steps``."""
-    path = model_path(cfg)
-    source = dict(path=path, config=None if path else tiny_model_config(cfg, tokenizer))
-    parallel = dict(mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
-                    reduce_dtype=DTYPES[cfg.parallel.reduce_dtype],
-                    reshard_after_forward=cfg.parallel.reshard_after_forward,
-                    cpu_offload=cfg.parallel.cpu_offload, compile=cfg.parallel.compile,
-                    compile_backend=cfg.parallel.compile_backend)
+    source, parallel = model_source(cfg, tokenizer), parallel_settings(cfg, mesh)
     seed = cfg.trainer.seed
     lora = lora_settings(cfg)
-    policy = build_policy(**source, **parallel, seed=seed, activation_checkpointing=cfg.parallel.activation_checkpointing,
-                          lora=lora)
-    backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
-    set_attention(policy, backend)
-    schedule = dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
-                    schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
-    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
+    policy, optimizer, scheduler, backend = build_trained_policy(cfg, tokenizer, mesh, device, num_steps=num_steps)
+    schedule = schedule_settings(cfg, num_steps)
     share, why = resolve_share_prompts(cfg, backend, policy.config)
-    models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=build_scheduler(optimizer, **schedule),
+    models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=scheduler,
                     backend=backend, share_prompts=share, share_prompts_why=why)
     models.reward_specs = [load_reward_model_spec(path) for path in cfg.reward.models]
     if cfg.algorithm.use_critic:

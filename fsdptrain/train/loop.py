@@ -48,15 +48,8 @@ from fsdptrain.train.console import (
     stats_line,
 )
 from fsdptrain.rollout.source import build_source, resolve_steps
-from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save
-from fsdptrain.train.run_files import (
-    METRIC_KINDS_FILE,
-    metric_kinds,
-    read_metric_kinds,
-    write_metric_kinds,
-    write_metrics_line,
-    write_samples,
-)
+from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
+from fsdptrain.train.run_files import MetricsFiles, write_samples
 from fsdptrain.train.build import (
     build_models,
     build_tokenizer,
@@ -411,8 +404,7 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
     cfg, info, run_path, num_steps = trainer.cfg, trainer.info, trainer.run_dir, trainer.num_steps
     start = resume(trainer.checkpointed, run_path, cfg=cfg, num_steps=num_steps, prepare=trainer.prepare_to_load)
     metrics_path, samples_path = run_path / "metrics.jsonl", run_path / "samples.jsonl"
-    kinds_path = run_path / METRIC_KINDS_FILE
-    logged_kinds = read_metric_kinds(kinds_path) if start > 0 else {}
+    files = MetricsFiles(run_path, resumed=start > 0)
     if info.is_main:
         run_path.mkdir(parents=True, exist_ok=True)
         write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
@@ -443,26 +435,15 @@ def _run(trainer: Trainer, stop: StopRequest) -> int:
                 history.append(result)
                 every = cfg.logging.samples_every
                 if info.is_main:
-                    write_metrics_line(metrics_path, result)
-                    now = metric_kinds(result, trainer.kinds)
-                    if not now.items() <= logged_kinds.items():
-                        logged_kinds.update(now)
-                        write_metric_kinds(kinds_path, logged_kinds)
+                    files.write(result, trainer.kinds)
                     trackers.log(result)
                     if trainer.source.samples and every > 0 and step % every == 0:
                         write_samples(samples_path, step, trainer.source.samples)
                     if step == start and trainer.source.samples:
                         print_samples(progress.console if show else None, step, trainer.source.samples)
                 progress.update(task, advance=1, stats=stats_line(result))
-                stopping = world.any_flag(stop.requested)
-                every = cfg.checkpoint.every
-                if stopping or (every > 0 and done % every == 0 and done < num_steps):
-                    path = save(trainer.checkpointed(), run_path, done, cfg=cfg)
-                if stopping:
-                    where = (f"trainer.run_dir={run_path}" if cfg.trainer.run_dir is not None else
-                             f"trainer.run_name={run_path.name}")
-                    log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with {where} "
-                        "trainer.resume=auto")
+                if save_if_due(trainer.checkpointed, run_path, done, cfg=cfg, num_steps=num_steps,
+                               stopping=world.any_flag(stop.requested)):
                     return 0
     finally:
         trackers.close()

@@ -42,16 +42,38 @@ class Checkpointed:
     """Plain state (counters, the prompt order, running moments, ...): saved by rank 0, the same on every rank."""
 
 
+def rows_per_step(cfg) -> tuple[int, str]:
+    """The rows a step consumes and the key that sets them: ``sft.rows_per_step`` demonstrations for fsdptrain sft,
+    else ``rollout.prompts_per_step`` prompt groups."""
+    if cfg.data.source == "sft":
+        return cfg.sft.rows_per_step, "sft.rows_per_step"
+    return cfg.rollout.prompts_per_step, "rollout.prompts_per_step"
+
+
 def save(parts: Checkpointed, run_dir: Path, done: int, *, cfg) -> Path:
     """A checkpoint after ``done`` steps (collective): every part's state; RNG per rank."""
     extra = {
         "step": done,
-        "data_position": done * cfg.rollout.prompts_per_step,  # prompt groups consumed
+        "data_position": done * rows_per_step(cfg)[0],  # prompt groups (demonstrations) consumed
         "state_layout": STATE_LAYOUT,
         "states": {name: part.state_dict() for name, part in parts.states.items()},
     }
     return save_checkpoint(run_dir, done, models=parts.models, optimizers=parts.optimizers,
                            schedulers=parts.schedulers, extra=extra, keep=cfg.checkpoint.keep, run_id=run_id(run_dir))
+
+
+def save_if_due(parts: Callable[[], Checkpointed], run_dir: Path, done: int, *, cfg, num_steps: int,
+                stopping: bool) -> bool:
+    """After ``done`` steps (collective): a periodic checkpoint when ``checkpoint.every`` says so, or, on a stop
+    request (``stopping``, agreed by the ranks), a checkpoint and the line saying how to resume. Returns whether the
+    run stops here."""
+    every = cfg.checkpoint.every
+    if stopping or (every > 0 and done % every == 0 and done < num_steps):
+        path = save(parts(), run_dir, done, cfg=cfg)
+    if stopping:
+        where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
+        log(f"interrupted: saved checkpoint {path.name} in {path.parent}; resume with {where} trainer.resume=auto")
+    return stopping
 
 
 def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: int,
@@ -69,11 +91,11 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
     checkpointed = parts()
     extra = load_checkpoint(path, models=checkpointed.models, optimizers=checkpointed.optimizers,
                             schedulers=checkpointed.schedulers)
-    per_step = cfg.rollout.prompts_per_step
+    per_step, key = rows_per_step(cfg)
     if extra["data_position"] != extra["step"] * per_step:
         raise ConfigError(
-            f"{path} consumed {extra['data_position']} prompt groups in {extra['step']} steps, which "
-            f"rollout.prompts_per_step={per_step} does not give: resume with the run's own rollout.prompts_per_step")
+            f"{path} consumed {extra['data_position']} rows in {extra['step']} steps, which "
+            f"{key}={per_step} does not give: resume with the run's own {key}")
     if extra["step"] > num_steps:
         given = (f"trainer.steps={cfg.trainer.steps}" if cfg.trainer.steps is not None
                  else f"trainer.epochs={cfg.trainer.epochs} ({num_steps} steps)")

@@ -41,3 +41,20 @@ def write_samples(path: Path, step: int, samples: list[dict]) -> None:
     with path.open("a") as handle:
         for sample in samples:
             handle.write(json.dumps({"step": step, **sample}) + "\n")
+
+
+class MetricsFiles:
+    """A run's metrics.jsonl and metric_kinds.json, written by the main rank after each step (both recipes)."""
+
+    def __init__(self, run_dir: Path, *, resumed: bool):
+        self.metrics_path, self.kinds_path = run_dir / "metrics.jsonl", run_dir / METRIC_KINDS_FILE
+        self.logged_kinds = read_metric_kinds(self.kinds_path) if resumed else {}
+
+    def write(self, result: dict, typed: dict[str, str]) -> None:
+        """The step's line, and the kinds file again when a new name (or kind) appears (``typed``: the typed
+        metrics' kinds)."""
+        write_metrics_line(self.metrics_path, result)
+        now = metric_kinds(result, typed)
+        if not now.items() <= self.logged_kinds.items():
+            self.logged_kinds.update(now)
+            write_metric_kinds(self.kinds_path, self.logged_kinds)

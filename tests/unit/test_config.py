@@ -16,6 +16,7 @@ REQUIRED_OVERRIDES = {
     ("model", "local"): ["model.path=/some/hf/folder"],
     ("data", "jsonl"): ["data.path=rollouts.jsonl", "rollout.max_new_tokens=32"],
     ("data", "prompts"): ["data.path=train.jsonl", "reward.functions=[exact_match]"],
+    ("data", "sft"): ["data.path=chats.jsonl"],
     ("algorithm", "grpo"): [],
 }
 

@@ -1,0 +1,291 @@
+"""The supervised fine-tuning recipe (``fsdptrain sft``): demonstrations -> mini-batches of the FSDP2 update -> reduce
+-> log -> checkpoint (docs/sft.md).
+
+:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.loop.Trainer.run_step`, without rollouts or an
+experience pass: the step's rows in a seeded epoch order, this rank's share of each mini-batch, the update of one
+mini-batch (`fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted
+before any forward, one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step),
+then the typed metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
+`fsdptrain.train.build.build_trained_policy`), the guards, the checkpointer, the metrics files, the trackers and
+the export.
+
+Ownership and membership are fixed by a row's position ``p`` within the step's ``sft.rows_per_step`` rows: rank
+``p % world_size``, mini-batch ``p // (rows_per_step / mini_batches_per_step)``, so a mini-batch holds the same rows
+at any world size and the loss is the same number on 1 or N ranks.
+
+Departures from TRL's SFTTrainer: no truncation (a row longer than ``trainer.token_budget`` is an error, never cut),
+no padding (sequences are packed, each attending to itself only), and the loss's denominator is the global count
+of trained tokens of the whole mini-batch, never a micro-batch's own (docs/loss.md).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fsdptrain.config import validate_world
+from fsdptrain.config.schema import DEFAULT_STEPS
+from fsdptrain.data.demonstrations import DemoKeys, Demonstration, load_demonstrations
+from fsdptrain.data.packing import PackedBatch, pack_sequences
+from fsdptrain.data.prompts import EpochOrder
+from fsdptrain.distributed import world
+from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
+from fsdptrain.distributed.files import write_atomic
+from fsdptrain.model.forward import final_hidden_states
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.rl.packed_loss import token_logprobs_entropy
+from fsdptrain.rl.sft_loss import sft_loss
+from fsdptrain.train.build import build_tokenizer, build_trained_policy, resolve_device_type
+from fsdptrain.train.console import log, progress_columns, quiet_known_warnings
+from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
+from fsdptrain.train.perf import StepTimer, phase
+from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
+from fsdptrain.train.run_files import MetricsFiles
+from fsdptrain.train.signals import StopRequest
+from fsdptrain.train.step import MiniBatch, update_on_minibatch
+from fsdptrain.train.trackers import Trackers
+
+
+@dataclass(frozen=True)
+class SftLossSettings:
+    """What the SFT loss needs besides the data and the normalisers."""
+
+    agg_mode: str
+    chunk_size: int
+
+
+@dataclass(frozen=True)
+class DemoTarget:
+    """A demonstration's per-token target: which response tokens are trained on (bool ``[R]``), as
+    `fsdptrain.rl.packed_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
+
+    response_mask: torch.Tensor
+
+
+def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *, norms: LossNormalizers,
+                    settings: SftLossSettings) -> tuple[torch.Tensor, Metrics]:
+    """The policy's forward over one pack, the fused log-probs of the trained tokens (`token_logprobs_entropy`, at
+    temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the targets are in the row's mask."""
+    head = model.get_output_embeddings()
+    logprobs_T, _ = token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
+                                           temperature=1.0, chunk_size=settings.chunk_size, compute_entropy=False)
+    return sft_loss(logprobs_T, packed.response_mask[0], norms=norms, agg_mode=settings.agg_mode,
+                    cu_seqlens=packed.cu_seqlens)
+
+
+def demo_keys(cfg: DictConfig) -> DemoKeys:
+    return DemoKeys(messages=cfg.sft.messages_key, prompt=cfg.data.prompt_key, completion=cfg.sft.completion_key,
+                    tools=cfg.sft.tools_key)
+
+
+def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[Demonstration], list[Demonstration]]:
+    """The training demonstrations (``data.path``) and the held-out ones (``data.eval_path``; none when null)."""
+    plain = (lambda v: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
+    load = dict(tokenizer=tokenizer, keys=demo_keys(cfg), token_budget=cfg.trainer.token_budget)
+    train = load_demonstrations(plain(cfg.data.path), what="data.path", **load)
+    evals = ([] if cfg.data.eval_path is None else
+             load_demonstrations(plain(cfg.data.eval_path), what="data.eval_path", **load))
+    return train, evals
+
+
+def resolve_sft_steps(cfg: DictConfig, num_rows: int) -> int:
+    """``trainer.steps``, else ``ceil(epochs x rows / sft.rows_per_step)``, else the default."""
+    if cfg.trainer.steps is not None:
+        return int(cfg.trainer.steps)
+    if cfg.trainer.epochs is None:
+        return DEFAULT_STEPS
+    return max(1, math.ceil(cfg.trainer.epochs * num_rows / cfg.sft.rows_per_step - 1e-9))
+
+
+def as_minibatch(rows: Sequence[Demonstration]) -> MiniBatch:
+    return MiniBatch([r.prompt_ids for r in rows], [r.response_ids for r in rows],
+                     [DemoTarget(torch.tensor(r.response_mask, dtype=torch.bool)) for r in rows])
+
+
+class FineTuner:
+    """Owns the policy, its optimizer, the demonstrations' order and the run directory of one ``fsdptrain sft`` run."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
+        self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
+        self.device = info.device
+        self.dp_size = world.dp_size(mesh)
+        self.tokenizer = build_tokenizer(cfg)
+        self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
+        self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
+        self.num_steps = resolve_sft_steps(cfg, len(self.train_rows))
+        self.policy, self.optimizer, self.scheduler, self.backend = build_trained_policy(
+            cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
+        self.settings = SftLossSettings(agg_mode=cfg.loss.agg_mode, chunk_size=cfg.loss.logprob_chunk_size)
+        self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
+        self.watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.grad_clip, "policy")
+        self.kinds: dict[str, str] = {}
+
+    # -- one step ----------------------------------------------------------------------------------------------------
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One optimizer step per mini-batch on every rank; returns the finalised metrics (the same on every rank)."""
+        with StepTimer() as timer:
+            batches = self.minibatches(self.order.take(self.cfg.sft.rows_per_step))
+            with phase("update"):
+                loss_metrics, facts = self.update(batches)
+            self.scheduler.step()
+            metrics = merge_all([self.data_metrics(batches), loss_metrics, facts, self.step_facts()])
+        evaluation = self.evaluate_if_due(step + 1)
+        result = {"step": step, **finalize(merge_all([metrics, evaluation, timer.metrics()]))}
+        self.kinds.update((name, metric.kind.value) for group in (metrics, evaluation, timer.metrics())
+                          for name, metric in group.items())
+        return result
+
+    # -- the step's components ---------------------------------------------------------------------------------------
+
+    def minibatches(self, positions: list[int]) -> list[MiniBatch]:
+        """This rank's share of each mini-batch: the step's row ``p`` goes to rank ``p % world_size`` and to
+        mini-batch ``p // (rows_per_step / mini_batches_per_step)``."""
+        per_mb = len(positions) // self.cfg.trainer.mini_batches_per_step
+        rank, size = self.info.rank, self.info.world_size
+        return [as_minibatch([self.train_rows[positions[p]] for p in range(start, start + per_mb) if p % size == rank])
+                for start in range(0, len(positions), per_mb)]
+
+    def update(self, batches: list[MiniBatch]) -> tuple[Metrics, Metrics]:
+        """One optimizer step per mini-batch: the merged loss metrics, and the typed facts of the steps (grad norm and
+        global counts: MEANs over the step's optimizer steps)."""
+        collected, facts = [], []
+        for batch in batches:
+            metrics, outcome = update_on_minibatch(
+                self.policy, self.optimizer, batch, loss_fn=packed_sft_loss, settings=self.settings,
+                dp_size=self.dp_size, loss_scale_factor=self.cfg.loss.loss_scale_factor,
+                token_budget=self.cfg.trainer.token_budget, grad_clip=self.cfg.trainer.grad_clip, guard=self.guard,
+                device=self.device)
+            collected.append(close_minibatch(metrics.prefixed("sft/")))
+            facts.append(Metrics({"sft/grad_norm": Mean(outcome.grad_norm, 1),
+                                  "loss/global_num_tokens": Mean(outcome.norms.global_num_tokens, 1),
+                                  "loss/global_num_seqs": Mean(outcome.norms.global_num_seqs, 1)}))
+            self.watch.observe(outcome.grad_norm)
+        return merge_all(collected), merge_all(facts)
+
+    def data_metrics(self, batches: list[MiniBatch]) -> Metrics:
+        """The step's rows and tokens over all ranks: ``batch/num_seqs``, ``batch/num_tokens`` (every token the
+        forwards process), ``batch/num_trained_tokens`` (the masks' sum)."""
+        return reduce_metrics(Metrics({
+            "batch/num_seqs": Sum(sum(b.num_seqs for b in batches)),
+            "batch/num_tokens": Sum(sum(sum(b.lengths()) for b in batches)),
+            "batch/num_trained_tokens": Sum(sum(sum(b.num_counted_tokens()) for b in batches)),
+        }))
+
+    def step_facts(self) -> Metrics:
+        """The learning rate after this step's scheduler step and the optimizer steps skipped so far (MAX of a value
+        every rank holds)."""
+        return Metrics({"sft/lr": Max(self.optimizer.param_groups[0]["lr"]),
+                        "train/nonfinite_skipped": Max(self.guard.num_skipped)})
+
+    def evaluate_if_due(self, done: int) -> Metrics:
+        """``eval/loss`` after ``done`` steps when ``trainer.eval_every`` says so (and after the last step)."""
+        every = self.cfg.trainer.eval_every
+        if not (self.eval_rows and every > 0 and (done % every == 0 or done == self.num_steps)):
+            return Metrics()
+        return self.evaluate()
+
+    @torch.no_grad()
+    def evaluate(self) -> Metrics:
+        """``eval/loss``: the negative log-likelihood per trained token over every held-out row (a token-weighted
+        MEAN pooled over packs and ranks, whatever ``loss.agg_mode``), and ``eval/num_tokens`` (collective)."""
+        rank, size = self.info.rank, self.info.world_size
+        batch = as_minibatch([r for i, r in enumerate(self.eval_rows) if i % size == rank])
+        norms = LossNormalizers(global_num_tokens=1, global_num_seqs=1)
+        collected = []
+        for pack in plan_agreed(batch.lengths(), self.cfg.trainer.token_budget).packs:
+            packed = pack_sequences(batch.prompts, batch.responses, pack,
+                                    response_masks=batch.response_masks()).to(self.device)
+            collected.append(packed_sft_loss(self.policy, packed, [batch.targets[i] for i in pack], norms=norms,
+                                             settings=self.settings)[1])
+        nll = reduce_metrics(merge_all(collected))["nll"]
+        return Metrics({"eval/loss": nll, "eval/num_tokens": Sum(nll.count)})
+
+    # -- state -------------------------------------------------------------------------------------------------------
+
+    def checkpointed(self) -> Checkpointed:
+        """Every stateful part of the run, by name, for the checkpointer (docs/checkpointing.md)."""
+        return Checkpointed(models={"policy": self.policy}, optimizers={"policy": self.optimizer},
+                            schedulers={"policy": self.scheduler},
+                            states={"policy_guard": self.guard, "policy_watch": self.watch, "order": self.order})
+
+    def export(self, run_dir: Path) -> None:
+        """The final policy as a Hugging Face folder (and a peft adapter under LoRA), collective."""
+        export_hf_models(run_dir, policy=self.policy, critic=None, tokenizer=self.tokenizer,
+                         base_path=self.cfg.model.path)
+
+
+# ---- the run --------------------------------------------------------------------------------------------------------
+
+
+def sft(cfg: DictConfig, run_dir: str) -> int:
+    """The ``fsdptrain sft`` job on this rank; returns the exit code."""
+    quiet_known_warnings()
+    stop = StopRequest()
+    stop.install()
+    info = world.init_distributed(device_type=resolve_device_type(cfg))
+    replicate, shard = validate_world(cfg, info.world_size)
+    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    tuner = FineTuner(cfg, Path(run_dir), info, mesh)
+    code = _run(tuner, stop)
+    world.destroy_distributed()
+    return code
+
+
+def stats_line(result: dict) -> str:
+    parts = [f"loss {result['sft/loss']:.4f}", f"|g| {result['sft/grad_norm']:.3g}", f"lr {result['sft/lr']:.3g}",
+             f"{result['perf/step_s']:.2f}s"]
+    if "eval/loss" in result:
+        parts.append(f"eval {result['eval/loss']:.4f}")
+    return "  ".join(parts)
+
+
+def _run(tuner: FineTuner, stop: StopRequest) -> int:
+    cfg, info, run_path, num_steps = tuner.cfg, tuner.info, tuner.run_dir, tuner.num_steps
+    start = resume(tuner.checkpointed, run_path, cfg=cfg, num_steps=num_steps, prepare=lambda saved: None)
+    metrics_path, files = run_path / "metrics.jsonl", MetricsFiles(run_path, resumed=start > 0)
+    if info.is_main:
+        run_path.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
+        keep_metrics_before(metrics_path, start)
+    log(f"fsdptrain sft: {info.world_size} rank(s) on {tuner.device.type}, packed attention: {tuner.backend}; "
+        f"{len(tuner.train_rows)} demonstrations ({len(tuner.eval_rows)} held out), {cfg.sft.rows_per_step} per step, "
+        f"{num_steps} steps, loss.agg_mode={cfg.loss.agg_mode} over each mini-batch's trained tokens on all ranks")
+    history = []
+    trackers = Trackers(cfg, run_path, is_main=info.is_main)
+    show = info.is_main and cfg.logging.progress
+    from rich.progress import Progress
+
+    try:
+        with Progress(*progress_columns(), disable=not show, transient=False) as progress:
+            task = progress.add_task("sft", total=num_steps, completed=start, stats="")
+            for step in range(start, num_steps):
+                result = tuner.run_step(step)
+                history.append(result)
+                if info.is_main:
+                    files.write(result, tuner.kinds)
+                    trackers.log(result)
+                progress.update(task, advance=1, stats=stats_line(result))
+                if save_if_due(tuner.checkpointed, run_path, step + 1, cfg=cfg, num_steps=num_steps,
+                               stopping=world.any_flag(stop.requested)):
+                    return 0
+    finally:
+        trackers.close()
+    if cfg.checkpoint.every > 0 and start < num_steps:  # else the resumed checkpoint is this one
+        save(tuner.checkpointed(), run_path, num_steps, cfg=cfg)
+    tuner.export(run_path)
+    if history:
+        first, last = history[0], history[-1]
+        log(f"sft: loss {first['sft/loss']:.4f} at step {first['step']} -> {last['sft/loss']:.4f} at step "
+            f"{last['step']}" + (f", eval/loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))
+    log(f"run directory: {run_path} (metrics.jsonl, export/)")
+    return 0
