@@ -175,11 +175,11 @@ def _sft_overrides(overrides: List[str]) -> List[str]:
 
 
 def _check_command_source(command: str, cfg: DictConfig) -> None:
-    """``data.source=sft`` is ``fsdptrain sft``'s, and ``fsdptrain sft`` reads nothing else."""
+    """``data.source=sft`` is ``fsdptrain sft``'s (and check-metrics'), and ``fsdptrain sft`` reads nothing else."""
     if command == "sft" and cfg.data.source != "sft":
         raise ConfigError(f"fsdptrain sft reads demonstrations: data.source={cfg.data.source} is for fsdptrain "
                           "train; drop the data=... override (fsdptrain sft selects data=sft)")
-    if command != "sft" and cfg.data.source == "sft":
+    if command in ("train", "check-reward") and cfg.data.source == "sft":
         raise ConfigError(f"data.source=sft (demonstrations) is for fsdptrain sft, not fsdptrain {command}: run "
                           "fsdptrain sft model.path=... data.path=... (docs/sft.md)")
 

@@ -130,3 +130,20 @@ def plant_teacher_logprobs_shifted_by_one(set_attr=setattr) -> None:
         return None if out is None else [torch.roll(values_R, -1) for values_R in out]
 
     set_attr(experience, "teacher_logprobs", shifted)
+
+
+def plant_micro_batch_normalised_by_its_own_tokens(set_attr=setattr) -> None:
+    """TRL #6024, ms-swift #10117 (the shape of it): each micro-batch's loss divided by its own count of trained
+    tokens, a mean per micro-batch, instead of the mini-batch's global count: the loss then depends on the split."""
+    import dataclasses
+
+    accumulate = step.accumulate_gradients
+
+    def own_counts(model, batch, *, loss_fn, norms, **kwargs):
+        def per_pack(model, packed, targets, *, norms, **rest):
+            own = int(packed.response_mask.sum())
+            return loss_fn(model, packed, targets, norms=dataclasses.replace(norms, global_num_tokens=own), **rest)
+
+        return accumulate(model, batch, loss_fn=per_pack, norms=norms, **kwargs)
+
+    set_attr(step, "accumulate_gradients", own_counts)

@@ -51,6 +51,16 @@ class CheckReport:
             "failures": self.failures,
         }
 
+def write_report_json(report: CheckReport, json_path: Optional[str]) -> None:
+    """``--json``: every result of the report (rank 0), when asked for."""
+    if json_path is not None:
+        import json
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        print(f"wrote {json_path}", flush=True)
+
+
 def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.6g}"
 

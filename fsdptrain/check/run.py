@@ -13,11 +13,9 @@ writes ``--json``. Exit code 0 when everything passes, 1 when anything fails (do
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -72,7 +70,7 @@ from fsdptrain.check.reference import (
     reference_rejection_ratio_mean,
     reference_rollout_metrics,
 )
-from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report
+from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report, write_report_json
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
@@ -471,6 +469,10 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
 
 def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
     """The ``fsdptrain check-metrics`` job on this rank; returns the exit code (the same on every rank)."""
+    if cfg.data.source == "sft":  # an fsdptrain sft config: its own layouts and reference
+        from fsdptrain.check.sft_check import check_sft_metrics
+
+        return check_sft_metrics(cfg, json_path=json_path)
     info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type, cp=cfg.parallel.cp)
@@ -478,9 +480,7 @@ def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
     report = run_checks(session)
     if info.is_main:
         print_report(report, session)
-        if json_path is not None:
-            Path(json_path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
-            print(f"wrote {json_path}", flush=True)
+        write_report_json(report, json_path)
     # Also a barrier: a rank leaving early with 1 makes the launcher stop rank 0 in the middle of its report.
     code = world.agree_max_int(0 if report.ok else 1)
     world.destroy_distributed()

@@ -80,6 +80,12 @@ def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *
                     cu_seqlens=packed.cu_seqlens)
 
 
+def sft_loss_scale_factor(cfg: DictConfig) -> float:
+    """The constant of ``seq-mean-token-sum-norm``: ``loss.loss_scale_factor``, else ``trainer.token_budget`` (the
+    longest a demonstration may be)."""
+    return float(cfg.loss.loss_scale_factor or cfg.trainer.token_budget)
+
+
 def demo_keys(cfg: DictConfig) -> DemoKeys:
     return DemoKeys(messages=cfg.sft.messages_key, prompt=cfg.data.prompt_key, completion=cfg.sft.completion_key,
                     tools=cfg.sft.tools_key)
@@ -160,7 +166,7 @@ class FineTuner:
         for batch in batches:
             metrics, outcome = update_on_minibatch(
                 self.policy, self.optimizer, batch, loss_fn=packed_sft_loss, settings=self.settings,
-                dp_size=self.dp_size, loss_scale_factor=self.cfg.loss.loss_scale_factor,
+                dp_size=self.dp_size, loss_scale_factor=sft_loss_scale_factor(self.cfg),
                 token_budget=self.cfg.trainer.token_budget, grad_clip=self.cfg.trainer.grad_clip, guard=self.guard,
                 device=self.device)
             collected.append(close_minibatch(metrics.prefixed("sft/")))

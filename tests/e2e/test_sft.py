@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.chatml import chatml_tokenizer
-from tests.conftest import metric_kinds, run_cli, without_diagnostics
+from tests.conftest import REPO_ROOT, metric_kinds, run_cli, without_diagnostics
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 TOOL_CHAT = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3?"},
@@ -152,3 +153,26 @@ def test_bad_data_and_settings_are_one_line_exit_2_nothing_written(inputs, case)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and want in lines[0], done.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_check_metrics_passes_on_sft_and_fails_the_per_micro_batch_mean(inputs, nproc):
+    """Packed vs per-sequence vs padded, micro-batch splits, budgets, simulated dp and the real ranks: the loss, the
+    gradient and every metric equal; a micro-batch normalised by its own token count fails it."""
+    args = ["check-metrics", "data=sft", f"model.path={inputs / 'model'}", f"data.path={inputs / 'train.jsonl'}",
+            "sft.rows_per_step=8", "trainer.token_budget=256", "--nproc", str(nproc)]
+    good = run_cli(*args, "--json", str(inputs / f"good{nproc}.json"), cwd=inputs)
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
+    report = json.loads((inputs / f"good{nproc}.json").read_text())
+    assert f"ranks={nproc}" in report["layouts_run"] and "padded" in report["layouts_run"]
+    assert "micro-batches=8 (one sequence each)" in report["layouts_run"]
+    patch = inputs / "patch"
+    patch.mkdir(exist_ok=True)
+    (patch / "sitecustomize.py").write_text("from tests.planted_bugs import plant_micro_batch_normalised_by_its_own_"
+                                           "tokens\nplant_micro_batch_normalised_by_its_own_tokens()\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(patch), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    bad = run_cli(*args, "--json", str(inputs / f"bad{nproc}.json"), cwd=inputs, env=env)
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
+    failures = json.loads((inputs / f"bad{nproc}.json").read_text())["failures"]
+    assert any("sft/loss" in f and "micro-batches=8" in f for f in failures), failures
+    assert any("sft/grad_max_diff" in f for f in failures), failures
