@@ -88,6 +88,57 @@ def chat_response(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequen
     return prompt_ids, response_ids, response_mask
 
 
+def data_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as data: its ids with no special token parsed out of it (a tool result holding ``<|im_end|>`` stays
+    those characters), and none added."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+_MARK = "\ue000fsdptrain-content-{}\ue001"
+"""A placeholder for a message's content while the template renders (private-use characters: no text holds them)."""
+
+
+def render_ids_as_data(tokenizer, messages: Sequence[dict], *, tools: Optional[Sequence[dict]],
+                       add_generation_prompt: bool, data_roles: Optional[frozenset] = None) -> Optional[list[int]]:
+    """The ids of :func:`render_text` where only the template's own text can give special tokens: each string
+    content of a message whose role is in ``data_roles`` (every role when None) is tokenized as data
+    (:func:`data_ids`). None when the template does not write those contents verbatim (rendering with placeholders
+    and putting the contents back does not give the template's text), so the caller decides."""
+    data = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)
+            and (data_roles is None or m.get("role") in data_roles)]
+    marked = [dict(m) for m in messages]
+    for i in data:
+        marked[i]["content"] = _MARK.format(i)
+    template = render_text(tokenizer, marked, tools=tools, add_generation_prompt=add_generation_prompt)
+    pieces, rest = [], template
+    for i in data:
+        before, found, rest = rest.partition(_MARK.format(i))
+        if not found or _MARK.format(i) in rest:
+            return None
+        pieces.append(before)
+    texts = [messages[i]["content"] for i in data]
+    if "".join(p + t for p, t in zip(pieces, texts)) + rest != render_text(
+            tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt):
+        return None
+    ids = []
+    for piece, text in zip(pieces, texts):
+        ids += tokenizer(piece, add_special_tokens=False)["input_ids"] + data_ids(tokenizer, text)
+    return ids + list(tokenizer(rest, add_special_tokens=False)["input_ids"])
+
+
+def without_special_tokens(tokenizer, text: str) -> str:
+    """``text`` with every special token's string removed, until none is left (for a template that rewrites
+    contents, where :func:`render_ids_as_data` cannot keep them apart)."""
+    specials = [t for t in tokenizer.all_special_tokens if t]
+    while True:
+        cleaned = text
+        for token in specials:
+            cleaned = cleaned.replace(token, "")
+        if cleaned == text:
+            return text
+        text = cleaned
+
+
 @dataclass(frozen=True)
 class ParsedTurn:
     """The calls of one assistant turn (``name``, ``arguments``) and whether the turn held a malformed call."""
@@ -122,6 +173,10 @@ def parse_tool_calls_text(text: str) -> ParsedTurn:
     return ParsedTurn(calls, malformed=False)
 
 
+_DATA_ROLES = frozenset({"system", "user", "tool"})
+"""The roles whose contents :class:`ChatTurns` tokenizes as data (what the user, a tool or an environment wrote)."""
+
+
 class ChatTurns:
     """A tokenizer's chat template as the turn loop uses it: the prompt's ids, the ids that follow an assistant turn
     with tool messages, and parsing a turn's calls. Built once at start-up; the constructor checks the template
@@ -152,9 +207,26 @@ class ChatTurns:
         """What the template writes after an assistant turn's EOS (ChatML: ``\\n``)."""
         self._opening_ids = opening_ids
         self._check_prefix_preserving()
+        self._longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+
+    def max_chars(self, num_tokens: int) -> int:
+        """How many characters of a text surely hold its first ``num_tokens`` tokens (with 8 to spare past the
+        boundary): a long tool result is cut to this many characters before it is tokenized (docs/multi-turn.md).
+        No token covers more characters than its vocabulary string has (x4 for normalizers that fold characters)."""
+        return 4 * (num_tokens + 8) * self._longest_token
 
     def render(self, messages: Sequence[dict], *, generation_prompt: bool = False) -> list[int]:
-        return render_ids(self.tokenizer, messages, tools=self.tools, add_generation_prompt=generation_prompt)
+        """The template's ids of ``messages``; every content but the assistant's (the policy's own sampled ids) is
+        data: no special token comes out of a prompt, an environment's observation or a tool result."""
+        ids = render_ids_as_data(self.tokenizer, messages, tools=self.tools, add_generation_prompt=generation_prompt,
+                                 data_roles=_DATA_ROLES)
+        if ids is None:
+            roles = sorted({m.get("role") for m in messages if m.get("role") in _DATA_ROLES})
+            raise ConfigError(f"rollout.tools / rollout.environment: the tokenizer's chat template does not write the "
+                              f"content of {'/'.join(map(str, roles))} messages verbatim, so tool and environment "
+                              f"text cannot be kept apart from its control tokens; use a template that writes "
+                              f"message contents as they are")
+        return ids
 
     def _check_prefix_preserving(self) -> None:
         """Rendering a longer conversation must start with the shorter one's ids (a template that rewrites history,
@@ -177,7 +249,7 @@ class ChatTurns:
     def prompt(self, messages: Sequence[dict]) -> tuple[str, list[int]]:
         """:meth:`prompt_ids` with their text, rendered once: what the policy sees, the tools' schemas included."""
         text = render_text(self.tokenizer, messages, tools=self.tools, add_generation_prompt=True)
-        return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text, self.render(messages, generation_prompt=True)
 
     def tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         """The ids that follow an assistant turn's EOS when ``tool_messages`` answer it: the template's separator

@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from fsdptrain.config import ConfigError
+from fsdptrain.data.conversation import render_ids, render_ids_as_data, without_special_tokens
 from fsdptrain.data.packing import PackedBatch, pack_sequences
 from fsdptrain.model.attention_backends import BACKENDS
 from fsdptrain.model.attention_switch import packed_model_inputs
@@ -202,6 +203,18 @@ def load_full_reward_model(spec: RewardModelSpec) -> PreTrainedModel:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _conversation_ids(tokenizer, conversation: list[dict]) -> list[int]:
+    """The template's ids of ``conversation`` with every content tokenized as data (no special token comes out of
+    a prompt, a completion or a tool result); a template that rewrites contents gets them with every special
+    token's string removed instead."""
+    ids = render_ids_as_data(tokenizer, conversation, tools=None, add_generation_prompt=False)
+    if ids is not None:
+        return ids
+    cleaned = [{**m, "content": without_special_tokens(tokenizer, m["content"])} if isinstance(m.get("content"), str)
+               else m for m in conversation]
+    return render_ids(tokenizer, cleaned, tools=None, add_generation_prompt=False)
+
+
 def reward_input_ids(spec: RewardModelSpec, prompt: str, completion: str, *,
                      messages: Optional[Sequence[dict]] = None) -> list[int]:
     """The reward model's own token ids for one prompt/completion pair of TEXT.
@@ -218,16 +231,15 @@ def reward_input_ids(spec: RewardModelSpec, prompt: str, completion: str, *,
         conversation = list(messages) if messages is not None else [
             {"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False)
+            ids = _conversation_ids(tokenizer, conversation)
         except Exception as err:  # a template that only knows user/assistant turns rejects tool messages
             if messages is None:
                 raise
             raise ValueError(f"reward model {spec.path!r}: its chat template cannot render a multi-turn conversation "
                              f"(tool calls and tool messages): {err}; use a reward model whose template renders "
                              f"tool messages (docs/reward-models.md)") from err
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        ids = tokenizer(prompt + completion)["input_ids"]
+        ids = tokenizer(prompt + completion, split_special_tokens=True)["input_ids"]
     if not ids:
         raise ValueError(f"reward model {spec.path!r}: the prompt and completion tokenise to no token at all")
     return [int(i) for i in ids]

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from fsdptrain.data.conversation import ChatTurns, extend_response
+from fsdptrain.data.conversation import ChatTurns, data_ids, extend_response
 
 TRUNCATION_CAUSES = ("length", "max_turns", "tool_overflow")
 """Why a trajectory was truncated (``truncated/<cause>`` metrics)."""
@@ -137,9 +137,9 @@ def append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, d
     tool_messages = []
     num_cut = 0
     for (name, _), result in zip(calls, results):
-        content = result.content
-        content_ids = tokenizer(content, add_special_tokens=False)["input_ids"]
-        if len(content_ids) > caps.max_tool_response_tokens:
+        content = result.content[:chat.max_chars(caps.max_tool_response_tokens)]  # a 10 MB result is not tokenized
+        content_ids = data_ids(tokenizer, content)
+        if len(content_ids) > caps.max_tool_response_tokens or len(content) < len(result.content):
             content = tokenizer.decode(content_ids[:caps.max_tool_response_tokens], skip_special_tokens=False)
             num_cut += 1
         tool_messages.append({"role": "tool", "name": name, "content": content})
