@@ -23,6 +23,13 @@ EXTREMA = ("probs_ratio", "values")  # name_min <= name_mean <= name_max
 FRACTIONS = ("pg_clipfrac", "pg_clipfrac_lower", "vf_clipfrac", "response_length/truncated_frac")
 
 
+def worst_of(a: float, b: float) -> float:
+    """The larger of two differences, NaN when either is NaN. Python's ``max(worst, nan)`` keeps ``worst`` (NaN
+    compares false), so a NaN gradient or log-prob would pass as the difference found so far; a NaN here makes
+    :func:`compare` fail the value instead."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 @dataclass
 class Outcome:
     """One layout's (or the reference's) finalised numbers, keyed like the trainer's log ("actor/pg_loss")."""

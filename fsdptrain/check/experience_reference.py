@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from fsdptrain.check.compare import worst_of
+
 WHITENED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
@@ -134,5 +136,5 @@ def max_difference(got: Sequence[Sequence[float]], want: Sequence[Sequence[float
         if len(g) != len(w):
             return math.inf, scale
         for a, b in zip(g, w):
-            worst, scale = max(worst, abs(a - b)), max(scale, abs(b))
+            worst, scale = worst_of(worst, abs(a - b)), max(scale, abs(b))
     return worst, scale

@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from fsdptrain.check.compare import worst_of
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
@@ -350,9 +351,9 @@ def grad_max_diff(grads: Grads, reference: Grads) -> float:
     for name in set(grads) | set(reference):
         got, want = grads.get(name), reference.get(name)
         if got is None or want is None:
-            worst = max(worst, float((got if got is not None else want).abs().max()))
+            worst = worst_of(worst, float((got if got is not None else want).abs().max()))
             continue
-        worst = max(worst, float((got.double() - want.double()).abs().max()))
+        worst = worst_of(worst, float((got.double() - want.double()).abs().max()))
     return worst
 
 

@@ -30,6 +30,7 @@ from fsdptrain.check.compare import (
     describe_error,
     raised,
     self_checks,
+    worst_of,
 )
 from fsdptrain.check.draft_check import PREFIX as DRAFTER
 from fsdptrain.check.draft_check import (
@@ -233,7 +234,7 @@ def _correction_outcome(batch: CheckBatch) -> tuple[dict[str, float], Outcome, d
         if any(policy):
             weights, _ = reference_is_weights(old, behaviour, batch.correction, policy)
             got = target.is_weights.double()[torch.tensor(policy, dtype=torch.bool)]
-            worst = max(worst, float((got - weights).abs().max()))
+            worst = worst_of(worst, float((got - weights).abs().max()))
             largest = max(largest, float(weights.abs().max()))
     want[IS_DIFF] = 0.0
     got = {**{k: v for k, v in batch.experience.items() if k.startswith("experience/")}, IS_DIFF: worst}
