@@ -66,6 +66,19 @@ def test_metric_utils_route_to_fsdptrain():
     assert calc_maj_val([{"p": "A", "v": 0.9}, {"p": "B", "v": 0.8}, {"p": "A", "v": 0.7}], "p", "v") == 0.9
     out = process_validation_metrics(["s", "s"], ["q", "q"], {"score": [0.8, 0.9]})
     assert math.isclose(out["s"]["score"]["mean@2"], 0.85)
+
+
+def test_no_name_is_put_on_a_different_quantity():
+    # r = 4 on one token: the k1 rejection keeps -log r in [ln 0.5, ln 2], so r in [0.5, 2]: that token goes. verl's
+    # rollout_rs_token_k1_mean is the mean of -log r, which fsdptrain does not log: the name must be absent, not the
+    # mean of r (1.75) under it; nor fsdptrain's share of emptied sequences under verl's rollout_rs_seq_masked_fraction.
+    old = torch.zeros(2, 2)
+    behaviour = torch.tensor([[0.0, -math.log(4.0)], [0.0, 0.0]])
+    _, mask, metrics = compute_rollout_correction_and_rejection_mask(
+        old, behaviour, torch.ones(2, 2), rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    assert mask.tolist() == [[1.0, 0.0], [1.0, 1.0]]
+    assert not any(k.endswith("rollout_rs_token_k1_mean") or k.endswith("rollout_rs_seq_masked_fraction")
+                   for k in metrics), sorted(metrics)
 '''
 
 
@@ -75,7 +88,7 @@ def test_the_shim_runs_a_verl_style_test_through_the_runner(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "run_verl_parity.py"), str(test_file), "--",
                              "-q", "-p", "no:randomly"], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert "3 passed" in result.stdout
+    assert "4 passed" in result.stdout
 
 
 def test_the_runner_refuses_a_missing_path_in_one_line(tmp_path):

@@ -13,9 +13,13 @@ verl argument / metric -> fsdptrain:
         the experience pass's rejection_settings and rollout_rejection); longer chains, one function each in turn
     rollout_token_veto_threshold=T -> rollout_veto_mask(threshold=T)
     metrics: kl_k1 -> kl, kl_k3 -> k3_kl, rollout_rs_rejected_token_frac -> rollout_rs_masked_fraction,
-        rollout_rs_rejected_seq_frac -> rollout_rs_seq_masked_fraction, rollout_rs_ratio_mean -> rollout_rs_mean,
-        rollout_veto_seq_frac -> rollout_is_veto_fraction,
-        rollout_veto_token_frac -> rollout_is_catastrophic_token_fraction; every other name is fsdptrain's own.
+        rollout_rs_ratio_mean -> rollout_rs_mean, rollout_veto_seq_frac -> rollout_is_veto_fraction,
+        rollout_veto_token_frac -> rollout_is_catastrophic_token_fraction,
+        rollout_rs_<k2/k3 option>_mean -> rollout_rs_divergence_mean; every other name is fsdptrain's own.
+    Not mapped, because fsdptrain logs a different quantity (tests/verl_parity/README.md): verl's
+        rollout_rs_<k1 option>_mean (the mean of -log r; fsdptrain logs rollout_rs_ratio_mean, the mean of r) and
+        verl's rollout_rs_seq_masked_fraction (fsdptrain's rollout_rs_rejected_seq_frac is the share of sequences
+        left with no valid token, a different count). A verl test asserting them fails with a KeyError.
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ VERL_NAMES = {
     "kl_k1": "kl",
     "kl_k3": "k3_kl",
     "rollout_rs_rejected_token_frac": "rollout_rs_masked_fraction",
-    "rollout_rs_rejected_seq_frac": "rollout_rs_seq_masked_fraction",
     "rollout_rs_ratio_mean": "rollout_rs_mean",
     "rollout_veto_seq_frac": "rollout_is_veto_fraction",
     "rollout_veto_token_frac": "rollout_is_catastrophic_token_fraction",
@@ -100,9 +103,8 @@ def _through_config(old, rollout, mask, options, thresholds, lower):
     values = finalize(found)
     metrics = _verl(found)
     for option in options:
-        if option not in RS_LEVELS:
-            stat = "rollout_rs_divergence_mean" if option in DIVERGENCES else "rollout_rs_ratio_mean"
-            metrics[f"rollout_rs_{option}_mean"] = values[stat]
+        if option in DIVERGENCES:
+            metrics[f"rollout_rs_{option}_mean"] = values["rollout_rs_divergence_mean"]
     return keep.to(mask.dtype), metrics
 
 
@@ -139,7 +141,7 @@ def _rejections(old, rollout, mask, rollout_rs, threshold, lower):
         mask = keep.to(mask.dtype)
         values = finalize(found)
         metrics.update(_verl(found))
-        if option not in RS_LEVELS:
+        if option in DIVERGENCES:
             metrics[f"rollout_rs_{option}_mean"] = values[stat]
     return mask, metrics
 
