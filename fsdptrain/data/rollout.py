@@ -26,6 +26,13 @@ class Rollout:
     group: int
     truncated: bool = False
     behaviour_logprobs: Optional[list[float]] = None
+    """Off-policy only: the log-probs of the policy that wrote the response (offline data), one per response token.
+    A rollout carrying them makes the step off-policy (the old log-prob pass runs; rollout correction reads them)."""
+    generation_logprobs: Optional[list[float]] = None
+    """On-policy marker: the log-probs the generating forward of the current weights computed at each sampled token
+    (``log_softmax(logits / temperature)``: after temperature, before top-p), one per response token. A diagnostic
+    only: it never replaces the old log-probs, never makes a step off-policy and never enters the loss; the trainer
+    logs its gap to the training forward as ``rollout/logprob_diff/*`` (docs/rollout.md)."""
     response_mask: Optional[list[int]] = None
     prompt_text: str = ""
     response_text: str = ""

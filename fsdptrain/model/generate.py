@@ -17,6 +17,31 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from fsdptrain.data.rollout import split_response
 
 
+class GenerationLogprobs(LogitsProcessor):
+    """Records each sampled token's ``log_softmax(logits / temperature)`` (after temperature, before top-p) as the
+    generating forward computed it. It must run first (raw logits). A processor sees a step's logits before its
+    token is drawn, so it keeps one step's ``[B, V]`` log-softmax and gathers it at the next call, whose
+    ``input_ids`` end with that token; :meth:`finish` gathers the last step from the returned sequences."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: Optional[torch.Tensor] = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids, scores):
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """``[B, num_new_tokens]`` log-probs of the generated tokens (``sequences``: prompt then new tokens)."""
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(1, sequences[:, -1:]).squeeze(1))
+            self.pending = None
+        return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+
+
 class RowSeededSampling(LogitsProcessor):
     """Sampling at ``temperature`` where row r draws from its own generator seeded with ``seeds[r]``, by the
     Gumbel-max trick: with G_v = -log(-log U_v), U_v ~ U(0, 1) i.i.d., argmax_v (log_softmax(z / T)_v + G_v) is an
@@ -53,7 +78,8 @@ def generate_responses(
     row_seeds: Optional[Sequence[int]] = None,
     synced_gpus: Optional[bool] = None,
     share_prompt_prefill: bool = False,
-) -> list[tuple[list[int], list[int], bool]]:
+    record_logprobs: bool = False,
+) -> list[tuple]:
     """Generate one response per prompt: ``(prompt_ids, response_ids, truncated)`` for each, in order.
 
     A prompt is a text (tokenised here, special tokens added) or a list of token ids used as they are (a rendered
@@ -72,6 +98,9 @@ def generate_responses(
     ``share_prompt_prefill``: the prompts repeat (a GRPO group's ``rollout.n`` copies): their cache is computed once
     per distinct prompt (:func:`shared_prompt_cache`). Under FSDP the prefill is one more forward, so every rank must
     pass the same value (the caller's repeat count, the same on every rank).
+
+    ``record_logprobs``: each tuple gets a fourth entry, the response tokens' log-probs as this generating forward
+    computed them (:class:`GenerationLogprobs`: after temperature, before top-p).
     """
     assert row_seeds is None or (not do_sample and len(row_seeds) == len(prompts)), "row_seeds: one per prompt, greedy"
     was_training = model.training
@@ -83,9 +112,12 @@ def generate_responses(
     input_ids = enc["input_ids"].to(device)
     attention_mask = enc["attention_mask"].to(device)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
+    recorder = GenerationLogprobs(temperature) if record_logprobs else None
+    processors = [recorder] if recorder is not None else []
     if row_seeds is not None:
-        sampling["logits_processor"] = LogitsProcessorList([RowSeededSampling(row_seeds, temperature=temperature,
-                                                                              device=device)])
+        processors.append(RowSeededSampling(row_seeds, temperature=temperature, device=device))
+    if processors:
+        sampling["logits_processor"] = LogitsProcessorList(processors)
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices, device_type=device.type):
         torch.manual_seed(generator_seed)
@@ -102,14 +134,18 @@ def generate_responses(
         )
     model.train(was_training)
     prompt_width = input_ids.shape[1]
-    results = []
-    for row in range(len(prompts)):
-        prompt_ids = input_ids[row][attention_mask[row].bool()].tolist()
-        response_ids, truncated = split_response(
-            out[row, prompt_width:].tolist(), eos_id=tokenizer.eos_token_id
-        )
-        results.append((prompt_ids, response_ids, truncated))
-    return results
+    logprobs = recorder.finish(out) if recorder is not None else None
+    return [_row_result(input_ids, attention_mask, out, logprobs, row, prompt_width, tokenizer.eos_token_id)
+            for row in range(len(prompts))]
+
+
+def _row_result(input_ids, attention_mask, out, logprobs, row: int, prompt_width: int, eos_id: int) -> tuple:
+    """Row ``row``'s ``(prompt_ids, response_ids, truncated[, logprobs])`` from ``generate``'s padded output."""
+    prompt_ids = input_ids[row][attention_mask[row].bool()].tolist()
+    response_ids, truncated = split_response(out[row, prompt_width:].tolist(), eos_id=eos_id)
+    if logprobs is None:
+        return prompt_ids, response_ids, truncated
+    return prompt_ids, response_ids, truncated, logprobs[row, : len(response_ids)].tolist()
 
 
 def shared_prompt_cache(model, input_ids, attention_mask) -> dict:

@@ -39,7 +39,8 @@ def make_engine(model, cfg, tokenizer, *, temperature: float, top_p: float) -> C
 
 def generate_continuous(engine: ContinuousEngine, prompts: Sequence[list[int]], seeds: Sequence[Optional[int]], *,
                         max_new_tokens: int) -> list[tuple[list[int], list[int], bool, list[float]]]:
-    """``(prompt_ids, response_ids, truncated, behaviour_logprobs)`` per prompt, in order (seed None: greedy)."""
+    """``(prompt_ids, response_ids, truncated, generation_logprobs)`` per prompt, in order (seed None: greedy); the
+    log-probs are the engine's (after temperature, before top-p), on-policy (``Rollout.generation_logprobs``)."""
     finished = {f.key: f for f in engine.run([Request(i, list(p), max_new_tokens, seed=s)
                                               for i, (p, s) in enumerate(zip(prompts, seeds))])}
     return [(list(p), finished[i].new_ids, not finished[i].ended, finished[i].logprobs)

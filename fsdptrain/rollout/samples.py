@@ -38,6 +38,9 @@ class Samples:
     answers: list[str]
     """The text a majority vote (``eval/maj@n``) reads: the completion, or a trajectory's last assistant turn."""
     response_masks: Optional[list[list[int]]] = None
+    generation_logprobs: Optional[list[list[float]]] = None
+    """Per sample, each sampled token's log-prob as the generating forward computed it (``Rollout.generation_logprobs``);
+    None: the engine did not record them."""
     """1 on the ids the policy sampled, 0 on those a tool or the template wrote; None: all sampled."""
     conversations: Optional[list[list[dict]]] = None
     """The whole conversation per sample (the prompt's messages, then the turns), for reward models with a chat

@@ -52,10 +52,11 @@ class SingleTurnSampler:
             outputs = self._generate(models, rows, repeat=repeat, sample=mode == "train", seed=generator_seed,
                                      device=device, row_seeds=row_seeds)
         completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _, *_ in outputs]
+        generated = [list(out[3]) for out in outputs] if mode == "train" else None
         return Samples(prompt_ids=[out[0] for out in outputs], response_ids=[out[1] for out in outputs],
                        truncated=[out[2] for out in outputs],
                        prompts=[row.text for row in rows for _ in range(repeat)], completions=completions,
-                       response_texts=completions, answers=completions)
+                       response_texts=completions, answers=completions, generation_logprobs=generated)
 
     def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device,
                   row_seeds: Optional[list[int]] = None):
@@ -70,7 +71,7 @@ class SingleTurnSampler:
                 models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
                 temperature=temperature, top_p=rollout.top_p if sample else 1.0,
                 do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds,
-                share_prompt_prefill=repeat > 1 and row_seeds is None)
+                share_prompt_prefill=repeat > 1 and row_seeds is None, record_logprobs=sample)
 
     def _continuous(self, models: Models, rows: list[PromptRow], *, repeat: int, mode: SampleMode, device,
                     row_seeds: Optional[list[int]]):

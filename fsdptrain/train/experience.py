@@ -50,7 +50,7 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.distill import DistillSettings, distill_advantages, distill_metrics
-from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.rl.metrics import Max, Mean, Metrics, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.rollout_correction import (
     RejectionSettings,
@@ -310,6 +310,21 @@ def off_policy_metrics(old_R: Sequence[Tensor], behaviour_R: Sequence[Optional[T
     return off_policy_diagnostics(old_BR.double(), behaviour_BR.double(), mask_BR).prefixed("rollout_corr/")
 
 
+def logprob_diff_metrics(old_R: Sequence[Tensor], generated_R: Sequence[Optional[Tensor]],
+                         masks: Sequence[Optional[Tensor]]) -> Metrics:
+    """``rollout/logprob_diff/mean`` and ``/max``: |training forward - generating forward| log-prob, over the policy
+    tokens (``masks``; None: all) of this rank's rollouts that carry ``generation_logprobs`` (the others are left
+    out). A token-pooled MEAN (total and count) and a MAX, reduced over ranks with the step's other experience
+    metrics, so the value is the same at any dp size and packing. No rollout carries them: empty, never 0.0."""
+    carried = [(o, g, m) for o, g, m in zip(old_R, generated_R, masks) if g is not None]
+    if not carried:
+        return Metrics({})
+    diff_BR, mask_BR = _pad([(o.double() - g.double()).abs() for o, g, _ in carried], [m for _, _, m in carried])
+    valid = mask_BR.bool()
+    return Metrics({"rollout/logprob_diff/mean": Mean.of(diff_BR, valid),
+                    "rollout/logprob_diff/max": Max.of(diff_BR, valid)})
+
+
 def rejected(old_R: Sequence[Tensor], behaviour_R: Sequence[Tensor], masks: Sequence[Optional[Tensor]],
              settings: RejectionSettings) -> tuple[list[Optional[Tensor]], Metrics]:
     """Per sequence, its mask after rejection sampling (`rollout_rejection` over its policy tokens: by ratio, by
@@ -351,7 +366,10 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     on_policy = all(b is None for b in behaviour)
     behaviour_or_old = [b if b is not None else o for b, o in zip(behaviour, old)]  # none carried: ratio 1
     weights, kept, metrics = _off_policy_corrections(old, behaviour_or_old, masks, settings)
-    metrics = merge_all([off_policy_metrics(old, behaviour, masks), metrics])
+    generated = [torch.tensor(r.generation_logprobs, dtype=torch.float32) if r.generation_logprobs is not None
+                 else None for r in rollouts]
+    metrics = merge_all([off_policy_metrics(old, behaviour, masks), logprob_diff_metrics(old, generated, masks),
+                         metrics])
     if settings.rollout_correction == "none":  # without a correction the behaviour log-probs are the old policy's
         old = behaviour_or_old
     ref = reference_logprobs(models.reference, rollouts, **logprob_args)
