@@ -110,7 +110,7 @@ def _preflight(cfg: DictConfig) -> None:
         return
     from fsdptrain.config import multi_turn, reward_specs
     from fsdptrain.rewards.loading import load_reward_functions
-    from fsdptrain.train.trackers import missing_backend_message
+    from fsdptrain.run.trackers import missing_backend_message
 
     if cfg.data.source == "prompts":
         from fsdptrain.data.prompt_files import check_local_paths
@@ -145,7 +145,7 @@ def _preflight_sft(cfg: DictConfig) -> None:
     from fsdptrain.data.prompt_files import check_local_paths
     from fsdptrain.train.build import build_tokenizer
     from fsdptrain.train.sft import load_rows
-    from fsdptrain.train.trackers import missing_backend_message
+    from fsdptrain.run.trackers import missing_backend_message
 
     def plain(value):
         return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
@@ -187,7 +187,7 @@ def _check_command_source(command: str, cfg: DictConfig) -> None:
 def _claim_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """Check, lock and claim the run directory for this run (rank 0 under torchrun; the parent otherwise)."""
     from fsdptrain.preflight import check_run_dir
-    from fsdptrain.train.run_ownership import claim_run_dir, lock_run_dir, refuse_foreign_folder
+    from fsdptrain.run.ownership import claim_run_dir, lock_run_dir, refuse_foreign_folder
 
     where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
     refuse_foreign_folder(run_dir, where)  # before the lock or the probe touch the user's folder

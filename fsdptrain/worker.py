@@ -95,7 +95,7 @@ def _option(options: list[str], name: str) -> str | None:
 
 def run_and_exit(command: str, cfg: DictConfig, run_dir: str, options: list[str]) -> None:
     """Run this rank and leave through the one exit path, whatever happens (internal errors keep their traceback)."""
-    from fsdptrain.train.signals import StoppedInUserCode
+    from fsdptrain.run.signals import StoppedInUserCode
 
     try:
         code = run_rank(command, cfg, run_dir, options)

@@ -9,7 +9,7 @@ from fsdptrain.data.offline import load_jsonl_rollouts
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.rl.metrics import Max, Metrics
 from fsdptrain.train.build import Models
-from fsdptrain.train.console import log
+from fsdptrain.run.console import log
 
 
 class OfflineSource:

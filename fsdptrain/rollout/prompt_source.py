@@ -38,7 +38,7 @@ from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
 from fsdptrain.rollout.single_turn import SingleTurnSampler
 from fsdptrain.train.build import Models
 from fsdptrain.train.perf import phase
-from fsdptrain.train.signals import user_code
+from fsdptrain.run.signals import user_code
 
 
 def _task_rows(rows: list[dict]) -> list[PromptRow]:

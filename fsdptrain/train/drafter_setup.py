@@ -35,7 +35,7 @@ from fsdptrain.rl.metrics import Max, Metrics
 from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.build import DTYPES
-from fsdptrain.train.run_dir import guard_of_layout_1
+from fsdptrain.run.checkpointer import guard_of_layout_1
 
 DEFAULT_DRAFT_VOCAB = 32000
 DRAFTER_SEED_OFFSET = 7919

@@ -4,7 +4,7 @@ checkpoint.
 :meth:`Trainer.run_step` reads top to bottom as the data path of docs/architecture.md and calls components only:
 the rollout source (fsdptrain/rollout/source.py), the experience passes (experience.py), the update of one
 mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py); :func:`_run` logs each step and saves
-checkpoints (run_dir.py). Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone prints
+checkpoints (fsdptrain/run/checkpointer.py). Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone prints
 and writes the run directory.
 
 Optional features plug in as an :class:`Extension` (docs/architecture.md, "Extensions"): :func:`build_extensions` is
@@ -38,7 +38,7 @@ from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
-from fsdptrain.train.console import (
+from fsdptrain.run.console import (
     log,
     print_samples,
     print_start_report,
@@ -48,8 +48,8 @@ from fsdptrain.train.console import (
     stats_line,
 )
 from fsdptrain.rollout.source import build_source, resolve_steps
-from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.train.run_files import MetricsFiles, write_samples
+from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
+from fsdptrain.run.files import MetricsFiles, write_samples
 from fsdptrain.train.build import (
     build_models,
     build_tokenizer,
@@ -60,7 +60,7 @@ from fsdptrain.train.build import (
     skips_old_passes,
     value_settings,
 )
-from fsdptrain.train.signals import StopRequest
+from fsdptrain.run.signals import StopRequest
 from fsdptrain.train.step import (
     AuxiliaryLoss,
     MiniBatch,
@@ -69,7 +69,7 @@ from fsdptrain.train.step import (
     replica_metrics,
     update_on_minibatch,
 )
-from fsdptrain.train.trackers import Trackers
+from fsdptrain.run.trackers import Trackers
 
 
 class Extension(Protocol):

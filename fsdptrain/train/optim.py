@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from fsdptrain.config.schema import LR_SCHEDULES
 from fsdptrain.distributed.world import any_flag
 from fsdptrain.model.build import trainable_parameters
-from fsdptrain.train.console import log
+from fsdptrain.run.console import log
 
 
 def build_optimizer(

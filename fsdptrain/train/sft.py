@@ -43,14 +43,14 @@ from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, final
 from fsdptrain.rl.packed_loss import token_logprobs_entropy
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.train.build import build_tokenizer, build_trained_policy, resolve_device_type
-from fsdptrain.train.console import log, progress_columns, quiet_known_warnings
+from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.perf import StepTimer, phase
-from fsdptrain.train.run_dir import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.train.run_files import MetricsFiles
-from fsdptrain.train.signals import StopRequest
+from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
+from fsdptrain.run.files import MetricsFiles
+from fsdptrain.run.signals import StopRequest
 from fsdptrain.train.step import MiniBatch, update_on_minibatch
-from fsdptrain.train.trackers import Trackers
+from fsdptrain.run.trackers import Trackers
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The checkpointer's state protocol (fsdptrain/train/run_dir.py, docs/checkpointing.md): every part saves itself,
+"""The checkpointer's state protocol (fsdptrain/run/checkpointer.py, docs/checkpointing.md): every part saves itself,
 and a checkpoint of the older layout (counters written one by one into `extra`) loads into the same parts."""
 
 from pathlib import Path
@@ -10,7 +10,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
-from fsdptrain.train.run_dir import STATE_LAYOUT, saved_states
+from fsdptrain.run.checkpointer import STATE_LAYOUT, saved_states
 
 # trainer_state.pt's `extra` as layout 1 wrote it (fsdptrain before the state protocol), with a drafter
 LAYOUT_1 = {

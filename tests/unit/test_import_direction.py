@@ -30,6 +30,7 @@ FORBIDDEN = {
     "fsdptrain.distributed": ("fsdptrain.rl", "fsdptrain.train", "fsdptrain.check", "fsdptrain.rollout"),
     "fsdptrain.rollout": ("fsdptrain.train", "fsdptrain.check"),
     "fsdptrain.train": ("fsdptrain.check",),
+    "fsdptrain.run": ("fsdptrain.train", "fsdptrain.rollout", "fsdptrain.check"),
     "fsdptrain.config": ("torch", "fsdptrain.model", "fsdptrain.data", "fsdptrain.distributed", "fsdptrain.train",
                          "fsdptrain.check", "fsdptrain.rewards", "fsdptrain.rollout"),
 }
@@ -40,11 +41,9 @@ ONLY_FSDPTRAIN = {
     "fsdptrain.rl": ("fsdptrain.rl", "fsdptrain.registry"),
 }
 # part -> the modules it may import despite FORBIDDEN: the collectives reduce the typed metric containers; rollouts
-# use train/'s leaf helpers (the models' bundle, the phase timer, the console, the user-code signal grace), which import
-# nothing of the loop
+# use train/'s leaf helpers (the models' bundle, the phase timer), which import nothing of the loop
 ALLOWED = {"fsdptrain.distributed": ("fsdptrain.rl.metrics", "fsdptrain.rl.metric_buffers"),
-           "fsdptrain.rollout": ("fsdptrain.train.build", "fsdptrain.train.perf", "fsdptrain.train.console",
-                                 "fsdptrain.train.signals")}
+           "fsdptrain.rollout": ("fsdptrain.train.build", "fsdptrain.train.perf")}
 TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.compose", "fsdptrain.launch", "fsdptrain.distributed.torchrun",
                         "fsdptrain.config", "fsdptrain.registry")
 

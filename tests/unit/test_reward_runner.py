@@ -235,7 +235,7 @@ import os, sys
 if __name__ == "__main__":  # imports here: a spawned worker re-runs this file's top level
     from fsdptrain.rewards.loading import load_reward_functions
     from fsdptrain.rewards.runner import RewardBatch, RewardRunner
-    from fsdptrain.train.signals import StopRequest, StoppedInUserCode, user_code
+    from fsdptrain.run.signals import StopRequest, StoppedInUserCode, user_code
 
     StopRequest(grace_s=1.0).install()
     runner = RewardRunner(load_reward_functions([sys.argv[1]]), num_workers=int(sys.argv[2]))

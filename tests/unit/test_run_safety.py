@@ -18,7 +18,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.distributed.checkpoint import MARKER, prune_checkpoints
 from fsdptrain.distributed.files import append_line, read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.checks import safetensors_problem
-from fsdptrain.train.run_ownership import claim_run_dir, config_changes, lock_run_dir, run_id
+from fsdptrain.run.ownership import claim_run_dir, config_changes, lock_run_dir, run_id
 
 
 def test_write_atomic_replaces_and_leaves_no_temp(tmp_path):
@@ -49,7 +49,7 @@ def test_lock_refuses_a_second_process_and_is_released_when_the_holder_dies(tmp_
     code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from fsdptrain.train.run_ownership import lock_run_dir
+        from fsdptrain.run.ownership import lock_run_dir
         lock_run_dir(Path({str(tmp_path)!r}))
         print("locked", flush=True)
         time.sleep(60)
@@ -161,7 +161,7 @@ def test_a_folder_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_path,
 
 
 def test_which_folders_are_fsdptrains_own(tmp_path):
-    from fsdptrain.train.run_ownership import foreign_entries
+    from fsdptrain.run.ownership import foreign_entries
 
     assert foreign_entries(tmp_path / "missing") == [] and foreign_entries(tmp_path) == []
     (tmp_path / ".lock").write_text("1\n")

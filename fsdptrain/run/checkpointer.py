@@ -17,8 +17,8 @@ from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, n
 from fsdptrain.distributed.export import export_hf, export_lora
 from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.lora import has_adapters
-from fsdptrain.train.console import log
-from fsdptrain.train.run_ownership import run_id
+from fsdptrain.run.console import log
+from fsdptrain.run.ownership import run_id
 
 STATE_LAYOUT = 2
 """The layout of ``extra`` in trainer_state.pt: 2 holds ``states`` (name -> state dict). Layout 1 (no
