@@ -313,10 +313,10 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
 
     `shard` (fsdptrain.distributed.context_parallel.ContextShard) all-gathers the keys and values of the CP group into
     the row's order (`gather`, differentiable) and holds the split (`split.pieces`: fsdptrain/data/context_split.py).
-    A piece of q queries and k >= q keys, causal aligned bottom-right, runs as square causal attention over k rows
-    whose first k - q queries are zeros (discarded, so they get no gradient): no `[q, k]` mask exists (a mask sends
-    the CPU kernel to `[heads, q, k]` scores; measured in docs/performance.md), at the price of the dummy rows'
-    compute."""
+    A piece of q queries and k keys, causal aligned bottom-right, is square causal SDPA when k = q, and otherwise
+    `_RectangleSquare`: the rectangle of the k - q earlier keys (no mask) and the causal square, merged by their
+    log-sum-exp. No `[q, k]` mask exists (a mask sends the CPU kernel to `[heads, q, k]` scores) and no query is
+    computed that is not this rank's (docs/performance.md)."""
     _check_context_call(module, attention_mask, dropout, kwargs)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     key_T, value_T = shard.gather(key), shard.gather(value)
@@ -326,13 +326,124 @@ def context_parallel_attention(module: torch.nn.Module, query: torch.Tensor, key
         q = query[:, :, piece.q_start:piece.q_end]
         k = key_T[:, :, piece.k_start:piece.k_end]
         v = value_T[:, :, piece.k_start:piece.k_end]
-        num_dummy = piece.num_keys - piece.num_queries
-        if num_dummy:
-            q = F.pad(q, (0, 0, num_dummy, 0))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_groups > 1)
-        outs.append(out[:, :, num_dummy:])
+        if piece.num_keys == piece.num_queries:
+            outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_groups > 1))
+        else:
+            outs.append(_RectangleSquare.apply(q, k, v, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+class _RectangleSquare(torch.autograd.Function):
+    """Attention of n queries `[1, Hq, n, D]` on m > n keys `[1, Hkv, m, D]`, causal aligned bottom-right (query i
+    sees keys j <= m - n + i), as ring attention computes a block: the rectangle (every query on the m - n earlier
+    keys, no mask) and the square (the last n keys, causal), each with its log-sum-exp of the scaled scores, merged:
+
+        lse = logaddexp(lse_rect, lse_square),   out = exp(lse_rect - lse) out_rect + exp(lse_square - lse) out_square
+
+    Backward: attention's gradient is a sum over key blocks once the softmax's row statistics are the merged ones
+    (P_ij = exp(s_ij - lse_i), delta_i = dO_i . O_i), so the backward of each part's kernel, handed the merged out and
+    lse, gives that part's exact share: dq sums the two, dk and dv concatenate.
+
+    Why a custom Function rather than autograd through two SDPA outputs: the merge weights need each part's lse as a
+    differentiable function of q and k, and public SDPA returns none; computing it apart costs the `[Hq, n, m]`
+    scores (or a blocked recompute with a backward of its own, a custom Function again). Here the kernels return the
+    lse with the output, and autograd keeps only q, k, v (views of tensors alive anyway), the merged out and one fp32
+    lse per query and head."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale: float):
+        split = key.shape[2] - query.shape[2]
+        rect_out, rect_lse = _attend(query, key[:, :, :split], value[:, :, :split], causal=False, scale=scale)
+        square_out, square_lse = _attend(query, key[:, :, split:], value[:, :, split:], causal=True, scale=scale)
+        lse = torch.logaddexp(rect_lse, square_lse)
+        out = (rect_out.float() * (rect_lse - lse).exp().unsqueeze(-1)
+               + square_out.float() * (square_lse - lse).exp().unsqueeze(-1)).to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        split = key.shape[2] - query.shape[2]
+        grad_out = grad_out.contiguous()
+        rect = _attend_backward(grad_out, query, key[:, :, :split], value[:, :, :split], out, lse, causal=False,
+                                scale=ctx.scale)
+        square = _attend_backward(grad_out, query, key[:, :, split:], value[:, :, split:], out, lse, causal=True,
+                                  scale=ctx.scale)
+        return rect[0] + square[0], torch.cat([rect[1], square[1]], dim=2), torch.cat([rect[2], square[2]], dim=2), None
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[1, Hq, n, D]`, fp32 lse `[1, Hq, n]` of the scaled scores) of n queries on m keys (GQA not expanded);
+    `causal`: n = m and query i sees keys j <= i. The CPU's fused flash kernel, else `_blocked_attend`."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
+    return _blocked_attend(query, key, value, causal=causal, scale=scale)
+
+
+def _attend_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `_attend` with the softmax's row statistics `out`, `lse` (possibly those of a merge)."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, 0.0, causal, scale=scale)
+    return _blocked_attend_backward(grad_out, query, key, value, out, lse, causal=causal, scale=scale)
+
+
+_BLOCK = 256
+"""Queries per block of `_blocked_attend`: its scores are `[Hq, _BLOCK, m]` fp32 at a time."""
+
+
+def _blocked_scores(query_b: torch.Tensor, key: torch.Tensor, first: int, causal: bool, scale: float) -> torch.Tensor:
+    """fp32 `[1, Hq, b, m]` scaled scores of the queries from `first` on (GQA expanded keys), -inf where masked."""
+    scores = torch.matmul(query_b.float(), key.float().transpose(2, 3)) * scale
+    if causal:
+        rows = torch.arange(first, first + query_b.shape[2], device=scores.device)[:, None]
+        scores = scores.masked_fill(torch.arange(key.shape[2], device=scores.device)[None, :] > rows, float("-inf"))
+    return scores
+
+
+def _blocked_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` on any device: the queries `_BLOCK` at a time, each block's scores materialised in fp32."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    outs, lses = [], []
+    for first in range(0, query.shape[2], _BLOCK):
+        scores = _blocked_scores(query[:, :, first:first + _BLOCK], key, first, causal, scale)
+        lse = scores.logsumexp(dim=-1)
+        outs.append(torch.matmul((scores - lse.unsqueeze(-1)).exp(), value.float()).to(query.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _blocked_attend_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_attend_backward` on any device: with P = exp(s - lse) and delta = rowsum(dO * O),
+    dV = P^T dO, dS = P * (dO V^T - delta), dQ = scale dS K, dK = scale dS^T Q (then summed over each kv head's
+    query heads)."""
+    num_kv, groups = key.shape[1], query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1).float(), value.repeat_interleave(groups, dim=1).float()
+    delta = (grad_out.float() * out.float()).sum(dim=-1)
+    grad_query, grad_key, grad_value = [], torch.zeros_like(key), torch.zeros_like(value)
+    for first in range(0, query.shape[2], _BLOCK):
+        last = first + _BLOCK
+        query_b, grad_out_b = query[:, :, first:last].float(), grad_out[:, :, first:last].float()
+        probs = (_blocked_scores(query_b, key, first, causal, scale) - lse[:, :, first:last].unsqueeze(-1)).exp()
+        grad_value += torch.matmul(probs.transpose(2, 3), grad_out_b)
+        grad_scores = probs * (torch.matmul(grad_out_b, value.transpose(2, 3)) - delta[:, :, first:last].unsqueeze(-1))
+        grad_query.append(torch.matmul(grad_scores, key) * scale)
+        grad_key += torch.matmul(grad_scores.transpose(2, 3), query_b) * scale
+
+    def per_kv_head(grad: torch.Tensor) -> torch.Tensor:
+        return grad.unflatten(1, (num_kv, groups)).sum(dim=2).to(out.dtype)
+
+    return torch.cat(grad_query, dim=2).to(query.dtype), per_kv_head(grad_key), per_kv_head(grad_value)
 
 
 @dataclass(frozen=True)
