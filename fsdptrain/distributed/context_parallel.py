@@ -13,8 +13,8 @@ Why all-gathered keys and values rather than ring passes or Ulysses' all-to-all:
 any length, and gloo (the CPU) has neither an overlapped ring nor a cheap all-to-all; one all-gather per layer is
 exact for any segment layout and any number of heads (Ulysses needs the kv heads divisible by cp). Its volume per
 layer and rank: forward, gathering K and V, receives 2 x (cp - 1)/cp x T x num_kv_heads x head_dim elements;
-backward all-reduces their gradients over the whole row, 2 x 2 (cp - 1)/cp x T x num_kv_heads x head_dim (a ring
-all-reduce), and under activation checkpointing the recomputed forward gathers once more.
+backward reduce-scatters their gradients (each rank's queries reach the whole row's keys), sending as many as the
+forward received, and under activation checkpointing the recomputed forward gathers once more.
 
 The gradient's factor: FSDP2 averages gradients over every rank of its mesh, dp x cp; the CP group's ranks' gradients
 sum to its row's, so the loss carries dp x cp (`grad_average_size`), and the global normalisers count each token once
@@ -80,8 +80,8 @@ class _GatherRow(torch.autograd.Function):
 
     Backward: with ``replicated_loss`` the loss downstream is the same on every rank of the group (each computed it
     over the whole gathered row), so each rank keeps its own positions' gradient; otherwise the downstream
-    computation is this rank's own (its queries on the gathered keys), and the gradients of the group are summed
-    (an all-reduce) before each rank takes its positions'."""
+    computation is this rank's own (its queries on the gathered keys), and each rank receives the group's sum of the
+    gradients at its own positions (a reduce-scatter: each rank sends the others' positions only)."""
 
     @staticmethod
     def forward(ctx, local, shard: "ContextShard", dim: int, replicated_loss: bool):
@@ -92,11 +92,13 @@ class _GatherRow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_T):
-        grad_T = grad_T.contiguous()
-        if not ctx.replicated_loss:
-            grad_T = grad_T.clone()
-            torch.distributed.all_reduce(grad_T, group=ctx.shard.group.group)
-        return ctx.shard.split.take(grad_T, ctx.dim), None, None, None
+        shard, dim = ctx.shard, ctx.dim
+        if ctx.replicated_loss:
+            return shard.split.take(grad_T, dim), None, None, None
+        parts = [shard._split_of(rank).take(grad_T, dim).contiguous() for rank in range(shard.group.size)]
+        grad_L = torch.empty_like(parts[shard.group.rank])
+        torch.distributed.reduce_scatter(grad_L, parts, group=shard.group.group)
+        return grad_L, None, None, None
 
 
 @dataclass

@@ -356,10 +356,11 @@ class _RectangleSquare(torch.autograd.Function):
         split = key.shape[2] - query.shape[2]
         rect_out, rect_lse = _attend(query, key[:, :, :split], value[:, :, :split], causal=False, scale=scale)
         square_out, square_lse = _attend(query, key[:, :, split:], value[:, :, split:], causal=True, scale=scale)
-        lse = torch.logaddexp(rect_lse, square_lse)
-        out = (rect_out.float() * (rect_lse - lse).exp().unsqueeze(-1)
-               + square_out.float() * (square_lse - lse).exp().unsqueeze(-1)).to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse)
+        # in fp64, rounded once: the merge adds no error of its own to the kernels' (fp32 would add a few ulp)
+        lse = torch.logaddexp(rect_lse.double(), square_lse.double())
+        out = rect_out.double().mul_((rect_lse - lse).exp_().unsqueeze(-1))
+        out = out.add_(square_out.double().mul_((square_lse - lse).exp_().unsqueeze(-1))).to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse.float())
         ctx.scale = scale
         return out
 
