@@ -66,9 +66,11 @@ def _default_run_name() -> str:
 
 
 def _run_dir(cfg: DictConfig) -> Path:
+    """The run directory, made absolute here, once: the user's code (a reward function, a tool, an environment) may
+    change the working directory later, and no file of the run is ever found through it (docs/checkpointing.md)."""
     if cfg.trainer.run_dir is not None:
-        return Path(cfg.trainer.run_dir)
-    return Path("runs") / (cfg.trainer.run_name or _default_run_name())
+        return Path(cfg.trainer.run_dir).absolute()
+    return (Path("runs") / (cfg.trainer.run_name or _default_run_name())).absolute()
 
 
 UNSUPPORTED_CFG_VALUES = ("job", "hydra", "all")

@@ -134,7 +134,7 @@ def reference(tmp_path_factory):
 
 def test_resume_auto_without_checkpoint_starts_fresh_and_says_so(reference):
     out = reference["result"].stdout
-    assert "trainer.resume=auto: no complete checkpoint in runs/A; starting fresh" in out, out
+    assert f"trainer.resume=auto: no complete checkpoint in {reference['run_dir']}; starting fresh" in out, out
     assert [m["step"] for m in reference["metrics"]] == [0, 1, 2, 3]
     assert sorted(p.name for p in (reference["run_dir"] / "checkpoints").iterdir()) == [
         "step_00000002", "step_00000004"]
@@ -317,7 +317,7 @@ def test_sigterm_saves_exits_zero_and_resumes(reference, tmp_path):
     stopped_at = len(read_metrics(run_t))
     assert 1 <= stopped_at < 200
     name = f"step_{stopped_at:08d}"
-    assert (f"interrupted: saved checkpoint {name} in runs/T/checkpoints; resume with trainer.run_name=T "
+    assert (f"interrupted: saved checkpoint {name} in {run_t}/checkpoints; resume with trainer.run_name=T "
             "trainer.resume=auto") in stdout, stdout
     assert (run_t / "checkpoints" / name / "complete.json").is_file()
     assert not (run_t / "export").exists()  # an interrupted run is not finished: no export
