@@ -304,10 +304,15 @@ def save_checkpoint(
     `load_checkpoint`. The RNG states of every rank are captured here; the caller need not pass them.
     keep: if given, rank 0 then deletes all but the newest `keep` complete checkpoints (and stale temp folders).
     run_id: the run's lineage, written into the marker; rotation then counts and deletes only that lineage's.
-    An existing checkpoint of the same step is replaced.
+    An existing checkpoint of the same step is replaced when it is of the same lineage; one of another lineage (or
+    of none, when ``run_id`` is given) is never touched: the save raises ValueError before writing anything.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    foreign = foreign_checkpoint(run_dir, step, run_id)
+    if foreign is not None:
+        raise ValueError(f"{foreign} is a checkpoint of another run (lineage {lineage_of(foreign)}, not {run_id}): "
+                         f"a save never replaces it")
     _check_names(models, optimizers)
     _check_plain(dict(extra), "")
     rank, world_size = world.rank(), world.world_size()
@@ -525,16 +530,40 @@ def lineage_of(path: Path) -> str | None:
         return None
 
 
-def newest_intact_checkpoint(run_dir: Path, run_id: str | None) -> Path | None:
-    """The newest complete checkpoint of the lineage ``run_id`` (or without one) that is whole; each newer damaged
-    one is skipped with a warning on stderr naming what is wrong."""
+def intact_checkpoint(run_dir: Path, run_id: str | None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of the lineage ``run_id`` (or without one) that is whole (None when none is),
+    and the newer damaged ones of that lineage with what is wrong with each, newest first."""
+    damaged = []
     for path in reversed(complete_checkpoints(run_dir)):
         owner = lineage_of(path)
         if run_id is not None and owner is not None and owner != run_id:
             continue
         problem = checkpoint_problem(path)
         if problem is None:
-            return path
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
+def warn_damaged(damaged: list[tuple[Path, str]]) -> None:
+    """One warning on stderr per damaged checkpoint that resume falls back past."""
+    for path, problem in damaged:
         print(f"warning: skipping damaged checkpoint {path}: {problem}; falling back to an older one",
               file=sys.stderr, flush=True)
-    return None
+
+
+def newest_intact_checkpoint(run_dir: Path, run_id: str | None) -> Path | None:
+    """:func:`intact_checkpoint`'s checkpoint; each newer damaged one is skipped with a warning on stderr."""
+    path, damaged = intact_checkpoint(run_dir, run_id)
+    warn_damaged(damaged)
+    return path
+
+
+def foreign_checkpoint(run_dir: str | os.PathLike, step: int, run_id: str | None) -> Path | None:
+    """The checkpoint folder of ``step`` when it exists and belongs to another lineage than ``run_id`` (or to none):
+    a save of this lineage must not replace it. None when the name is free or this lineage's (or ``run_id`` is None:
+    a caller without lineages)."""
+    final = checkpoint_dir(run_dir, step)
+    if run_id is None or not (final.exists() or final.is_symlink()):
+        return None
+    return None if lineage_of(final) == run_id else final
