@@ -230,6 +230,10 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
             _preflight_sft(cfg)
         else:
             check_inputs(cfg)
+        if command == "train":
+            from fsdptrain.preflight import check_training_data
+
+            check_training_data(cfg)  # the rows and the token budget, before the run folder is claimed
         if command in ("train", "sft") and env_rank() == 0:
             _claim_run_dir(cfg, Path(run_dir))
     except ConfigError as err:

@@ -197,8 +197,36 @@ def test_a_chat_template_that_fails_on_the_datas_roles_is_one_line_before_any_mo
                     "chat (roles system, user): TemplateError: only user messages"), line
     assert "policy:" not in result.stdout  # no model was built (its line comes first once one is)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    run = tmp_path / "runs" / "chat"
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert not (tmp_path / "runs").exists()  # the rows are read before the run folder is claimed
+
+
+# ---- checks that can run before the run folder is claimed run before it (issue 42, class 6) ----------------------
+
+OFFLINE_ROW = {"prompt": "what is 2+2?", "response": "four", "reward": 1.0, "group": 0}
+OFFLINE = ("data=jsonl", "data.path=rows.jsonl", "rollout.max_new_tokens=8", "rollout.prompts_per_step=1")
+
+
+@pytest.mark.parametrize(("rows", "args", "culprit"), [
+    ([{**OFFLINE_ROW, "response_mask": [1] * 9}], OFFLINE,
+     "rows.jsonl:1: 'response_mask' has 9 entries for 2 response tokens (EOS included)"),
+    ([OFFLINE_ROW, {**OFFLINE_ROW, "response_mask": [0, 2]}], OFFLINE,
+     "rows.jsonl:2: 'response_mask' must be a list of 0s and 1s, got [0, 2]"),
+    ([OFFLINE_ROW, {**OFFLINE_ROW, "response_mask": [0, 0]}], ("--nproc", "2", *OFFLINE, "rollout.prompts_per_step=2"),
+     "rows.jsonl:2: 'response_mask' has no 1"),
+    ([OFFLINE_ROW], (*OFFLINE, "trainer.token_budget=3"),
+     "trainer.token_budget=3 is smaller than a sequence of 6 tokens (prompt + response) in data.path"),
+    ([], ("trainer.token_budget=7",), "trainer.token_budget=7 is smaller than a sequence of 8 tokens this run can "
+                                      "make (its longest prompt, 4 tokens, + rollout.max_new_tokens=4)"),
+    ([], ("--nproc", "2", "trainer.token_budget=7"), "raise trainer.token_budget to at least 8"),
+    ([{"prompt": "2+2", "answer": "4"}, {"prompt": "", "answer": "1"}],
+     ("data=prompts", "data.path=rows.jsonl", "data.num_eval_prompts=0", "reward.functions=[exact_match]"),
+     "rows.jsonl: row 1 (0-based), column 'prompt': empty prompt"),
+])
+def test_a_bad_row_or_a_budget_below_a_sequence_leaves_no_run_folder(tmp_path, rows, args, culprit):
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = one_error_line(run_cli("train", *TINY, "trainer.steps=1", *args, "trainer.run_name=r", cwd=tmp_path))
+    assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]  # no runs/ at all
 
 
 # ---- several ranks (item 8) and a stop signal during a hung reward call (item 4) ----------------------------------
