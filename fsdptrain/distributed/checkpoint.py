@@ -378,26 +378,29 @@ def load_checkpoint(
     checkpoint at `path`; return the saved `extra`. Collective: every rank calls it.
 
     The models and optimizers must be built exactly as for the save (same architecture, same names); the world size
-    may differ (DCP reshards the DTensor shards; RNG as in the module docstring). Rank 0 first deletes stale temp
-    folders of the run. Only load checkpoints you trust: DCP metadata is a pickle.
+    may differ (DCP reshards the DTensor shards; RNG as in the module docstring). Other parts, or models whose
+    tensors differ in name or shape from the checkpoint's metadata, raise :class:`CheckpointMismatch` before any
+    tensor is read. Rank 0 first deletes stale temp folders of the run. Only load checkpoints you trust: DCP metadata
+    is a pickle.
     """
     path = Path(path)
     info = checkpoint_info(path)
     _check_names(models, optimizers)
     try:
-        read_dcp_metadata(path)  # DCP unpickles .metadata without restriction: refuse what would run code first
+        metadata = read_dcp_metadata(path)  # DCP unpickles .metadata without restriction: refuse code first
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"checkpoint {path}: .metadata is not checkpoint metadata ({err})") from None
     for kind, given in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
         if sorted(given) != info[kind]:
-            raise ValueError(
-                f"checkpoint {path} holds {kind} {info[kind]} but {sorted(given)} were given: build the same "
-                f"{kind} as the run that saved it"
-            )
+            raise CheckpointMismatch(f"checkpoint {path} holds {kind} {info[kind]} but this run builds "
+                                     f"{sorted(given)}")
+    state = _sharded_state(models, optimizers)
+    mismatch = shape_mismatch(saved_shapes(metadata), state["models"])
+    if mismatch is not None:  # before DCP reads a byte: it would fail deep inside with a long traceback
+        raise CheckpointMismatch(f"checkpoint {path} does not fit the models this run builds: {mismatch}")
     if world.rank() == 0:
         remove_stale_temp_dirs(path.parent.parent)
 
-    state = _sharded_state(models, optimizers)
     dcp.load(state, checkpoint_id=path)
     for name, model in models.items():
         if name in optimizers:
@@ -418,6 +421,40 @@ def load_checkpoint(
         _restore_rng(path, world.rank())
     _barrier()
     return trainer_state["extra"]
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint holds other parts, names or shapes than the run builds (a resume across a change of the model's
+    shape: LoRA on or off, another rank, another size): the message names the first difference."""
+
+
+def saved_shapes(metadata) -> dict[str, tuple[int, ...]]:
+    """``{flattened key: global shape}`` of every tensor DCP's metadata records (``models.<name>.<fqn>``, ...)."""
+    return {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items() if hasattr(meta, "size")}
+
+
+def shape_mismatch(saved: dict[str, tuple[int, ...]], built: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The first difference between the models' tensors a checkpoint holds (``saved``, from :func:`saved_shapes`)
+    and the models' state this run builds (``built``: name -> fqn -> tensor; DTensor shapes are global), as one
+    phrase; None when every name and shape agrees."""
+    for name, state in built.items():
+        prefix = f"models.{name}."
+        held = {key[len(prefix):]: shape for key, shape in saved.items() if key.startswith(prefix)}
+        here = {key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
+        resized = [key for key in sorted(set(held) & set(here)) if held[key] != here[key]]
+        missing, unknown = sorted(set(here) - set(held)), sorted(set(held) - set(here))
+        parts = []
+        if resized:
+            key = resized[0]
+            parts.append(f"{len(resized)} {name} tensor(s) differ in shape ({key}: {list(held[key])} in the "
+                         f"checkpoint, {list(here[key])} here)")
+        if missing:
+            parts.append(f"{len(missing)} {name} tensor(s) this run trains are not in it ({missing[0]})")
+        if unknown:
+            parts.append(f"{len(unknown)} {name} tensor(s) in it are not trained here ({unknown[0]})")
+        if parts:
+            return "; ".join(parts)
+    return None
 
 
 # Integrity: is a checkpoint whole? What resume checks before it trusts the newest one.

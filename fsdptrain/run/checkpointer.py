@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from fsdptrain.config import ConfigError
+from fsdptrain.distributed import world
 from fsdptrain.distributed.checkpoint import (
+    CheckpointMismatch,
     checkpoint_info,
     foreign_checkpoint,
     intact_checkpoint,
@@ -26,7 +28,7 @@ from fsdptrain.distributed.export import export_hf, export_lora
 from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.lora import has_adapters
 from fsdptrain.run.console import log
-from fsdptrain.run.ownership import run_id
+from fsdptrain.run.ownership import record_config_change, run_id
 
 STATE_LAYOUT = 2
 """The layout of ``extra`` in trainer_state.pt: 2 holds ``states`` (name -> state dict). Layout 1 (no
@@ -104,8 +106,13 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
     refuse_foreign_checkpoints(run_dir, planned_saves(cfg, start, num_steps))
     prepare(checkpoint_info(path)["models"])
     checkpointed = parts()
-    extra = load_checkpoint(path, models=checkpointed.models, optimizers=checkpointed.optimizers,
-                            schedulers=checkpointed.schedulers)
+    try:
+        extra = load_checkpoint(path, models=checkpointed.models, optimizers=checkpointed.optimizers,
+                                schedulers=checkpointed.schedulers)
+    except CheckpointMismatch as err:
+        raise ConfigError(f"{err}: a resume cannot change the shape of what trains (trainer.allow_config_change "
+                          f"accepts the change, not a conversion); resume with the run's model settings, or start a "
+                          f"new run from its export (docs/checkpointing.md)") from None
     per_step, key = rows_per_step(cfg)
     if extra["data_position"] != extra["step"] * per_step:
         raise ConfigError(
@@ -123,6 +130,8 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
                 part.load_state_dict(states[name])
             except ConfigError as err:
                 raise ConfigError(f"{path}: {err}") from None
+    if world.rank() == 0:
+        record_config_change(cfg, run_dir)
     log(f"resumed from {path} after step {extra['step']}")
     return int(extra["step"])
 
@@ -139,7 +148,8 @@ def refuse_losing_history(run_dir: Path, damaged: list[tuple[Path, str]]) -> Non
                           f"trainer.overwrite=true (deletes the run's checkpoints and metrics) or another "
                           f"trainer.run_name")
     metrics = run_dir / "metrics.jsonl"
-    logged = sum(1 for line in metrics.read_text(errors="replace").splitlines() if line.strip()) if metrics.is_file() else 0
+    lines = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
+    logged = sum(1 for line in lines if line.strip())
     if logged:
         raise ConfigError(f"trainer.resume=auto: {run_dir} holds {logged} logged step(s) in metrics.jsonl but no "
                           f"checkpoint to continue them from; nothing was changed: start over with "

@@ -209,6 +209,36 @@ def test_a_save_never_replaces_another_lineages_checkpoint(run_copy):
     assert kept(run_copy) == before
 
 
+@pytest.fixture(scope="module")
+def lora_used(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("lora_used")
+    result = run_cli("train", *TINY, "trainer.steps=1", "checkpoint.every=1", "model.lora.r=4", "trainer.run_name=l",
+                     cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return cwd / "runs" / "l"
+
+
+@pytest.mark.parametrize(("base", "change", "culprit"), [
+    ("full", "model.lora.r=8", "policy tensor(s) this run trains are not in it (model.layers.0.mlp.down_proj.lora_A"),
+    ("full", "model.hidden_size=128", "differ in shape (lm_head.weight: [24, 64] in the checkpoint, [24, 128] here)"),
+    ("lora", "model.lora.r=0", "policy tensor(s) in it are not trained here (model.layers.0.mlp.down_proj.lora_A"),
+    ("lora", "model.lora.r=8", "lora_A.default.weight: [4, 128] in the checkpoint, [8, 128] here"),
+])
+def test_resume_across_a_shape_change_is_one_line_and_writes_nothing(request, tmp_path, base, change, culprit):
+    source = request.getfixturevalue("used" if base == "full" else "lora_used")
+    run_dir = tmp_path / "runs" / "x"
+    shutil.copytree(source, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    before = kept(run_dir)
+    lora = () if base == "full" else ("model.lora.r=4",)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", *lora, change,
+                     "trainer.allow_config_change=true", f"trainer.run_dir={run_dir}", "trainer.resume=auto",
+                     cwd=tmp_path)
+    line = one_error_line(result)
+    assert "does not fit the models this run builds" in line and culprit in line, line
+    assert kept(run_dir) == before  # not even config_changes.jsonl: the change did not happen
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for path in Path(f"/proc/{pid}/task").glob("*/children"):
