@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, register_schemas, validate
+from fsdptrain.config.expansion import check_interpolations, check_yaml_files
 from fsdptrain.config.validate import renamed_key_message
 from fsdptrain.registry.errors import first_line
 
@@ -106,10 +107,16 @@ def compose_config(
         primary = Path(config_dir).expanduser().resolve()
         if not primary.is_dir():
             raise ConfigError(f"--config-dir {config_dir!r} is not a directory")
+        problem = check_yaml_files(primary)  # before hydra builds a file whose aliases expand without bound
+        if problem is not None:
+            raise ConfigError(problem)
         overrides = [f"hydra.searchpath=[file://{PACKAGE_CONF_DIR}]"] + overrides
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None):
             cfg = compose(config_name=config_name, overrides=overrides)
+        problem = check_interpolations(OmegaConf.to_container(cfg, resolve=False))
+        if problem is not None:  # before OmegaConf resolves values that expand without bound
+            raise ConfigError(problem)
         OmegaConf.resolve(cfg)
         _check_no_extra_keys(cfg)
         missing = sorted(OmegaConf.missing_keys(cfg))

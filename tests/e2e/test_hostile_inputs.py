@@ -53,6 +53,46 @@ def test_names_configs_and_hydra_flags_are_one_line(tmp_path, args, culprit):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and not (tmp_path.parent / "outside").exists()
 
 
+def _laughs(levels: int) -> str:
+    """A config file of ``levels`` nested lists of nine aliases each (9^levels values from a few hundred bytes)."""
+    lines = ["defaults:", "  - config", "  - _self_", 'l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def _string_chain(fields: list[str], fanout: int) -> str:
+    """A config file whose string fields each name the previous one ``fanout`` times (fanout^len characters)."""
+    groups: dict[str, list[str]] = {}
+    for i, key in enumerate(fields):
+        group, name = key.split(".")
+        value = "lol" if i == 0 else f"${{{fields[i - 1]}}}" * fanout
+        groups.setdefault(group, []).append(f"  {name}: '{value}'")
+    return "defaults:\n  - config\n  - _self_\n" + "".join(f"{g}:\n" + "\n".join(v) + "\n" for g, v in groups.items())
+
+
+CHAIN = ["model.value_init", "algorithm.kl_estimator", "data.prompt_key", "reward.model_normalize",
+         "rollout.gather_weights", "trainer.lr_schedule", "parallel.compile_backend", "drafter.export_dtype",
+         "sft.messages_key", "trainer.run_name"]
+
+
+@pytest.mark.parametrize(("text", "args", "culprit"), [
+    (_laughs(9), (), "mine.yaml: its YAML aliases expand to"),
+    (_string_chain(CHAIN, 10), (),
+     "trainer.run_name: its interpolations (${...}) expand to about 3000000000 characters"),
+    (_string_chain(CHAIN[:3], 100), ("trainer.run_name=" + "${data.prompt_key}" * 100,),  # the override multiplies
+     "trainer.run_name: its interpolations (${...}) expand to about 3000000 characters"),
+    ("defaults:\n  - config\n  - _self_\ntrainer:\n  run_name: a${trainer.run_dir}\n  run_dir: b${trainer.run_name}\n",
+     (), "refer back to themselves"),
+])
+def test_a_config_built_to_expand_without_bound_is_one_line_in_bounded_time(tmp_path, text, args, culprit):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "mine.yaml").write_text(text)
+    result = run_cli("train", "--config-dir", "d", "--config-name", "mine", *args, cwd=tmp_path, timeout=120)
+    line = one_error_line(result)
+    assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
 EVIL_CODE = """
 from pathlib import Path
 Path({marker!r}).write_text("the folder's code ran")
