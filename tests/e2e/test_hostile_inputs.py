@@ -93,6 +93,15 @@ def test_a_config_built_to_expand_without_bound_is_one_line_in_bounded_time(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
+def test_a_searchpath_folder_of_the_users_is_checked_the_same(tmp_path):
+    (tmp_path / "extra" / "algorithm").mkdir(parents=True)
+    (tmp_path / "extra" / "algorithm" / "lol.yaml").write_text(_laughs(9).split("_self_\n", 1)[1])
+    result = run_cli("train", f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "algorithm=lol", cwd=tmp_path,
+                     timeout=120)
+    assert "algorithm/lol.yaml: its YAML aliases expand to" in one_error_line(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra"]
+
+
 EVIL_CODE = """
 from pathlib import Path
 Path({marker!r}).write_text("the folder's code ran")
