@@ -66,9 +66,11 @@ def _default_run_name() -> str:
 
 
 def _run_dir(cfg: DictConfig) -> Path:
+    """The run directory, made absolute here, once: the user's code (a reward function, a tool, an environment) may
+    change the working directory later, and no file of the run is ever found through it (docs/checkpointing.md)."""
     if cfg.trainer.run_dir is not None:
-        return Path(cfg.trainer.run_dir)
-    return Path("runs") / (cfg.trainer.run_name or _default_run_name())
+        return Path(cfg.trainer.run_dir).absolute()
+    return (Path("runs") / (cfg.trainer.run_name or _default_run_name())).absolute()
 
 
 UNSUPPORTED_CFG_VALUES = ("job", "hydra", "all")
@@ -228,6 +230,10 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
             _preflight_sft(cfg)
         else:
             check_inputs(cfg)
+        if command == "train":
+            from fsdptrain.preflight import check_training_data
+
+            check_training_data(cfg)  # the rows and the token budget, before the run folder is claimed
         if command in ("train", "sft") and env_rank() == 0:
             _claim_run_dir(cfg, Path(run_dir))
     except ConfigError as err:

@@ -8,6 +8,7 @@ user's config can list ``config_schema`` and our presets (``model: tiny``, ``alg
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, register_schemas, validate
+from fsdptrain.config.expansion import check_interpolations, check_yaml_files
 from fsdptrain.config.validate import renamed_key_message
 from fsdptrain.registry.errors import first_line
 
@@ -86,6 +88,16 @@ def _own_error(err: BaseException) -> Optional[ConfigError]:
     return err
 
 
+def _user_config_folders(primary: Path, overrides: Sequence[str]) -> list[Path]:
+    """The folders of the user's own config files hydra may read: ``--config-dir`` and every ``file://`` folder of a
+    ``hydra.searchpath`` override (ours, ``conf/``, is not the user's)."""
+    folders = [] if primary == PACKAGE_CONF_DIR else [primary]
+    for item in overrides:
+        if item.lstrip("+~").split("=", 1)[0] == "hydra.searchpath":
+            folders += [Path(found) for found in re.findall(r"file://([^,\]\s'\"]+)", item)]
+    return [folder for folder in folders if folder.is_dir() and folder.resolve() != PACKAGE_CONF_DIR]
+
+
 def _required(message: str):
     raise ConfigError(message)
 
@@ -106,10 +118,18 @@ def compose_config(
         primary = Path(config_dir).expanduser().resolve()
         if not primary.is_dir():
             raise ConfigError(f"--config-dir {config_dir!r} is not a directory")
+    for folder in _user_config_folders(primary, overrides):  # before hydra builds a file that expands without bound
+        problem = check_yaml_files(folder)
+        if problem is not None:
+            raise ConfigError(problem)
+    if config_dir is not None:
         overrides = [f"hydra.searchpath=[file://{PACKAGE_CONF_DIR}]"] + overrides
     try:
         with initialize_config_dir(config_dir=str(primary), version_base=None):
             cfg = compose(config_name=config_name, overrides=overrides)
+        problem = check_interpolations(OmegaConf.to_container(cfg, resolve=False))
+        if problem is not None:  # before OmegaConf resolves values that expand without bound
+            raise ConfigError(problem)
         OmegaConf.resolve(cfg)
         _check_no_extra_keys(cfg)
         missing = sorted(OmegaConf.missing_keys(cfg))

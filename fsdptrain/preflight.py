@@ -1,6 +1,6 @@
 """Checks of everything the user points at, in the CLI's parent before any rank starts (one line, exit 2, once).
 
-Model folders, data files, the run directory, output paths, the device and the attention backend. Under
+Model folders, data files and their rows, the run directory, output paths, the device and the attention backend. Under
 ``--nproc N`` a mistake is reported once by the parent instead of as a collective error from every rank. Torch is
 imported only to check a device or backend the user named.
 """
@@ -34,6 +34,42 @@ def check_inputs(cfg: DictConfig) -> None:
     check_device(cfg)
     if cfg.model.lora.r > 0:
         check_lora_targets(cfg)
+
+
+def check_training_data(cfg: DictConfig) -> None:
+    """``fsdptrain train``'s rows, read here exactly as the ranks will read them (every bad row, every setting the
+    rows contradict), and ``trainer.token_budget`` against the longest sequence they can make: before the run folder
+    is claimed, so such a mistake is one line and exit 2 with nothing written (docs/checkpointing.md).
+
+    Offline rows (``data=jsonl``) give their sequences exactly; a sampled single-turn row can reach its prompt plus
+    ``rollout.max_new_tokens``. A multi-turn prompt is rendered with the tools by the ranks (its budget is checked
+    there)."""
+    from fsdptrain.config import multi_turn
+    from fsdptrain.train.build import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg)
+    budget, max_new = cfg.trainer.token_budget, cfg.rollout.max_new_tokens
+    if cfg.data.source == "jsonl":
+        from fsdptrain.data.offline import load_jsonl_rollouts
+
+        rollouts, _ = load_jsonl_rollouts(cfg.data.path, tokenizer, max_response_length=max_new,
+                                          skip_bad_rows=cfg.data.skip_bad_rows)
+        longest = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+        if longest > budget:
+            raise ConfigError(f"trainer.token_budget={budget} is smaller than a sequence of {longest} tokens "
+                              f"(prompt + response) in data.path: raise trainer.token_budget to at least {longest}")
+        return
+    from fsdptrain.data.prompts import prompt_token_ids
+    from fsdptrain.rollout.prompt_source import load_rows
+
+    train, _, _ = load_rows(cfg, tokenizer)
+    if multi_turn(cfg):
+        return
+    prompt = max(len(prompt_token_ids(tokenizer, row)) for row in train)
+    if prompt + max_new > budget:
+        raise ConfigError(f"trainer.token_budget={budget} is smaller than a sequence of {prompt + max_new} tokens "
+                          f"this run can make (its longest prompt, {prompt} tokens, + rollout.max_new_tokens="
+                          f"{max_new}): raise trainer.token_budget to at least {prompt + max_new}")
 
 
 def check_teacher(cfg: DictConfig) -> None:

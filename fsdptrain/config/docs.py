@@ -100,7 +100,12 @@ def render_configuration_md() -> str:
         "are validated right after composition: a bad value exits 2 with one line naming it. Numbers must be finite;",
         "null is allowed where the default is null. A config file of yours that is not valid YAML is one line with",
         "its file and line (exit 2). Hydra's own flags (`-m`/`--multirun`, `--info`, `--cfg job`, `-c`...) are not",
-        "fsdptrain's: each is refused with one line (exit 2); `--help` lists the options there are.",
+        "fsdptrain's: each is refused with one line (exit 2); `--help` lists the options there are. A config built",
+        "to expand without bound is refused before it expands, in bounded time (one line, exit 2): a YAML file of",
+        "your config folder (or a `hydra.searchpath` folder) whose aliases (`*a`) expand to more than 100,000",
+        "values, a value whose interpolations",
+        "(`${a}${a}`, nested) would resolve to more than 1,000,000 characters, and one that refers back to itself",
+        "(fsdptrain/config/expansion.py counts both on the unexpanded structure).",
         "",
     ]
     for group, schema in SCHEMA_GROUPS.items():

@@ -304,10 +304,15 @@ def save_checkpoint(
     `load_checkpoint`. The RNG states of every rank are captured here; the caller need not pass them.
     keep: if given, rank 0 then deletes all but the newest `keep` complete checkpoints (and stale temp folders).
     run_id: the run's lineage, written into the marker; rotation then counts and deletes only that lineage's.
-    An existing checkpoint of the same step is replaced.
+    An existing checkpoint of the same step is replaced when it is of the same lineage; one of another lineage (or
+    of none, when ``run_id`` is given) is never touched: the save raises ValueError before writing anything.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    foreign = foreign_checkpoint(run_dir, step, run_id)
+    if foreign is not None:
+        raise ValueError(f"{foreign} is a checkpoint of another run (lineage {lineage_of(foreign)}, not {run_id}): "
+                         f"a save never replaces it")
     _check_names(models, optimizers)
     _check_plain(dict(extra), "")
     rank, world_size = world.rank(), world.world_size()
@@ -373,26 +378,29 @@ def load_checkpoint(
     checkpoint at `path`; return the saved `extra`. Collective: every rank calls it.
 
     The models and optimizers must be built exactly as for the save (same architecture, same names); the world size
-    may differ (DCP reshards the DTensor shards; RNG as in the module docstring). Rank 0 first deletes stale temp
-    folders of the run. Only load checkpoints you trust: DCP metadata is a pickle.
+    may differ (DCP reshards the DTensor shards; RNG as in the module docstring). Other parts, or models whose
+    tensors differ in name or shape from the checkpoint's metadata, raise :class:`CheckpointMismatch` before any
+    tensor is read. Rank 0 first deletes stale temp folders of the run. Only load checkpoints you trust: DCP metadata
+    is a pickle.
     """
     path = Path(path)
     info = checkpoint_info(path)
     _check_names(models, optimizers)
     try:
-        read_dcp_metadata(path)  # DCP unpickles .metadata without restriction: refuse what would run code first
+        metadata = read_dcp_metadata(path)  # DCP unpickles .metadata without restriction: refuse code first
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"checkpoint {path}: .metadata is not checkpoint metadata ({err})") from None
     for kind, given in (("models", models), ("optimizers", optimizers), ("schedulers", schedulers)):
         if sorted(given) != info[kind]:
-            raise ValueError(
-                f"checkpoint {path} holds {kind} {info[kind]} but {sorted(given)} were given: build the same "
-                f"{kind} as the run that saved it"
-            )
+            raise CheckpointMismatch(f"checkpoint {path} holds {kind} {info[kind]} but this run builds "
+                                     f"{sorted(given)}")
+    state = _sharded_state(models, optimizers)
+    mismatch = shape_mismatch(saved_shapes(metadata), state["models"])
+    if mismatch is not None:  # before DCP reads a byte: it would fail deep inside with a long traceback
+        raise CheckpointMismatch(f"checkpoint {path} does not fit the models this run builds: {mismatch}")
     if world.rank() == 0:
         remove_stale_temp_dirs(path.parent.parent)
 
-    state = _sharded_state(models, optimizers)
     dcp.load(state, checkpoint_id=path)
     for name, model in models.items():
         if name in optimizers:
@@ -413,6 +421,40 @@ def load_checkpoint(
         _restore_rng(path, world.rank())
     _barrier()
     return trainer_state["extra"]
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint holds other parts, names or shapes than the run builds (a resume across a change of the model's
+    shape: LoRA on or off, another rank, another size): the message names the first difference."""
+
+
+def saved_shapes(metadata) -> dict[str, tuple[int, ...]]:
+    """``{flattened key: global shape}`` of every tensor DCP's metadata records (``models.<name>.<fqn>``, ...)."""
+    return {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items() if hasattr(meta, "size")}
+
+
+def shape_mismatch(saved: dict[str, tuple[int, ...]], built: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The first difference between the models' tensors a checkpoint holds (``saved``, from :func:`saved_shapes`)
+    and the models' state this run builds (``built``: name -> fqn -> tensor; DTensor shapes are global), as one
+    phrase; None when every name and shape agrees."""
+    for name, state in built.items():
+        prefix = f"models.{name}."
+        held = {key[len(prefix):]: shape for key, shape in saved.items() if key.startswith(prefix)}
+        here = {key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
+        resized = [key for key in sorted(set(held) & set(here)) if held[key] != here[key]]
+        missing, unknown = sorted(set(here) - set(held)), sorted(set(held) - set(here))
+        parts = []
+        if resized:
+            key = resized[0]
+            parts.append(f"{len(resized)} {name} tensor(s) differ in shape ({key}: {list(held[key])} in the "
+                         f"checkpoint, {list(here[key])} here)")
+        if missing:
+            parts.append(f"{len(missing)} {name} tensor(s) this run trains are not in it ({missing[0]})")
+        if unknown:
+            parts.append(f"{len(unknown)} {name} tensor(s) in it are not trained here ({unknown[0]})")
+        if parts:
+            return "; ".join(parts)
+    return None
 
 
 # Integrity: is a checkpoint whole? What resume checks before it trusts the newest one.
@@ -525,16 +567,40 @@ def lineage_of(path: Path) -> str | None:
         return None
 
 
-def newest_intact_checkpoint(run_dir: Path, run_id: str | None) -> Path | None:
-    """The newest complete checkpoint of the lineage ``run_id`` (or without one) that is whole; each newer damaged
-    one is skipped with a warning on stderr naming what is wrong."""
+def intact_checkpoint(run_dir: Path, run_id: str | None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of the lineage ``run_id`` (or without one) that is whole (None when none is),
+    and the newer damaged ones of that lineage with what is wrong with each, newest first."""
+    damaged = []
     for path in reversed(complete_checkpoints(run_dir)):
         owner = lineage_of(path)
         if run_id is not None and owner is not None and owner != run_id:
             continue
         problem = checkpoint_problem(path)
         if problem is None:
-            return path
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
+def warn_damaged(damaged: list[tuple[Path, str]]) -> None:
+    """One warning on stderr per damaged checkpoint that resume falls back past."""
+    for path, problem in damaged:
         print(f"warning: skipping damaged checkpoint {path}: {problem}; falling back to an older one",
               file=sys.stderr, flush=True)
-    return None
+
+
+def newest_intact_checkpoint(run_dir: Path, run_id: str | None) -> Path | None:
+    """:func:`intact_checkpoint`'s checkpoint; each newer damaged one is skipped with a warning on stderr."""
+    path, damaged = intact_checkpoint(run_dir, run_id)
+    warn_damaged(damaged)
+    return path
+
+
+def foreign_checkpoint(run_dir: str | os.PathLike, step: int, run_id: str | None) -> Path | None:
+    """The checkpoint folder of ``step`` when it exists and belongs to another lineage than ``run_id`` (or to none):
+    a save of this lineage must not replace it. None when the name is free or this lineage's (or ``run_id`` is None:
+    a caller without lineages)."""
+    final = checkpoint_dir(run_dir, step)
+    if run_id is None or not (final.exists() or final.is_symlink()):
+        return None
+    return None if lineage_of(final) == run_id else final

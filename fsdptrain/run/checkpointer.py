@@ -13,12 +13,22 @@ from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.checkpoint import checkpoint_info, load_checkpoint, newest_intact_checkpoint, save_checkpoint
+from fsdptrain.distributed import world
+from fsdptrain.distributed.checkpoint import (
+    CheckpointMismatch,
+    checkpoint_info,
+    foreign_checkpoint,
+    intact_checkpoint,
+    lineage_of,
+    load_checkpoint,
+    save_checkpoint,
+    warn_damaged,
+)
 from fsdptrain.distributed.export import export_hf, export_lora
 from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.lora import has_adapters
 from fsdptrain.run.console import log
-from fsdptrain.run.ownership import run_id
+from fsdptrain.run.ownership import record_config_change, run_id
 
 STATE_LAYOUT = 2
 """The layout of ``extra`` in trainer_state.pt: 2 holds ``states`` (name -> state dict). Layout 1 (no
@@ -51,7 +61,9 @@ def rows_per_step(cfg) -> tuple[int, str]:
 
 
 def save(parts: Checkpointed, run_dir: Path, done: int, *, cfg) -> Path:
-    """A checkpoint after ``done`` steps (collective): every part's state; RNG per rank."""
+    """A checkpoint after ``done`` steps (collective): every part's state; RNG per rank. A checkpoint of another
+    lineage under the same name is never replaced: ConfigError (:func:`refuse_foreign_checkpoints`)."""
+    refuse_foreign_checkpoints(run_dir, [done])
     extra = {
         "step": done,
         "data_position": done * rows_per_step(cfg)[0],  # prompt groups (demonstrations) consumed
@@ -83,14 +95,24 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
     lazily builds itself); ``parts`` then lists what to restore."""
     if cfg.trainer.resume != "auto":
         return 0
-    path = newest_intact_checkpoint(run_dir, run_id(run_dir))
+    path, damaged = intact_checkpoint(run_dir, run_id(run_dir))
     if path is None:
+        refuse_losing_history(run_dir, damaged)
         log(f"trainer.resume=auto: no complete checkpoint in {run_dir}; starting fresh")
+        refuse_foreign_checkpoints(run_dir, planned_saves(cfg, 0, num_steps))
         return 0
+    warn_damaged(damaged)
+    start = int(checkpoint_info(path)["step"])
+    refuse_foreign_checkpoints(run_dir, planned_saves(cfg, start, num_steps))
     prepare(checkpoint_info(path)["models"])
     checkpointed = parts()
-    extra = load_checkpoint(path, models=checkpointed.models, optimizers=checkpointed.optimizers,
-                            schedulers=checkpointed.schedulers)
+    try:
+        extra = load_checkpoint(path, models=checkpointed.models, optimizers=checkpointed.optimizers,
+                                schedulers=checkpointed.schedulers)
+    except CheckpointMismatch as err:
+        raise ConfigError(f"{err}: a resume cannot change the shape of what trains (trainer.allow_config_change "
+                          f"accepts the change, not a conversion); resume with the run's model settings, or start a "
+                          f"new run from its export (docs/checkpointing.md)") from None
     per_step, key = rows_per_step(cfg)
     if extra["data_position"] != extra["step"] * per_step:
         raise ConfigError(
@@ -108,8 +130,51 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
                 part.load_state_dict(states[name])
             except ConfigError as err:
                 raise ConfigError(f"{path}: {err}") from None
+    if world.rank() == 0:
+        record_config_change(cfg, run_dir)
     log(f"resumed from {path} after step {extra['step']}")
     return int(extra["step"])
+
+
+def refuse_losing_history(run_dir: Path, damaged: list[tuple[Path, str]]) -> None:
+    """``trainer.resume=auto`` found no intact checkpoint of the run: starting fresh would rewrite the run's logged
+    steps (metrics.jsonl) and later replace its damaged checkpoints. ConfigError, nothing changed, when the run has
+    damaged checkpoints or logged steps; deleting them is for ``trainer.overwrite=true`` (docs/checkpointing.md)."""
+    if damaged:
+        (newest, problem), more = damaged[0], len(damaged) - 1
+        others = f" (and {more} older one{'s' if more > 1 else ''}, damaged too)" if more else ""
+        raise ConfigError(f"trainer.resume=auto: every checkpoint of {run_dir} is damaged: {newest.name}: {problem}"
+                          f"{others}; nothing was changed: restore the checkpoint files, or start over with "
+                          f"trainer.overwrite=true (deletes the run's checkpoints and metrics) or another "
+                          f"trainer.run_name")
+    metrics = run_dir / "metrics.jsonl"
+    lines = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
+    logged = sum(1 for line in lines if line.strip())
+    if logged:
+        raise ConfigError(f"trainer.resume=auto: {run_dir} holds {logged} logged step(s) in metrics.jsonl but no "
+                          f"checkpoint to continue them from; nothing was changed: start over with "
+                          f"trainer.overwrite=true (deletes them) or choose another trainer.run_name")
+
+
+def planned_saves(cfg, start: int, num_steps: int) -> list[int]:
+    """The steps after which a run from ``start`` to ``num_steps`` saves (``checkpoint.every``, and the last step);
+    a stop signal may add one more."""
+    every = cfg.checkpoint.every
+    if every <= 0 or start >= num_steps:
+        return []
+    return [done for done in range(start + 1, num_steps + 1) if done % every == 0 or done == num_steps]
+
+
+def refuse_foreign_checkpoints(run_dir: Path, steps: list[int]) -> None:
+    """ConfigError when a checkpoint of another lineage holds the name of a step this run saves: a save never
+    replaces another run's checkpoint (docs/checkpointing.md, Rotation)."""
+    own = run_id(run_dir)
+    for step in steps:
+        foreign = foreign_checkpoint(run_dir, step, own)
+        if foreign is not None:
+            raise ConfigError(f"{foreign} belongs to another run (run id {lineage_of(foreign)}, this run's is {own}) "
+                              f"and this run saves step {step} under that name; nothing was changed: move that "
+                              f"checkpoint out of {foreign.parent}, or choose another trainer.run_name")
 
 
 def saved_states(extra: dict, path: Path, parts: dict[str, Stateful]) -> dict[str, dict]:

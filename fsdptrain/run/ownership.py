@@ -11,7 +11,8 @@
   under torchrun) for the run's life: the kernel releases it when that process ends, even by SIGKILL, so a stale
   lock never blocks a later run.
 - A resume whose model, algorithm or loss mode differs from the saved ``config.yaml`` is refused unless
-  ``trainer.allow_config_change=true``; an accepted change is appended to ``config_changes.jsonl``.
+  ``trainer.allow_config_change=true``; an accepted change is appended to ``config_changes.jsonl`` once the
+  checkpoint has loaded (a checkpoint that does not fit the changed model is refused with nothing written).
 
 Torch-free: the CLI's parent runs it before any rank starts.
 """
@@ -166,20 +167,30 @@ def config_changes(old: DictConfig, new: DictConfig) -> dict[str, list]:
     return changes
 
 
-def check_config_change(cfg: DictConfig, run_dir: Path) -> None:
-    """Refuse (or, when allowed, record) a resume whose model, algorithm or loss mode differs from the saved run's."""
+def _saved_config_changes(cfg: DictConfig, run_dir: Path) -> dict[str, list]:
+    """:func:`config_changes` between the run's saved ``config.yaml`` (none: no change) and ``cfg``."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-        return
+        return {}
     try:
         old = OmegaConf.load(saved)
     except Exception as err:  # a damaged config.yaml: the user's to look at
         raise ConfigError(f"{saved} cannot be read ({str(err).splitlines()[0]}): fix or remove it to resume") from None
-    changes = config_changes(old, cfg)
-    if not changes:
-        return
-    if not cfg.trainer.allow_config_change:
+    return config_changes(old, cfg)
+
+
+def check_config_change(cfg: DictConfig, run_dir: Path) -> None:
+    """Refuse a resume whose model, algorithm or loss mode differs from the saved run's, unless allowed (the change
+    is recorded by :func:`record_config_change` once the checkpoint has loaded: a refused resume writes nothing)."""
+    changes = _saved_config_changes(cfg, run_dir)
+    if changes and not cfg.trainer.allow_config_change:
         listed = ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in changes.items())
         raise ConfigError(f"resuming {run_dir} with a different config ({listed}): keep the run's values, or set "
                           f"trainer.allow_config_change=true to resume anyway")
-    append_line(run_dir / CHANGES_FILE, json.dumps({"time": time.time(), "changes": changes}))
+
+
+def record_config_change(cfg: DictConfig, run_dir: Path) -> None:
+    """Append an accepted change of the guarded config to ``config_changes.jsonl`` (main rank, after the resume)."""
+    changes = _saved_config_changes(cfg, run_dir)
+    if changes:
+        append_line(run_dir / CHANGES_FILE, json.dumps({"time": time.time(), "changes": changes}))

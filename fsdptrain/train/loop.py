@@ -390,7 +390,7 @@ def train(cfg: DictConfig, run_dir: str) -> int:
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type, cp=cfg.parallel.cp)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    run_path = Path(run_dir)
+    run_path = Path(run_dir).absolute()  # fixed now: the user's code may change the working directory later
     trainer = Trainer(cfg, run_path, info, mesh)
     try:  # the reward worker processes and the trackers end on every way out (errors, Ctrl-C, SIGTERM)
         code = _run(trainer, stop)

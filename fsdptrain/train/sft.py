@@ -241,7 +241,7 @@ def sft(cfg: DictConfig, run_dir: str) -> int:
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    tuner = FineTuner(cfg, Path(run_dir), info, mesh)
+    tuner = FineTuner(cfg, Path(run_dir).absolute(), info, mesh)  # fixed now: user code may change the cwd later
     code = _run(tuner, stop)
     world.destroy_distributed()
     return code

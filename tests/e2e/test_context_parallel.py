@@ -30,7 +30,7 @@ def test_cp2_trains_resumes_exactly_and_equals_the_dp_run(cli, tmp_path):
     again = cli("train", "--nproc", "2", *RUN, "parallel.cp=2", "checkpoint.every=1", "trainer.run_name=resumed",
                 "trainer.resume=auto")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from runs/resumed/checkpoints/step_00000002 after step 2" in again.stdout, again.stdout
+    assert f"resumed from {tmp_path}/runs/resumed/checkpoints/step_00000002 after step 2" in again.stdout, again.stdout
     for got, want in zip(read_metrics(runs / "resumed"), cp):
         assert_same_metrics(got, want, kinds)
 

@@ -53,6 +53,55 @@ def test_names_configs_and_hydra_flags_are_one_line(tmp_path, args, culprit):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and not (tmp_path.parent / "outside").exists()
 
 
+def _laughs(levels: int) -> str:
+    """A config file of ``levels`` nested lists of nine aliases each (9^levels values from a few hundred bytes)."""
+    lines = ["defaults:", "  - config", "  - _self_", 'l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def _string_chain(fields: list[str], fanout: int) -> str:
+    """A config file whose string fields each name the previous one ``fanout`` times (fanout^len characters)."""
+    groups: dict[str, list[str]] = {}
+    for i, key in enumerate(fields):
+        group, name = key.split(".")
+        value = "lol" if i == 0 else f"${{{fields[i - 1]}}}" * fanout
+        groups.setdefault(group, []).append(f"  {name}: '{value}'")
+    return "defaults:\n  - config\n  - _self_\n" + "".join(f"{g}:\n" + "\n".join(v) + "\n" for g, v in groups.items())
+
+
+CHAIN = ["model.value_init", "algorithm.kl_estimator", "data.prompt_key", "reward.model_normalize",
+         "rollout.gather_weights", "trainer.lr_schedule", "parallel.compile_backend", "drafter.export_dtype",
+         "sft.messages_key", "trainer.run_name"]
+
+
+@pytest.mark.parametrize(("text", "args", "culprit"), [
+    (_laughs(9), (), "mine.yaml: its YAML aliases expand to"),
+    (_string_chain(CHAIN, 10), (),
+     "trainer.run_name: its interpolations (${...}) expand to about 3000000000 characters"),
+    (_string_chain(CHAIN[:3], 100), ("trainer.run_name=" + "${data.prompt_key}" * 100,),  # the override multiplies
+     "trainer.run_name: its interpolations (${...}) expand to about 3000000 characters"),
+    ("defaults:\n  - config\n  - _self_\ntrainer:\n  run_name: a${trainer.run_dir}\n  run_dir: b${trainer.run_name}\n",
+     (), "refer back to themselves"),
+])
+def test_a_config_built_to_expand_without_bound_is_one_line_in_bounded_time(tmp_path, text, args, culprit):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "mine.yaml").write_text(text)
+    result = run_cli("train", "--config-dir", "d", "--config-name", "mine", *args, cwd=tmp_path, timeout=120)
+    line = one_error_line(result)
+    assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_a_searchpath_folder_of_the_users_is_checked_the_same(tmp_path):
+    (tmp_path / "extra" / "algorithm").mkdir(parents=True)
+    (tmp_path / "extra" / "algorithm" / "lol.yaml").write_text(_laughs(9).split("_self_\n", 1)[1])
+    result = run_cli("train", f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "algorithm=lol", cwd=tmp_path,
+                     timeout=120)
+    assert "algorithm/lol.yaml: its YAML aliases expand to" in one_error_line(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra"]
+
+
 EVIL_CODE = """
 from pathlib import Path
 Path({marker!r}).write_text("the folder's code ran")
@@ -197,8 +246,36 @@ def test_a_chat_template_that_fails_on_the_datas_roles_is_one_line_before_any_mo
                     "chat (roles system, user): TemplateError: only user messages"), line
     assert "policy:" not in result.stdout  # no model was built (its line comes first once one is)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
-    run = tmp_path / "runs" / "chat"
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert not (tmp_path / "runs").exists()  # the rows are read before the run folder is claimed
+
+
+# ---- checks that can run before the run folder is claimed run before it (issue 42, class 6) ----------------------
+
+OFFLINE_ROW = {"prompt": "what is 2+2?", "response": "four", "reward": 1.0, "group": 0}
+OFFLINE = ("data=jsonl", "data.path=rows.jsonl", "rollout.max_new_tokens=8", "rollout.prompts_per_step=1")
+
+
+@pytest.mark.parametrize(("rows", "args", "culprit"), [
+    ([{**OFFLINE_ROW, "response_mask": [1] * 9}], OFFLINE,
+     "rows.jsonl:1: 'response_mask' has 9 entries for 2 response tokens (EOS included)"),
+    ([OFFLINE_ROW, {**OFFLINE_ROW, "response_mask": [0, 2]}], OFFLINE,
+     "rows.jsonl:2: 'response_mask' must be a list of 0s and 1s, got [0, 2]"),
+    ([OFFLINE_ROW, {**OFFLINE_ROW, "response_mask": [0, 0]}], ("--nproc", "2", *OFFLINE, "rollout.prompts_per_step=2"),
+     "rows.jsonl:2: 'response_mask' has no 1"),
+    ([OFFLINE_ROW], (*OFFLINE, "trainer.token_budget=3"),
+     "trainer.token_budget=3 is smaller than a sequence of 6 tokens (prompt + response) in data.path"),
+    ([], ("trainer.token_budget=7",), "trainer.token_budget=7 is smaller than a sequence of 8 tokens this run can "
+                                      "make (its longest prompt, 4 tokens, + rollout.max_new_tokens=4)"),
+    ([], ("--nproc", "2", "trainer.token_budget=7"), "raise trainer.token_budget to at least 8"),
+    ([{"prompt": "2+2", "answer": "4"}, {"prompt": "", "answer": "1"}],
+     ("data=prompts", "data.path=rows.jsonl", "data.num_eval_prompts=0", "reward.functions=[exact_match]"),
+     "rows.jsonl: row 1 (0-based), column 'prompt': empty prompt"),
+])
+def test_a_bad_row_or_a_budget_below_a_sequence_leaves_no_run_folder(tmp_path, rows, args, culprit):
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = one_error_line(run_cli("train", *TINY, "trainer.steps=1", *args, "trainer.run_name=r", cwd=tmp_path))
+    assert culprit in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]  # no runs/ at all
 
 
 # ---- several ranks (item 8) and a stop signal during a hung reward call (item 4) ----------------------------------

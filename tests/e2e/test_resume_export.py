@@ -134,7 +134,7 @@ def reference(tmp_path_factory):
 
 def test_resume_auto_without_checkpoint_starts_fresh_and_says_so(reference):
     out = reference["result"].stdout
-    assert "trainer.resume=auto: no complete checkpoint in runs/A; starting fresh" in out, out
+    assert f"trainer.resume=auto: no complete checkpoint in {reference['run_dir']}; starting fresh" in out, out
     assert [m["step"] for m in reference["metrics"]] == [0, 1, 2, 3]
     assert sorted(p.name for p in (reference["run_dir"] / "checkpoints").iterdir()) == [
         "step_00000002", "step_00000004"]
@@ -169,7 +169,7 @@ def test_resume_reproduces_the_uninterrupted_run(reference, tmp_path):
     result = run_cli("train", *TINY, "trainer.steps=4", "checkpoint.every=2", "trainer.run_name=B",
                      "trainer.resume=auto", cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "resumed from runs/B/checkpoints/step_00000002 after step 2" in result.stdout, result.stdout
+    assert f"resumed from {tmp_path}/runs/B/checkpoints/step_00000002 after step 2" in result.stdout, result.stdout
 
     # Steps 3-4 (indices 2, 3) equal the uninterrupted run's, key by key.
     resumed = read_metrics(run_b)
@@ -235,7 +235,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks_and_ctrl_c_stops_them(referenc
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stdout + stderr
-    assert "resumed from runs/D/checkpoints/step_00000002 after step 2" in stdout, stdout
+    assert f"resumed from {tmp_path}/runs/D/checkpoints/step_00000002 after step 2" in stdout, stdout
     assert "interrupted: saved checkpoint step_" in stdout, stdout
     metrics = read_metrics(run_d)
     stopped_at = metrics[-1]["step"] + 1
@@ -290,7 +290,7 @@ def test_crash_inside_the_writer_keeps_the_previous_checkpoint(reference, tmp_pa
     resumed = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", "trainer.run_name=C",
                       "trainer.resume=auto", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed from runs/C/checkpoints/step_00000001 after step 1" in resumed.stdout, resumed.stdout
+    assert f"resumed from {tmp_path}/runs/C/checkpoints/step_00000001 after step 1" in resumed.stdout, resumed.stdout
     assert not partial.exists()
     metrics = read_metrics(run_c)
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -317,7 +317,7 @@ def test_sigterm_saves_exits_zero_and_resumes(reference, tmp_path):
     stopped_at = len(read_metrics(run_t))
     assert 1 <= stopped_at < 200
     name = f"step_{stopped_at:08d}"
-    assert (f"interrupted: saved checkpoint {name} in runs/T/checkpoints; resume with trainer.run_name=T "
+    assert (f"interrupted: saved checkpoint {name} in {run_t}/checkpoints; resume with trainer.run_name=T "
             "trainer.resume=auto") in stdout, stdout
     assert (run_t / "checkpoints" / name / "complete.json").is_file()
     assert not (run_t / "export").exists()  # an interrupted run is not finished: no export
@@ -325,7 +325,7 @@ def test_sigterm_saves_exits_zero_and_resumes(reference, tmp_path):
     result = run_cli("train", *TINY, f"trainer.steps={stopped_at + 1}", "trainer.run_name=T", "trainer.resume=auto",
                      cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"resumed from runs/T/checkpoints/{name} after step {stopped_at}" in result.stdout, result.stdout
+    assert f"resumed from {tmp_path}/runs/T/checkpoints/{name} after step {stopped_at}" in result.stdout, result.stdout
     metrics = read_metrics(run_t)
     assert [m["step"] for m in metrics] == list(range(stopped_at + 1))
     for got, want in zip(metrics, reference["metrics"]):  # the steps both runs took (at least 2 of them)

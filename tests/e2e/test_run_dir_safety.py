@@ -132,6 +132,113 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_a_partial_metrics_line(use
     assert compared(got, run_copy) == compared(want, used)
 
 
+def kept(root: Path) -> dict[str, bytes]:
+    """What a run directory holds besides the lock (which every launch takes)."""
+    return {name: data for name, data in tree(root).items() if name != ".lock"}
+
+
+def one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _damage(checkpoint: Path, how: str) -> None:
+    data = sorted(checkpoint.glob("*.distcp"))[0]
+    if how == "truncated":
+        data.write_bytes(data.read_bytes()[:100])
+    elif how == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    else:
+        (checkpoint / how).unlink()
+
+
+@pytest.mark.parametrize("hows", [("truncated", "truncated"), ("flipped", "trainer_state.pt")])
+def test_resume_with_every_checkpoint_damaged_refuses_and_changes_nothing(run_copy, tmp_path, hows):
+    for how, name in zip(hows, ("step_00000002", "step_00000001")):
+        _damage(run_copy / "checkpoints" / name, how)
+    before = kept(run_copy)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path)
+    line = one_error_line(result)
+    assert "every checkpoint of" in line and "step_00000002: " in line and "and 1 older one" in line, line
+    assert "starting fresh" not in result.stdout
+    assert kept(run_copy) == before  # metrics.jsonl, samples, config and every checkpoint as they were
+
+
+def test_resume_of_a_run_with_logged_steps_and_no_checkpoint_refuses(run_copy, tmp_path):
+    shutil.rmtree(run_copy / "checkpoints")  # a run without checkpoints (checkpoint.every=0), or killed before one
+    before = kept(run_copy)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=0", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path)
+    line = one_error_line(result)
+    assert "holds 2 logged step(s) in metrics.jsonl but no checkpoint" in line, line
+    assert kept(run_copy) == before
+
+
+def _adopt_by_another_lineage(checkpoint: Path) -> str:
+    marker = json.loads((checkpoint / "complete.json").read_text())
+    marker["run_id"] = "another-lineage"  # the marker is not among its own digests: still an intact checkpoint
+    (checkpoint / "complete.json").write_text(json.dumps(marker))
+    return marker["run_id"]
+
+
+def test_a_checkpoint_of_another_lineage_is_never_replaced_by_a_save(run_copy, tmp_path):
+    foreign = run_copy / "checkpoints" / "step_00000002"
+    _adopt_by_another_lineage(foreign)
+    before = kept(run_copy)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", f"trainer.run_dir={run_copy}",
+                     "trainer.resume=auto", cwd=tmp_path)
+    line = one_error_line(result)
+    assert f"{foreign} belongs to another run (run id another-lineage" in line and "saves step 2" in line, line
+    assert kept(run_copy) == before
+
+
+def test_a_save_never_replaces_another_lineages_checkpoint(run_copy):
+    """The last guard, under the checkpointer's check: ``save_checkpoint`` itself (a stop signal's save)."""
+    from fsdptrain.distributed.checkpoint import save_checkpoint
+
+    foreign = run_copy / "checkpoints" / "step_00000002"
+    _adopt_by_another_lineage(foreign)
+    before = kept(run_copy)
+    with pytest.raises(ValueError, match="is a checkpoint of another run .lineage another-lineage"):
+        save_checkpoint(run_copy, 2, models={}, optimizers={}, schedulers={}, extra={}, run_id="mine")
+    assert kept(run_copy) == before
+
+
+@pytest.fixture(scope="module")
+def lora_used(tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("lora_used")
+    result = run_cli("train", *TINY, "trainer.steps=1", "checkpoint.every=1", "model.lora.r=4", "trainer.run_name=l",
+                     cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return cwd / "runs" / "l"
+
+
+@pytest.mark.parametrize(("base", "change", "culprit"), [
+    ("full", "model.lora.r=8", "policy tensor(s) this run trains are not in it (model.layers.0.mlp.down_proj.lora_A"),
+    ("full", "model.hidden_size=128", "differ in shape (lm_head.weight: [24, 64] in the checkpoint, [24, 128] here)"),
+    ("lora", "model.lora.r=0", "policy tensor(s) in it are not trained here (model.layers.0.mlp.down_proj.lora_A"),
+    ("lora", "model.lora.r=8", "lora_A.default.weight: [4, 128] in the checkpoint, [8, 128] here"),
+])
+def test_resume_across_a_shape_change_is_one_line_and_writes_nothing(request, tmp_path, base, change, culprit):
+    source = request.getfixturevalue("used" if base == "full" else "lora_used")
+    run_dir = tmp_path / "runs" / "x"
+    shutil.copytree(source, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    before = kept(run_dir)
+    lora = () if base == "full" else ("model.lora.r=4",)
+    result = run_cli("train", *TINY, "trainer.steps=3", "checkpoint.every=1", *lora, change,
+                     "trainer.allow_config_change=true", f"trainer.run_dir={run_dir}", "trainer.resume=auto",
+                     cwd=tmp_path)
+    line = one_error_line(result)
+    assert "does not fit the models this run builds" in line and culprit in line, line
+    assert kept(run_dir) == before  # not even config_changes.jsonl: the change did not happen
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for path in Path(f"/proc/{pid}/task").glob("*/children"):

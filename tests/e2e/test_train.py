@@ -197,9 +197,10 @@ def test_wandb_and_mlflow_backends_log_offline(cli, tmp_path):
     assert [line.split()[2] for line in metric_files[0].read_text().splitlines()] == ["0", "1"]  # the steps
 
 
-def test_token_budget_below_a_sequence_is_a_usage_error(cli):
+def test_token_budget_below_a_sequence_is_a_usage_error(cli, tmp_path):
     result = cli("train", *TINY, "trainer.token_budget=5")
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines == ["error: trainer.token_budget=5 is smaller than a sequence of 10 tokens (prompt + response): "
-                     "raise trainer.token_budget to at least 10"]
+    assert lines == ["error: trainer.token_budget=5 is smaller than a sequence of 10 tokens this run can make (its "
+                     "longest prompt, 4 tokens, + rollout.max_new_tokens=6): raise trainer.token_budget to at least 10"]
+    assert not (tmp_path / "runs").exists()  # checked before the run folder is claimed

@@ -18,7 +18,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.distributed.checkpoint import MARKER, prune_checkpoints
 from fsdptrain.distributed.files import append_line, read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.checks import safetensors_problem
-from fsdptrain.run.ownership import claim_run_dir, config_changes, lock_run_dir, run_id
+from fsdptrain.run.ownership import claim_run_dir, config_changes, lock_run_dir, record_config_change, run_id
 
 
 def test_write_atomic_replaces_and_leaves_no_temp(tmp_path):
@@ -87,7 +87,10 @@ def test_config_change_on_resume_is_refused_or_recorded(tmp_path):
                                                         "model.hidden_size": [64, 128]}
     with pytest.raises(ConfigError, match="model.hidden_size: 64 -> 128, loss.agg_mode: 'token-mean' -> 'token-sum'"):
         claim_run_dir(compose_config(new), tmp_path, "w")
-    claim_run_dir(compose_config([*new, "trainer.allow_config_change=true"]), tmp_path, "w")
+    allowed = compose_config([*new, "trainer.allow_config_change=true"])
+    claim_run_dir(allowed, tmp_path, "w")
+    assert not (tmp_path / "config_changes.jsonl").exists()  # recorded only once the checkpoint has loaded
+    record_config_change(allowed, tmp_path)
     record = json.loads((tmp_path / "config_changes.jsonl").read_text())
     assert record["changes"]["model.hidden_size"] == [64, 128]
 
@@ -201,3 +204,21 @@ def test_unnamed_ranks_under_torchrun_agree_on_the_rendezvous_id(monkeypatch):
     for name, value in (("RANK", "1"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "2"), ("TORCHELASTIC_RUN_ID", "ab-12")):
         monkeypatch.setenv(name, value)
     assert _default_run_name() == _default_run_name() == "torchrun-ab12"
+
+
+def test_shape_mismatch_names_the_first_difference_of_each_kind():
+    import torch
+
+    from fsdptrain.distributed.checkpoint import shape_mismatch
+
+    saved = {"models.policy.a": (4, 3), "models.policy.b": (2,), "models.policy.old": (1,), "optimizers.policy.x": (9,),
+             "models.critic.a": (4, 3)}
+    same = {"policy": {"a": torch.zeros(4, 3), "b": torch.zeros(2), "old": torch.zeros(1)},
+            "critic": {"a": torch.zeros(4, 3)}}
+    assert shape_mismatch(saved, same) is None
+    changed = {"policy": {"a": torch.zeros(8, 3), "b": torch.zeros(2), "new": torch.zeros(1)}}
+    assert shape_mismatch(saved, changed) == (
+        "1 policy tensor(s) differ in shape (a: [4, 3] in the checkpoint, [8, 3] here); 1 policy tensor(s) this run "
+        "trains are not in it (new); 1 policy tensor(s) in it are not trained here (old)")
+    assert shape_mismatch(saved, {"critic": {"a": torch.zeros(4, 3), "c": torch.zeros(1)}}) == (
+        "1 critic tensor(s) this run trains are not in it (c)")

@@ -1,0 +1,145 @@
+"""Bounds on how far a config may expand, checked before anything expands it (docs/configuration.md).
+
+A YAML file can name one node many times through aliases (``*a``), and an OmegaConf string can name other values
+many times through interpolations (``${a}${a}``); nested, either grows exponentially (a "billion laughs" file: nine
+levels of ten aliases are 10^9 values from a few hundred bytes), and building or resolving it would hang the CLI
+and exhaust memory. Both sizes are counted here on the unexpanded structure, each node once (memoised), so the check
+takes time linear in the file: a YAML file's values with every alias expanded (:func:`yaml_expansion`), and each
+config value's length once resolved (:func:`interpolation_sizes`). A config over either bound is refused with one
+line naming the file or the key.
+
+What the count of an interpolation sees: a plain reference ``${a.b}`` (absolute, relative ``${.x}``/``${..x}``, or
+indexed ``${a[0]}``) counts the size of what it names; the key of ``oc.select`` and ``oc.deprecated`` counts the
+same; any other resolver's call counts as its own text (with the references inside its arguments). A value that
+refers back to itself (a cycle) is refused with the same one line, naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+MAX_YAML_VALUES = 100_000
+"""A config file whose values, with every alias expanded, outnumber this is refused (ours hold a few hundred)."""
+MAX_VALUE_CHARS = 1_000_000
+"""A config value longer than this once its interpolations are resolved is refused."""
+
+_REFERENCE = re.compile(r"\$\{([^${}]*)\}")
+_SELECTING = ("oc.select", "oc.deprecated")
+
+
+def yaml_expansion(path: Path) -> int:
+    """The number of nodes (scalars, sequences, mappings, and mapping keys) of the YAML file ``path`` with every
+    alias expanded; 0 for a file that does not parse (hydra reports that one)."""
+    try:
+        documents = list(yaml.compose_all(path.read_text(encoding="utf-8", errors="replace"), Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        return 0
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = 1  # a node that contains itself (a recursive alias) counts once
+        if isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(key) + size(value) for key, value in node.value)
+        else:
+            total = 1
+        sizes[id(node)] = total
+        return total
+
+    return sum(size(document) for document in documents if document is not None)
+
+
+def check_yaml_files(folder: Path) -> Optional[str]:
+    """One line naming the first YAML file under ``folder`` that expands past :data:`MAX_YAML_VALUES`, else None."""
+    for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
+        if path.is_file():
+            count = yaml_expansion(path)
+            if count > MAX_YAML_VALUES:
+                return (f"{path}: its YAML aliases expand to {count} values, more than {MAX_YAML_VALUES} (a file built "
+                        f"to expand without bound): write the values out, or fix the file")
+    return None
+
+
+def _flatten(value: Any, key: str, out: dict[str, Any]) -> None:
+    out[key] = value
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _flatten(item, f"{key}.{name}" if key else str(name), out)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _flatten(item, f"{key}.{index}" if key else str(index), out)
+
+
+def _target(reference: str, where: str) -> Optional[str]:
+    """The absolute dotted key a plain reference made in the value at ``where`` names; None for a resolver call."""
+    text = reference.strip()
+    if ":" in text:
+        name, _, args = text.partition(":")
+        if name.strip() not in _SELECTING:
+            return None
+        text = args.split(",")[0].strip()
+    text = re.sub(r"\[([^\]]*)\]", r".\1", text)
+    if text.startswith("."):
+        dots = len(text) - len(text.lstrip("."))
+        parent = where.split(".")[:-dots] if dots <= where.count(".") + 1 else []
+        text = ".".join([*parent, text[dots:]]).strip(".")
+    return text
+
+
+def interpolation_sizes(raw: dict) -> dict[str, int]:
+    """``{dotted key: size}`` of every value of the unresolved config ``raw`` (``OmegaConf.to_container(cfg,
+    resolve=False)``): a string's length once its references are resolved, a container's the sum of its items'
+    plus one. Counted on the references, never by resolving them (module docstring)."""
+    values: dict[str, Any] = {}
+    _flatten(raw, "", values)
+    sizes: dict[str, int] = {}
+    pending: set[str] = set()
+
+    def size(key: str) -> int:
+        if key in pending:
+            raise RecursionError(key)
+        if key in sizes:
+            return sizes[key]
+        pending.add(key)
+        value = values.get(key)
+        if isinstance(value, (dict, list)):
+            children = value.keys() if isinstance(value, dict) else range(len(value))
+            total = 1 + sum(size(f"{key}.{child}" if key else str(child)) for child in children)
+        elif isinstance(value, str) and "${" in value:
+            total = len(_REFERENCE.sub("", value))
+            for reference in _REFERENCE.findall(value):
+                target = _target(reference, key)
+                total += len(reference) if target is None else size(target)
+        else:
+            total = len(str(value))
+        pending.discard(key)
+        sizes[key] = total
+        return total
+
+    for key in values:
+        size(key)
+    return sizes
+
+
+def check_interpolations(raw: dict) -> Optional[str]:
+    """One line naming the first config value that resolves to more than :data:`MAX_VALUE_CHARS`, else None."""
+    try:
+        sizes = interpolation_sizes(raw)
+    except RecursionError as err:  # ours (a cycle, naming its key) or Python's (a chain deeper than its stack)
+        where = f"{err.args[0]}: " if err.args and isinstance(err.args[0], str) and " " not in err.args[0] else ""
+        return (f"{where}its interpolations (${{...}}) refer back to themselves, or nest too deep to resolve: fix "
+                f"the value")
+    over = {key: value for key, value in sizes.items() if key and value > MAX_VALUE_CHARS}
+    if not over:
+        return None
+    key = max(over, key=lambda name: (name.count("."), over[name]))  # a value rather than the group holding it
+    return (f"{key}: its interpolations (${{...}}) expand to about {over[key]} characters, more than "
+            f"{MAX_VALUE_CHARS} (a config built to expand without bound): fix the value")
