@@ -116,10 +116,11 @@ def call_user_code(fn, kwargs: dict, *, then=None, timeout_s: Optional[float] = 
     ``ok``: ``values`` is what came back. ``raised``: an ``Exception`` (``message``, the user's ``traceback``).
     ``ended``: the code tried to end the process: ``sys.exit`` (any status, 0 included), ``os._exit`` (which raises
     here instead, in the calling thread), any other ``BaseException`` (a ``KeyboardInterrupt`` it raised itself
-    included); ``message`` says which (no traceback: the one line is the report). Only a stop signal passes through (:func:`_is_stop`). ``timeout``: with
-    ``timeout_s``, the call runs on a thread of its own and is abandoned at the deadline (a thread cannot be killed:
-    it runs on until it returns or the process ends; code that may spin belongs in workers, which are killed); the
-    wait for it is interruptible, so a stop signal's grace applies (docs/your-task.md)."""
+    included); ``message`` says which (no traceback: the one line is the report). Only a stop signal passes through
+    (:func:`_is_stop`). ``timeout``: with ``timeout_s``, the call runs on a thread of its own and is abandoned at the
+    deadline (a thread cannot be killed: it runs on until it returns or the process ends; code that may spin belongs
+    in workers, which are killed); the wait for it is interruptible, so a stop signal's grace applies
+    (docs/your-task.md)."""
     if timeout_s is None:
         return _call(fn, kwargs, then)
     box: list[Outcome] = []

@@ -12,9 +12,10 @@ worker's call is killed with the worker, a call in this process is abandoned on 
 on the whole batch rather than on one group should run with ``num_workers=0``.
 
 Values: a number (``int``, ``float``, anything ``numbers.Real``; ``bool`` counts as 1.0/0.0, as TRL's float tensor
-would make it) or None. Anything else, a non-finite number, the wrong number of values, an exception, or an attempt to end the process
-(``sys.exit``, ``os._exit`` with any status, a ``BaseException``; a worker that dies) is a :class:`RewardError` naming
-the function, the sample's row and the cause, carrying the user's traceback.
+would make it) or None. Anything else, a non-finite number, the wrong number of values, an exception, or an attempt
+to end the process (``sys.exit``, ``os._exit`` with any status, a ``BaseException``; a worker that dies) is a
+:class:`RewardError` naming the function, the sample's row and the cause, carrying the user's traceback when it
+raised.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 What a stop signal (SIGTERM, or a first Ctrl-C) does depends on where the run is (docs/your-task.md, "Stopping a
 run"): while it generates, trains, evaluates or saves a checkpoint, it sets a flag; the ranks agree on it at the next
-step boundary, save a checkpoint and exit 0. While the user's code runs (a reward call, a tool or environment call, in
-this process or in workers: :func:`user_code`), the call has :data:`USER_CODE_GRACE_S` seconds to return; if it has not by then, it is
-abandoned (reward workers are killed with their process groups), nothing of the current step is saved (the last
-checkpoint stays) and the rank exits ``128 + signal`` with one line (:class:`StoppedInUserCode`). Should the user's
-code not even let Python take the signal (a C call that never returns), the process leaves through ``os._exit`` after
+step boundary, save a checkpoint and exit 0. While the user's code runs (a reward, tool or environment call, in this
+process, on the continuous engine's tool thread, or in workers: :func:`user_code`), the call has
+:data:`USER_CODE_GRACE_S` seconds to return; if it has not by then, it is abandoned (workers are killed with their
+process groups), nothing of the current step is saved (the last checkpoint stays) and the rank exits ``128 + signal``
+with one line (:class:`StoppedInUserCode`). Should the user's code not even let Python take the signal (a C call that never returns), the process leaves through ``os._exit`` after
 :data:`HARD_EXIT_S` more seconds. A second Ctrl-C stops at once, anywhere, without saving.
 
 Processes that user code forks inherit no handler of ours (:func:`fsdptrain.rewards.pool.reset_signals_in_child`), so

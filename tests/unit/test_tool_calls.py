@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from fsdptrain.rollout.tools import ToolCall, ToolCaller, ToolError, load_environment, load_tools, start_episode, tool_pool
+from fsdptrain.rollout.tools import (ToolCall, ToolCaller, ToolError, load_environment, load_tools, start_episode,
+                                     tool_pool)
 
 TOOLS = '''
 import os, signal, sys, time
