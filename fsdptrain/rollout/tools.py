@@ -120,8 +120,9 @@ def load_environment(spec: str) -> Environment:
 
 def environment_reward(prompts, completions, completion_ids, environments, **kwargs) -> list:
     """The reward function of an environment's ``get_reward``: one value per sample, from its own instance, checked
-    as any reward function's values are (fsdptrain/rewards/runner.py)."""
-    return [env.get_reward() for env in environments]
+    as any reward function's values are (fsdptrain/rewards/runner.py; a numpy or torch scalar is its number)."""
+    values = [env.get_reward() for env in environments]
+    return [v.tolist() if hasattr(v, "tolist") else v for v in values]
 
 
 class ToolError(UserCodeError):

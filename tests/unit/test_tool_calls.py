@@ -185,3 +185,41 @@ def test_a_slow_tool_import_does_not_count_against_the_calls_deadline(tools, mon
         assert not result.timed_out and result.content == "2"
     finally:
         pool.close()
+
+
+class Scored:
+    def __init__(self, value):
+        self.value = value
+
+    def get_reward(self):
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+
+@pytest.mark.parametrize(("value", "cause"), [
+    ("high", "returned str 'high', not a number or None"),
+    (float("inf"), "returned inf, not a finite number"),
+    (ValueError("no score"), "raised ValueError: no score (the call covered 2 samples)"),
+    (SystemExit(0), "raised SystemExit(0) (a reward function returns its values; it must not exit) (the call covered "
+                    "2 samples)"),
+])
+def test_get_reward_has_a_reward_functions_rules_and_its_errors_name_the_method(value, cause):
+    import numpy as np
+
+    from fsdptrain.rewards.loading import RewardFunction
+    from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardRunner
+    from fsdptrain.rollout.tools import ENVIRONMENT_REWARD_SPEC, environment_reward
+
+    function = RewardFunction(name="Scored", spec=ENVIRONMENT_REWARD_SPEC, fn=environment_reward, weight=1.0,
+                              method="get_reward")
+
+    def batch(values):
+        return RewardBatch(prompts=["p", "p"], completions=["a", "b"], completion_ids=[[1], [2]], rows=[5, 5],
+                           groups=[0, 0], columns={"environments": [Scored(v) for v in values]})
+
+    with RewardRunner([function]) as runner:
+        assert runner.score(batch([np.float32(0.5), 2])).raw == {"Scored": [0.5, 2.0]}
+        with pytest.raises(RewardError) as err:
+            runner.score(batch([1.0, value]))
+    assert str(err.value) == f"reward function 'Scored.get_reward' on row 5 (0-based): {cause}"
