@@ -265,7 +265,8 @@ def tool_pool(tools: Sequence[Tool], num_workers: int) -> Optional[WorkerPool]:
     tools' files when they start, before any call and outside any call's deadline, as the reward workers do."""
     if num_workers == 0 or not tools:
         return None
-    with _named_start_errors(tools):
+    names = ", ".join(repr(t.name) for t in tools)
+    with user_code(f"the tool workers' import of {names}"), _named_start_errors(tools):  # a stop signal's grace
         return WorkerPool([t.spec for t in tools], num_workers, run=run_tool_call, label="tool")
 
 

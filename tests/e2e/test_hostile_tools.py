@@ -20,34 +20,18 @@ import pytest
 from fsdptrain.run.signals import HARD_EXIT_S, USER_CODE_GRACE_S
 from tests.conftest import cli_command, run_cli
 from tests.e2e.test_multi_turn import write_inputs
+from tests.unit.test_tool_calls import TOOLS
 
-TOOLS_PY = '''
-import os, sys, time
+TOOLS_PY = TOOLS + '''
 
-
-class Halt(BaseException):
-    pass
-
-
-def add(a: int, b: int) -> int:
+def add(a: int, b: int) -> int:  # the tiny model calls add: this one ends the way TOOL_HOW says, or adds
     """Add two integers.
 
     Args:
         a: the first
         b: the second
     """
-    how = os.environ["TOOL_HOW"]
-    if how == "exit0":
-        sys.exit(0)
-    if how == "os_exit0":
-        os._exit(0)
-    if how == "interrupt":
-        raise KeyboardInterrupt
-    if how == "halt":
-        raise Halt("no more")
-    if how == "hang":
-        open(os.environ["TOOL_READY"], "w").close()
-        time.sleep(600)
+    ends(os.environ["TOOL_HOW"])
     return a + b
 
 

@@ -62,6 +62,9 @@ def ends(how: str) -> str:
         raise Halt("no more")
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "hang":
+        open(os.environ["TOOL_READY"], "w").close()
+        time.sleep(600)
     return "still here"
 
 
