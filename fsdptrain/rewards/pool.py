@@ -1,11 +1,12 @@
-"""Worker processes that run reward calls, each bounded by a timeout; a hung worker is killed and replaced.
+"""The one place that runs the user's code (:func:`call_user_code`), and worker processes that run reward and tool
+calls through it, each bounded by a timeout; a hung worker is killed and replaced.
 
 Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot kill one hung call (``cancel`` does nothing to a running
 one, and terminating its processes means private attributes). Here each worker is a spawned process with its own pipe,
 so the pool knows which process runs which call, kills exactly that one at its deadline and starts a fresh one.
 
 Processes are started with ``spawn`` (never ``fork``: the parent holds torch, CUDA and NCCL state). A worker receives
-the reward specs once and imports the functions itself (a ``path.py:function`` cannot be pickled by reference) when
+the specs (reward functions, or tools) once and imports the functions itself (a ``path.py:function`` cannot be pickled by reference) when
 it starts, before it takes any call: it reports ``ready``, and the pool sends it calls only then, so a slow import
 never counts against a call's deadline. Start-up has its own bound (``start_timeout_s``, :data:`START_TIMEOUT_S` by
 default); a worker that has not finished importing by then, or whose import fails, is a :class:`WorkerStartError`
@@ -254,6 +255,9 @@ class WorkerPool:
         self._start_timeout_s = start_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[Optional[_Worker]] = [None] * num_workers
+        # close() may come from another thread than map()'s (the continuous engine's tool thread): once closed, no
+        # replacement starts (a worker spawned as the process leaves would print the spawn's EOFError)
+        self._lock, self._closed = threading.Lock(), False
         try:
             for slot in range(num_workers):
                 self._start(slot)
@@ -316,8 +320,11 @@ class WorkerPool:
         self._workers[slot] = None
 
     def _replace(self, slot: int) -> None:
-        self._kill(slot)
-        self._start(slot)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the worker pool was closed while a call ran")
+            self._kill(slot)
+            self._start(slot)
 
     def map(self, calls: Sequence[Call], *, timeout_s: Optional[float]) -> list[Outcome]:
         """One outcome per call, in order. A call running past ``timeout_s`` is a timeout and its worker is replaced
@@ -368,10 +375,12 @@ class WorkerPool:
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Kill every worker with its process group and wait for it (idempotent)."""
-        for slot, worker in enumerate(self._workers):
-            if worker is not None:
-                self._kill(slot)
+        """Kill every worker with its process group and wait for it (idempotent; no replacement starts after it)."""
+        with self._lock:
+            self._closed = True
+            for slot, worker in enumerate(self._workers):
+                if worker is not None:
+                    self._kill(slot)
 
     def __enter__(self) -> WorkerPool:
         return self
