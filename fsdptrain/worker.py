@@ -29,10 +29,12 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
     A user's mistake found only here (a bad data row, a model folder that does not load) is a usage error: its one
     line is reported (:func:`fsdptrain.distributed.rank_errors.report_failure`; by rank 0 only without our launcher)
     and every rank returns 2. A reward function that fails at run time stops every rank (the ranks agree on it); the
-    rank where it failed reports the user's traceback and one line, and every rank returns 2.
+    rank where it failed reports the user's traceback and one line, and every rank returns 2. A tool or environment
+    method that fails so (it tried to end the process) reports the same way and returns 2; the other ranks stop when
+    they find it gone.
     """
     from fsdptrain.config import ConfigError
-    from fsdptrain.rewards.runner import RewardError, RewardFailedOnAnotherRank
+    from fsdptrain.rewards.runner import RewardFailedOnAnotherRank, UserCodeError
 
     rank = env_rank()
     assert command in COMMANDS, command
@@ -59,7 +61,7 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
         if rank == 0 or ERROR_DIR_ENV in os.environ:  # the launcher reports the first rank's, once
             report_failure(f"error: {err}", rank=rank)
         return 2
-    except RewardError as err:
+    except UserCodeError as err:  # a reward function, a tool, an environment method
         report_failure((err.user_traceback.rstrip("\n") + "\n" if err.user_traceback else "") + f"error: {err}",
                        rank=rank)
         return 2

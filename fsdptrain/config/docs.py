@@ -22,9 +22,10 @@ GROUP_INTROS = {
     "loss": "Loss aggregation (see docs/loss.md) and the fused loss's chunking.",
     "data": "Where experience comes from. Presets: `data=task` (default), `data=prompts` (your prompt files, see "
     "docs/your-task.md), `data=jsonl` (offline rollouts).",
-    "reward": "Reward functions scoring each completion (see docs/your-task.md). A call in workers is bounded by "
-    "`timeout_s`; the workers' imports are not counted against it (they have their own bound, 300 s); a stop "
-    "signal gives a running call 10 s, then stops the run without saving that step (docs/checkpointing.md).",
+    "reward": "Reward functions scoring each completion (see docs/your-task.md). A call (also of a tool or an "
+    "environment method, docs/multi-turn.md) is bounded by `timeout_s`; the workers' imports are not counted against "
+    "it (they have their own bound, 300 s); a stop signal gives a running call 10 s, then stops the run without "
+    "saving that step (docs/checkpointing.md).",
     "rollout": "Generation of each step's experience.",
     "trainer": "The loop, the optimizers and the run directory. A run folder holds only what fsdptrain wrote (a "
     "folder of your own files is refused); SIGTERM or Ctrl-C stops at the next step boundary after a checkpoint "

@@ -222,7 +222,7 @@ class RewardConfig:
     num_workers: int = bounded(0, ge=0)
     """Worker processes per rank that run the functions (0: in the training process, once per step)."""
     timeout_s: Optional[float] = bounded(None, gt=0)
-    """Longest one call may run, not counting the worker's start-up imports (needs num_workers >= 1); a timed-out call scores timeout_score and its worker is killed with every process it started. null: no limit."""
+    """Longest one call (a reward function, a tool, an environment method) may run, not counting a worker's start-up imports; a timed-out reward call scores timeout_score. In a worker the call is killed with the worker and every process it started; in the training process (num_workers=0) it is abandoned on its thread. null: no limit."""
     timeout_score: float = unbounded(0.0)
     """Score of each sample whose call timed out (counted in reward/<function>/num_timed_out)."""
     models: list[str] = field(default_factory=list)

@@ -23,12 +23,19 @@ REQUIRED_ARGS = ("prompts", "completions", "completion_ids")
 @dataclass(frozen=True)
 class RewardFunction:
     """One configured reward: ``name`` (metric key: the built-in name or the function's name), the ``spec`` as
-    configured (worker processes load it again from this), the callable and its weight."""
+    configured (worker processes load it again from this), the callable and its weight; ``method``, when the callable
+    stands for a method of the user's (an environment's ``get_reward``), is named in errors."""
 
     name: str
     spec: str
     fn: Callable
     weight: float
+    method: str = ""
+
+    @property
+    def label(self) -> str:
+        """The name errors give: ``name``, or ``name.method``."""
+        return f"{self.name}.{self.method}" if self.method else self.name
 
 
 def resolve(spec: str) -> Callable:

@@ -4,15 +4,18 @@ The total of a sample is ``sum_f w_f * r_f`` over the functions that returned a 
 is left out, as TRL's ``nansum`` over functions does. A sample to which no function applied gets total 0.0 (TRL's
 ``nansum`` gives 0 too, after a warning) and is counted in ``num_no_reward`` so it shows in the metrics.
 
-Calls: with ``num_workers=0`` each function is called once, in this process, on the whole batch (as TRL does), and no
-timeout is possible. With ``num_workers > 0`` each function is called once per prompt group, in worker processes
-(:mod:`fsdptrain.rewards.pool`), and a call running past ``timeout_s`` scores ``timeout_score`` for each of its
-samples (counted per function). A function that depends on the whole batch rather than on one group should run with
-``num_workers=0``.
+Calls: with ``num_workers=0`` each function is called once, in this process, on the whole batch (as TRL does). With
+``num_workers > 0`` each function is called once per prompt group, in worker processes
+(:mod:`fsdptrain.rewards.pool`). Either way every call goes through :func:`fsdptrain.rewards.pool.call_user_code`,
+and a call running past ``timeout_s`` scores ``timeout_score`` for each of its samples (counted per function): a
+worker's call is killed with the worker, a call in this process is abandoned on its thread. A function that depends
+on the whole batch rather than on one group should run with ``num_workers=0``.
 
 Values: a number (``int``, ``float``, anything ``numbers.Real``; ``bool`` counts as 1.0/0.0, as TRL's float tensor
-would make it) or None. Anything else, a non-finite number, the wrong number of values, or an exception is a
-:class:`RewardError` naming the function, the sample's row and the cause, carrying the user's traceback.
+would make it) or None. Anything else, a non-finite number, the wrong number of values, an exception, or an attempt
+to end the process (``sys.exit``, ``os._exit`` with any status, a ``BaseException``; a worker that dies) is a
+:class:`RewardError` naming the function, the sample's row and the cause, carrying the user's traceback when it
+raised.
 """
 
 from __future__ import annotations
@@ -27,15 +30,24 @@ from fsdptrain.rewards.loading import RewardFunction
 from fsdptrain.rewards.pool import START_TIMEOUT_S, Call, Outcome, WorkerPool, WorkerStartError, run_call
 
 
-class RewardError(RuntimeError):
-    """A reward function failed at run time. ``str()`` is one line (function, row when one is known, cause);
-    ``user_traceback`` is the
-    traceback of the user's own code when it raised ("" otherwise), for display above that line."""
+class UserCodeError(RuntimeError):
+    """The user's code (``what``: "reward function 'f'", "tool 'add'", ...) failed at run time in a way that stops
+    the run (exit 2, fsdptrain/worker.py). ``str()`` is one line (what, row when one is known, cause);
+    ``user_traceback`` is the traceback of the user's own code when it raised ("" otherwise), for display above that
+    line."""
+
+    def __init__(self, what: str, row: Optional[int], cause: str, user_traceback: str = ""):
+        where = "" if row is None else f" on row {row} (0-based)"
+        super().__init__(f"{what}{where}: {cause}")
+        self.row, self.cause, self.user_traceback = row, cause, user_traceback
+
+
+class RewardError(UserCodeError):
+    """A reward function failed at run time (see :class:`UserCodeError`)."""
 
     def __init__(self, function: str, row: Optional[int], cause: str, user_traceback: str = ""):
-        where = "" if row is None else f" on row {row} (0-based)"
-        super().__init__(f"reward function {function!r}{where}: {cause}")
-        self.function, self.row, self.cause, self.user_traceback = function, row, cause, user_traceback
+        super().__init__(f"reward function {function!r}", row, cause, user_traceback)
+        self.function = function
 
 
 class RewardFailedOnAnotherRank(RuntimeError):
@@ -93,9 +105,6 @@ class RewardRunner:
             raise ConfigError(f"reward.num_workers={num_workers} must be >= 0")
         if timeout_s is not None and not timeout_s > 0:
             raise ConfigError(f"reward.timeout_s={timeout_s} must be > 0 (or null for no timeout)")
-        if timeout_s is not None and num_workers == 0:
-            raise ConfigError("reward.timeout_s needs reward.num_workers >= 1: a call in the training process "
-                              "cannot be stopped")
         if not math.isfinite(timeout_score):
             raise ConfigError(f"reward.timeout_score={timeout_score} must be a finite number")
         self.functions = list(functions)
@@ -106,7 +115,7 @@ class RewardRunner:
             self.pool = (WorkerPool([f.spec for f in self.functions], num_workers, start_timeout_s=start_timeout_s)
                          if num_workers > 0 else None)
         except WorkerStartError as err:
-            raise RewardError(self.functions[err.function].name, None, str(err)) from None
+            raise RewardError(self.functions[err.function].label, None, str(err)) from None
 
     def score(self, batch: RewardBatch) -> RewardScores:
         """Score every sample with every function; raises :class:`RewardError` on a failing function."""
@@ -117,9 +126,10 @@ class RewardRunner:
                 outcomes = self.pool.map([Call(k, batch.select(chunk)) for k, chunk in calls],
                                          timeout_s=self.timeout_s)
             except WorkerStartError as err:  # a replacement worker could not import
-                raise RewardError(self.functions[err.function].name, None, str(err)) from None
+                raise RewardError(self.functions[err.function].label, None, str(err)) from None
         else:
-            outcomes = [run_call(self.functions[k].fn, batch.select(chunk)) for k, chunk in calls]
+            outcomes = [run_call(self.functions[k].fn, batch.select(chunk), timeout_s=self.timeout_s)
+                        for k, chunk in calls]
         raw = {f.name: [None] * len(batch) for f in self.functions}
         timed_out = {f.name: 0 for f in self.functions}
         self.call_seconds = {f.name: [] for f in self.functions}
@@ -131,7 +141,7 @@ class RewardRunner:
                 timed_out[name] += len(chunk)
                 values = [self.timeout_score] * len(chunk)
             else:
-                values = _check_outcome(outcome, name, [batch.rows[i] for i in chunk])
+                values = _check_outcome(outcome, self.functions[k].label, [batch.rows[i] for i in chunk])
             for i, value in zip(chunk, values):
                 raw[name][i] = value
         return _combine(raw, self.functions, timed_out)
@@ -158,6 +168,9 @@ def _check_outcome(outcome: Outcome, name: str, rows: list[int]) -> list[Optiona
     covered = f"the call covered {len(rows)} samples"
     if outcome.status == "raised":
         raise RewardError(name, rows[0], f"raised {outcome.message} ({covered})", outcome.traceback)
+    if outcome.status == "ended":
+        raise RewardError(name, rows[0], f"{outcome.message} (a reward function returns its values; it must not "
+                                         f"exit) ({covered})")
     if outcome.status == "failed":
         raise RewardError(name, rows[0], f"{outcome.message} ({covered})")
     values = outcome.values

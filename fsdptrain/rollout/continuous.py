@@ -63,22 +63,29 @@ def run_turns_continuous(engine: ContinuousEngine, chat: ChatTurns, prompts: Seq
         return Request(sample, new_ids, caps.max_new_tokens - len(t.response_ids), seed=seed(sample, t.num_turns),
                        kept=finished.kept if finished else None, keep=t.num_turns + 1 < caps.max_turns)
 
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tools") as tool_thread:
+    tool_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tools")
 
-        def after_tools(finished: Finished, calls: list[tuple[str, dict]]) -> Optional[Request]:
-            t = trajectories[finished.key]
-            results = call_tools([(finished.key, name, arguments) for name, arguments in calls])
-            before = len(t.response_ids)
-            append_tool_results(chat, t, calls, results, caps)
-            return None if t.done else request(finished.key, finished.new_ids[-1:] + t.response_ids[before:],
-                                               finished)
+    def after_tools(finished: Finished, calls: list[tuple[str, dict]]) -> Optional[Request]:
+        t = trajectories[finished.key]
+        results = call_tools([(finished.key, name, arguments) for name, arguments in calls])
+        before = len(t.response_ids)
+        append_tool_results(chat, t, calls, results, caps)
+        return None if t.done else request(finished.key, finished.new_ids[-1:] + t.response_ids[before:],
+                                           finished)
 
-        def on_finish(finished: Finished):
-            t = trajectories[finished.key]
-            calls = finish_turn(chat, t, finished.new_ids, finished.ended, budget=len(finished.new_ids),
-                                last_turn=t.num_turns == caps.max_turns - 1)
-            return tool_thread.submit(after_tools, finished, calls) if calls else None
+    def on_finish(finished: Finished):
+        t = trajectories[finished.key]
+        calls = finish_turn(chat, t, finished.new_ids, finished.ended, budget=len(finished.new_ids),
+                            last_turn=t.num_turns == caps.max_turns - 1)
+        return tool_thread.submit(after_tools, finished, calls) if calls else None
 
+    # Not a `with` block: leaving on an exception (a stop signal's grace ran out, a ToolError) must not wait for a
+    # tool call that may never return (fsdptrain/run/signals.py); the process leaves through os._exit anyway.
+    try:
         engine.run([request(i, t.prompt_ids, None) for i, t in enumerate(trajectories)], on_finish)
+    except BaseException:
+        tool_thread.shutdown(wait=False, cancel_futures=True)
+        raise
+    tool_thread.shutdown()
     return trajectories
 

@@ -46,6 +46,7 @@ from fsdptrain.rollout.tools import (
     environment_reward,
     load_environment,
     load_tools,
+    start_episode,
     tool_pool,
 )
 from fsdptrain.rollout.turns import TRUNCATION_CAUSES, Trajectory, TurnCaps, run_turns
@@ -154,7 +155,8 @@ class MultiTurnSampler:
         if any(f.name == name for f in functions):
             raise ConfigError(f"rollout.environment: its get_reward is the reward {name!r}, which "
                               f"reward.functions already names")
-        return [*functions, RewardFunction(name=name, spec=ENVIRONMENT_REWARD_SPEC, fn=environment_reward, weight=1.0)]
+        return [*functions, RewardFunction(name=name, spec=ENVIRONMENT_REWARD_SPEC, fn=environment_reward, weight=1.0,
+                                           method="get_reward")]
 
     def _caller(self) -> ToolCaller:
         if self.caller is None:  # started on first use, inside the loop's try/finally that closes it
@@ -191,17 +193,22 @@ class MultiTurnSampler:
             details=[{"turns": t.messages, "truncated": t.truncation} for t in trajectories],
             metrics=turn_metrics(trajectories))
 
-    def _prompts(self, row: PromptRow, envs: list, repeat: int) -> list[tuple[list[dict], str, list[int]]]:
-        """Each sample's prompt messages (an environment's first observation appended), text and ids."""
-        out = []
-        for k in range(repeat):
+    def _prompts(self, row: PromptRow, repeat: int) -> tuple[list, list[tuple[list[dict], str, list[int]]]]:
+        """The row's ``repeat`` environment instances (none without an environment) and each sample's prompt
+        messages (the environment's first observation appended), text and ids."""
+        envs, out = [], []
+        for _ in range(repeat):
             messages = row.chat()
-            observation = envs[k].reset(**row.columns) if envs else None
+            observation = None
+            if self.environment is not None:
+                env, observation = start_episode(self.environment, row.columns, row=row.index,
+                                                 timeout_s=self.cfg.reward.timeout_s)
+                envs.append(env)
             if observation is not None:
-                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
             text, ids = self.chat.prompt(messages)
             out.append((messages, text, ids))
-        return out
+        return envs, out
 
     def _generate_fn(self, models: Models, *, group: int, mode: SampleMode, step: int, round_index: int, device):
         """The turn loop's ``generate`` for one group: the step's group seed per turn, or (``eval``) one generator
@@ -234,8 +241,7 @@ class MultiTurnSampler:
         out = _Turns([], [], [], [])
         with generation(models.policy, self.cfg, device, always_gather=True):
             for group, row in groups:
-                envs = [self.environment.cls() for _ in range(repeat)] if self.environment is not None else []
-                prompts = self._prompts(row, envs, repeat)
+                envs, prompts = self._prompts(row, repeat)
                 out.prompt_messages += [messages for messages, _, _ in prompts]
                 out.prompt_texts += [text for _, text, _ in prompts]
 
@@ -258,8 +264,7 @@ class MultiTurnSampler:
         owners: list[tuple[int, int]] = []  # (group, sample) of each trajectory
         prompt_ids = []
         for group, row in groups:
-            envs = [self.environment.cls() for _ in range(repeat)] if self.environment is not None else []
-            prompts = self._prompts(row, envs, repeat)
+            envs, prompts = self._prompts(row, repeat)
             out.prompt_messages += [messages for messages, _, _ in prompts]
             out.prompt_texts += [text for _, text, _ in prompts]
             prompt_ids += [ids for _, _, ids in prompts]

@@ -11,28 +11,37 @@ unchanged:
   optional ``get_reward()`` becomes one more reward function named after the class (weight 1.0).
 
 Calls: a tool returns anything; its result becomes the tool message's content (``str()``, or JSON for a dict or a
-list). An unknown tool name, arguments that do not fit, or a raising tool give the content
-``{"error": "..."}`` and count as a failure. With ``reward.num_workers > 0`` plain tools run in the reward worker
-pool (:mod:`fsdptrain.rewards.pool`) under ``reward.timeout_s``: a call past it is cut off and answered
-``{"error": "timed out after ...s"}`` (counted as a failure and as a timeout). An environment's methods always run in
-the training process, on the sample's own instance (its state lives there), and cannot be cut off.
+list). Every call of the user's code here (tools, environment methods, building an environment, ``reset``,
+``get_reward``) goes through the one place that runs user code, :func:`fsdptrain.rewards.pool.call_user_code`, inside
+a stop signal's grace (:func:`fsdptrain.run.signals.user_code`). An unknown tool name, arguments that do not fit, or
+a tool that raises an ``Exception`` give the content ``{"error": "..."}`` and count as a failure; a tool or method
+that tries to end the process (``sys.exit`` with any status, ``os._exit``, another ``BaseException``) or whose worker
+dies stops the run with one line naming it (:class:`ToolError`, exit 2), as a reward function would. A call past
+``reward.timeout_s`` is cut off and answered ``{"error": "timed out after ...s"}`` (counted as a failure and as a
+timeout): with ``reward.num_workers > 0`` plain tools run in their own worker pool (:mod:`fsdptrain.rewards.pool`,
+which imports the tools' files when a worker starts, outside any call's deadline) and a late call is killed with its
+worker; in the training process (no workers, and an environment's methods, which run on the sample's own instance
+where its state lives) a late call is abandoned on its thread. ``reset`` and building an instance are held to a
+reward function's rules: one that raises, returns something other than a string or None, or runs past the timeout
+stops the run with one line naming the class and method.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from fsdptrain.config import ConfigError
 from fsdptrain.registry.user_functions import load_callable
-from fsdptrain.rewards.pool import Call, WorkerPool
+from fsdptrain.rewards.pool import Call, Outcome, WorkerPool, WorkerStartError, call_user_code
+from fsdptrain.rewards.runner import UserCodeError
+from fsdptrain.run.signals import user_code
 
 ENVIRONMENT_REWARD_SPEC = "fsdptrain.rollout.tools:environment_reward"
 """The reward function behind an environment's ``get_reward`` (loadable by spec in reward worker processes)."""
-TOOL_CALL_SPEC = "fsdptrain.rollout.tools:call_tool_by_spec"
-"""The function the worker pool runs for a tool call: it loads the tool by spec and calls it."""
 
 
 @dataclass(frozen=True)
@@ -109,15 +118,50 @@ def load_environment(spec: str) -> Environment:
                        has_reward=callable(getattr(cls, "get_reward", None)))
 
 
-def environment_reward(prompts, completions, completion_ids, environments, **kwargs) -> list[float]:
-    """The reward function of an environment's ``get_reward``: one value per sample, from its own instance."""
-    return [float(env.get_reward()) for env in environments]
+def environment_reward(prompts, completions, completion_ids, environments, **kwargs) -> list:
+    """The reward function of an environment's ``get_reward``: one value per sample, from its own instance, checked
+    as any reward function's values are (fsdptrain/rewards/runner.py; a numpy or torch scalar is its number)."""
+    values = [env.get_reward() for env in environments]
+    return [v.tolist() if hasattr(v, "tolist") else v for v in values]
 
 
-def call_tool_by_spec(spec: str, arguments: dict) -> list:
-    """Run in a reward worker: load the tool ``spec`` (cached per process) and call it; ``[content]``, the list the
-    pool expects. A raising tool raises here (the pool reports it)."""
-    return [tool_content(load_callable(spec, what="rollout.tools")(**arguments))]
+class ToolError(UserCodeError):
+    """A tool or an environment method failed in a way that stops the run (module docstring); ``str()`` is one
+    line naming it."""
+
+
+def start_episode(environment: Environment, columns: dict, *, row: int, timeout_s: Optional[float]):
+    """A new instance of ``environment`` and its first observation (``reset(**columns)``: a string, or None), each
+    call through the one place, held to a reward function's rules (:class:`ToolError` naming the class and method,
+    ``row`` the prompt's dataset row)."""
+    env = _call_environment(f"environment {environment.name!r} (building an instance)", environment.cls, {},
+                            row=row, timeout_s=timeout_s)
+    what = f"environment method '{environment.name}.reset'"
+    observation = _call_environment(what, env.reset, columns, row=row, timeout_s=timeout_s)
+    if observation is not None and not isinstance(observation, str):
+        raise ToolError(what, row, f"returned {type(observation).__name__} {observation!r:.60}, not a string or None")
+    return env, observation
+
+
+def _call_environment(what: str, fn: Callable, kwargs: dict, *, row: int, timeout_s: Optional[float]):
+    with user_code(what):
+        outcome = call_user_code(fn, kwargs, timeout_s=timeout_s)
+    if outcome.status == "ok":
+        return outcome.values
+    if outcome.status == "timeout":
+        raise ToolError(what, row, f"did not return within reward.timeout_s={timeout_s:g} s")
+    cause = f"raised {outcome.message}" if outcome.status == "raised" else f"{outcome.message} (it must return)"
+    raise ToolError(what, row, cause, outcome.traceback)
+
+
+def run_tool_call(fn: Callable, kwargs: dict, *, timeout_s: Optional[float] = None) -> Outcome:
+    """A tool call through the one place: ``values`` is ``[content]`` (:func:`tool_content`, made where the tool ran,
+    so that any result crosses a worker's pipe). The tool workers' ``run``."""
+    return call_user_code(fn, kwargs, then=_content_list, timeout_s=timeout_s)
+
+
+def _content_list(result) -> list[str]:
+    return [tool_content(result)]
 
 
 def tool_content(result) -> str:
@@ -156,11 +200,13 @@ class ToolResult:
 
 
 class ToolCaller:
-    """Runs parsed calls: plain tools in the worker pool when one is given (under ``timeout_s``), else in this
-    process; environment methods on the sample's instance, in this process."""
+    """Runs parsed calls, each under ``timeout_s``: plain tools in the worker pool when one is given (built by
+    :func:`tool_pool` from the same ``tools``), else in this process; environment methods on the sample's instance,
+    in this process."""
 
     def __init__(self, tools: Sequence[Tool], *, pool: Optional[WorkerPool], timeout_s: Optional[float]):
         self.tools = {t.name: t for t in tools}
+        self.index = {t.name: k for k, t in enumerate(tools)}
         self.pool, self.timeout_s = pool, timeout_s
 
     def run(self, calls: Sequence[ToolCall], environments: Sequence[object] = ()) -> list[ToolResult]:
@@ -172,25 +218,39 @@ class ToolCaller:
             env = environments[call.sample] if environments else None
             method = self._environment_method(env, call.name)
             if method is not None:
-                results[i] = _call_here(method, call.arguments)
+                results[i] = self._here(f"environment method '{type(env).__name__}.{call.name}'", method,
+                                        call.arguments)
             elif call.name not in self.tools:
                 results[i] = ToolResult(error_content(f"unknown tool {call.name!r}"), failed=True)
             elif self.pool is None:
-                results[i] = _call_here(self.tools[call.name].fn, call.arguments)
+                results[i] = self._here(f"tool {call.name!r}", self.tools[call.name].fn, call.arguments)
             else:
                 pooled.append(i)
         if pooled:
-            outcomes = self.pool.map([Call(0, {"spec": self.tools[calls[i].name].spec, "arguments": calls[i].arguments})
-                                      for i in pooled], timeout_s=self.timeout_s)
+            names = ", ".join(sorted({repr(calls[i].name) for i in pooled}))
+            tools = list(self.tools.values())
+            with user_code(f"a call of the tools {names}"), _named_start_errors(tools):  # a stop signal's grace
+                outcomes = self.pool.map([Call(self.index[calls[i].name], calls[i].arguments) for i in pooled],
+                                         timeout_s=self.timeout_s)
             for i, outcome in zip(pooled, outcomes):
-                if outcome.status == "ok":
-                    results[i] = ToolResult(str(outcome.values[0]), failed=False)
-                elif outcome.status == "timeout":
-                    results[i] = ToolResult(error_content(f"timed out after {self.timeout_s:g}s"), failed=True,
-                                            timed_out=True)
-                else:
-                    results[i] = ToolResult(error_content(outcome.message), failed=True)
+                results[i] = self._result(f"tool {calls[i].name!r}", outcome)
         return results  # type: ignore[return-value]
+
+    def _here(self, what: str, fn: Callable, arguments: dict) -> ToolResult:
+        with user_code(what):
+            return self._result(what, run_tool_call(fn, arguments, timeout_s=self.timeout_s))
+
+    def _result(self, what: str, outcome: Outcome) -> ToolResult:
+        """The model's tool message for ``outcome``, or :class:`ToolError` when the run must stop."""
+        if outcome.status == "ok":
+            return ToolResult(outcome.values[0], failed=False)
+        if outcome.status == "timeout":
+            return ToolResult(error_content(f"timed out after {self.timeout_s:g}s"), failed=True, timed_out=True)
+        if outcome.status == "raised":
+            return ToolResult(error_content(outcome.message), failed=True)
+        if outcome.status == "ended":
+            raise ToolError(what, None, f"{outcome.message} (a tool returns its result; it must not exit)")
+        raise ToolError(what, None, outcome.message)  # its worker died
 
     @staticmethod
     def _environment_method(env, name: str):
@@ -200,15 +260,21 @@ class ToolCaller:
         return method if callable(method) else None
 
 
-def _call_here(fn: Callable, arguments: dict) -> ToolResult:
-    try:
-        return ToolResult(tool_content(fn(**arguments)), failed=False)
-    except Exception as err:  # the tool's own failure becomes the model's error message
-        return ToolResult(error_content(f"{type(err).__name__}: {err}"), failed=True)
-
-
 def tool_pool(tools: Sequence[Tool], num_workers: int) -> Optional[WorkerPool]:
-    """A worker pool for the plain tools (None when there are none or ``num_workers`` is 0)."""
+    """A worker pool for the plain tools (None when there are none or ``num_workers`` is 0): its workers import the
+    tools' files when they start, before any call and outside any call's deadline, as the reward workers do."""
     if num_workers == 0 or not tools:
         return None
-    return WorkerPool([TOOL_CALL_SPEC], num_workers)
+    names = ", ".join(repr(t.name) for t in tools)
+    with user_code(f"the tool workers' import of {names}"), _named_start_errors(tools):  # a stop signal's grace
+        return WorkerPool([t.spec for t in tools], num_workers, run=run_tool_call, label="tool")
+
+
+@contextlib.contextmanager
+def _named_start_errors(tools: Sequence[Tool]) -> Iterator[None]:
+    """A tool worker that could not import a tool's file (at start, or a replacement's) is a :class:`ToolError`
+    naming the tool."""
+    try:
+        yield
+    except WorkerStartError as err:
+        raise ToolError(f"tool {tools[err.function].name!r}", None, str(err)) from None

@@ -2,11 +2,11 @@
 
 What a stop signal (SIGTERM, or a first Ctrl-C) does depends on where the run is (docs/your-task.md, "Stopping a
 run"): while it generates, trains, evaluates or saves a checkpoint, it sets a flag; the ranks agree on it at the next
-step boundary, save a checkpoint and exit 0. While the user's code runs (a reward call, in this process or in reward
-workers: :func:`user_code`), the call has :data:`USER_CODE_GRACE_S` seconds to return; if it has not by then, it is
-abandoned (reward workers are killed with their process groups), nothing of the current step is saved (the last
-checkpoint stays) and the rank exits ``128 + signal`` with one line (:class:`StoppedInUserCode`). Should the user's
-code not even let Python take the signal (a C call that never returns), the process leaves through ``os._exit`` after
+step boundary, save a checkpoint and exit 0. While the user's code runs (a reward, tool or environment call, in this
+process, on the continuous engine's tool thread, or in workers: :func:`user_code`), the call has
+:data:`USER_CODE_GRACE_S` seconds to return; if it has not by then, it is abandoned (workers are killed with their
+process groups), nothing of the current step is saved (the last checkpoint stays) and the rank exits ``128 + signal``
+with one line (:class:`StoppedInUserCode`). Should the user's code not even let Python take the signal (a C call that never returns), the process leaves through ``os._exit`` after
 :data:`HARD_EXIT_S` more seconds. A second Ctrl-C stops at once, anywhere, without saving.
 
 Processes that user code forks inherit no handler of ours (:func:`fsdptrain.rewards.pool.reset_signals_in_child`), so
@@ -23,7 +23,7 @@ import time
 from typing import Iterator, Optional
 
 from fsdptrain.distributed.rank_errors import another_rank_failed
-from fsdptrain.rewards.pool import reset_signals_in_child
+from fsdptrain.rewards.pool import StopSignal, reset_signals_in_child
 from fsdptrain.distributed.torchrun import env_rank
 
 USER_CODE_GRACE_S = 10.0
@@ -40,14 +40,20 @@ def log(message: str) -> None:
         print(message, flush=True)
 
 
-class StoppedInUserCode(BaseException):
+class StoppedInUserCode(StopSignal):
     """The user's code did not return within the grace after a stop signal; ``str()`` is the one line to print and
-    :attr:`exit_code` is ``128 + signal``. A BaseException, so a user's ``except Exception`` does not swallow it."""
+    :attr:`exit_code` is ``128 + signal``. A BaseException, so a user's ``except Exception`` does not swallow it, and
+    a :class:`~fsdptrain.rewards.pool.StopSignal`, so the one place that calls user code lets it pass."""
 
     def __init__(self, signum: int, what: str, grace_s: float):
         super().__init__(f"{signal.Signals(signum).name}: {what} did not return within {grace_s:g} s of the signal; "
                          f"stopped without saving this step (the last checkpoint stays)")
         self.exit_code = 128 + signum
+
+
+class StopAtOnce(KeyboardInterrupt, StopSignal):
+    """A second Ctrl-C: stop at once, without saving (``KeyboardInterrupt``, told apart from one the user's code
+    raises itself, which is that code's failure)."""
 
 
 class StopRequest:
@@ -90,7 +96,7 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise StopAtOnce
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._left.set()
             raise StoppedInUserCode(self._signum, self._user_code or "the user's code", self.grace_s)

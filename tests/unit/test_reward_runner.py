@@ -4,6 +4,7 @@ worker processes that time out, get replaced and leave nothing behind."""
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -57,6 +58,31 @@ def pid(prompts, completions, completion_ids, **kwargs):
 def exits(prompts, completions, completion_ids, **kwargs):
     import os
     os._exit(3)
+
+def exits_0(prompts, completions, completion_ids, **kwargs):
+    import os
+    os._exit(0)
+
+def leaves_0(prompts, completions, completion_ids, **kwargs):
+    import sys
+    sys.exit()
+
+def interrupts(prompts, completions, completion_ids, **kwargs):
+    raise KeyboardInterrupt
+
+class Halt(BaseException):
+    pass
+
+def halts(prompts, completions, completion_ids, **kwargs):
+    raise Halt("stop everything")
+
+def sleeps(prompts, completions, completion_ids, **kwargs):
+    time.sleep(60)
+    return [2.0] * len(completions)
+
+def killed(prompts, completions, completion_ids, **kwargs):
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)
 
 def leaves(prompts, completions, completion_ids, **kwargs):
     import sys
@@ -324,10 +350,10 @@ def test_a_call_past_the_timeout_scores_timeout_score_and_its_worker_is_replaced
 
 
 def test_a_worker_that_dies_is_an_error_and_the_pool_closes(user):
-    runner = RewardRunner(load_reward_functions([user("exits")]), num_workers=1)
+    runner = RewardRunner(load_reward_functions([user("killed")]), num_workers=1)
     pids = runner.pool.pids
-    with pytest.raises(RewardError, match=r"'exits' on row 10 \(0-based\): the reward worker process died "
-                                          r"\(exit code 3\) \(the call covered 2 samples\)"):
+    with pytest.raises(RewardError, match=r"'killed' on row 10 \(0-based\): the reward worker process died "
+                                          r"\(exit code -9\) \(the call covered 2 samples\)"):
         runner.score(batch())
     runner.close()
     assert not any(_alive(p) for p in pids + runner.pool.pids)
@@ -410,7 +436,6 @@ def test_a_missing_optional_package_names_the_extra():
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(num_workers=-1), "reward.num_workers=-1 must be >= 0"),
     (dict(timeout_s=0), "reward.timeout_s=0 must be > 0"),
-    (dict(timeout_s=5), "reward.timeout_s needs reward.num_workers >= 1"),
     (dict(num_workers=1, timeout_score=float("nan")), "reward.timeout_score=nan must be a finite number"),
 ])
 def test_runner_settings_are_checked(kwargs, fragment):
@@ -466,3 +491,63 @@ def test_workers_exit_when_the_training_process_leaves_through_os_exit(user, tmp
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+ENDINGS = [
+    ("exits", "called os._exit(3)"),
+    ("exits_0", "called os._exit(0)"),
+    ("leaves_0", "raised SystemExit(None)"),
+    ("interrupts", "raised KeyboardInterrupt (a BaseException)"),
+    ("halts", "raised Halt: stop everything (a BaseException)"),
+]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_function_that_would_end_its_process_is_one_reward_error_in_the_process_and_in_workers(user, num_workers):
+    # Any status, 0 included (issue 42 item 11): os._exit raises in the calling thread instead of ending the process,
+    # and a KeyboardInterrupt the function raises itself is its failure, never a false Ctrl-C: in a worker (which
+    # ignores SIGINT) and in a process whose SIGINT handler is not Python's default (the trainer installs its own).
+    previous = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        for name, how in ENDINGS:
+            with RewardRunner(load_reward_functions([user(name)]), num_workers=num_workers) as runner:
+                pids = runner.pool.pids if runner.pool else []
+                with pytest.raises(RewardError) as err:
+                    runner.score(batch())
+                assert runner.pool is None or runner.pool.pids == pids  # the worker lives on
+            covered = 4 if num_workers == 0 else 2
+            assert str(err.value) == (f"reward function {name!r} on row 10 (0-based): {how} (a reward function "
+                                      f"returns its values; it must not exit) (the call covered {covered} samples)")
+            assert err.value.user_traceback == ""  # the line says all
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_os_exit_outside_a_call_still_exits(user, tmp_path):
+    # The guard acts only in the thread running the user's call: a process the function forks, and our own exits,
+    # still leave through the real os._exit.
+    script = tmp_path / "after.py"
+    script.write_text(
+        "import os\n"
+        "from fsdptrain.rewards.pool import call_user_code\n"
+        "def forks():\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(5)\n"
+        "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "outcome = call_user_code(forks, {})\n"
+        "assert outcome.values == 5, outcome\n"
+        "assert call_user_code(os._exit, {'status': 4}).message == 'called os._exit(4)'\n"
+        "os._exit(7)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done.stderr
+
+
+def test_a_call_in_the_process_past_the_timeout_scores_timeout_score(user):
+    functions = load_reward_functions([user("sleeps"), user("length")])
+    with RewardRunner(functions, num_workers=0, timeout_s=1.0, timeout_score=-1.0) as runner:
+        start = time.monotonic()
+        scores = runner.score(batch())
+        assert time.monotonic() - start < 30  # abandoned at its deadline, not waited for (it sleeps 60 s)
+    assert scores.raw["sleeps"] == [-1.0] * 4 and scores.num_timed_out == {"sleeps": 4, "length": 0}
+    assert scores.raw["length"] == [1.0, 3.0, 2.0, 1.0]
