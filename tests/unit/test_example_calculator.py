@@ -81,7 +81,7 @@ def test_the_readme_commands_run(tmp_path):
                    cwd=root, check=True, capture_output=True, timeout=600)
     result = run_cli("sft", f"model.path={work / 'model'}", f"data.path={work / 'demos.jsonl'}",
                      f"data.eval_path={work / 'demos_eval.jsonl'}", "sft.rows_per_step=32", "trainer.steps=2",
-                     "trainer.lr=3e-3", "trainer.warmup_steps=50", "trainer.lr_schedule=cosine",
+                     "trainer.lr=1e-3", "trainer.warmup_steps=50", "trainer.lr_schedule=cosine",
                      "trainer.min_lr_ratio=0.1", "trainer.token_budget=4096", "trainer.eval_every=100",
                      f"trainer.run_dir={warm}", "logging.progress=false", cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
