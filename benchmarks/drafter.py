@@ -53,8 +53,9 @@ def run(overrides: list[str], *, freeze_policy: bool = False) -> tuple[Trainer, 
     mesh = world.build_mesh(dp_replicate=1, dp_shard=1, device_type="cpu")
     trainer = Trainer(cfg, Path(tempfile.mkdtemp()), info, mesh)
     if freeze_policy:  # AdamW with lr 0 and no weight decay leaves every weight as it is
-        trainer.models.policy_scheduler.base_lrs = [0.0 for _ in trainer.models.policy_scheduler.base_lrs]
-        for group in trainer.models.policy_optimizer.param_groups:
+        part = trainer.models.policy_part
+        part.scheduler.base_lrs = [0.0 for _ in part.scheduler.base_lrs]
+        for group in part.optimizer.param_groups:
             group["lr"] = 0.0
     rows = []
     for step in range(trainer.num_steps):

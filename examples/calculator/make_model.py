@@ -1,42 +1,44 @@
-"""Write the calculator example's inputs: a tiny chat model that has seen the tool-call format, and the problems.
+"""Write the calculator example's inputs: a tiny chat model, the demonstrations its warm-up imitates, and the problems;
+or measure a warmed-up model.
 
-    python examples/calculator/make_model.py [--out examples/calculator/work] [--steps 600] [--call-share 0.5]
+    python examples/calculator/make_model.py [--out examples/calculator/work] [--demos 19200] [--call-share 0.5]
+    python examples/calculator/make_model.py --measure runs/calculator-warmup/export/policy [--out ...]
 
-Writes ``OUT/model`` (a 4-layer Llama, 0.88 M parameters, with a character-level ChatML tokenizer whose template
-renders tools), ``OUT/train.jsonl`` (2000 problems) and ``OUT/eval.jsonl`` (100): ``{"prompt": [{"role": "user",
-"content": "47*83=?"}], "answer": "3901"}``, both factors in 32..99 so every product has four digits.
+Writes ``OUT/model`` (a 4-layer Llama, 0.88 M parameters, initialised at random, with a character-level ChatML
+tokenizer whose template renders tools), ``OUT/demos.jsonl`` (``--demos`` solved problems as chats: the warm-up's
+data for ``fsdptrain sft``) and ``OUT/demos_eval.jsonl`` (100 more, held out), ``OUT/train.jsonl`` (2000 problems)
+and ``OUT/eval.jsonl`` (100): ``{"prompt": [{"role": "user", "content": "47*83=?"}], "answer": "3901"}``, both
+factors in 32..99 so every product has four digits.
 
 Why a warm-up: a model initialised at random cannot discover a tool call by sampling: the call has to copy both
-factors exactly, about 1 chance in 10^10 per try. So the model first imitates demonstrations (supervised, a few
-minutes on the CPU). With the tool listed in the prompt, ``--call-share`` of them solve the problem with the
-calculator (the call copies the factors, the answer copies the tool's result) and the others write the product
-directly, which a model this small cannot compute; without tools they all write it directly. That sets how often the
-warmed-up model calls at first, and what it earns without the tool. RL then finds out that calling pays
-(README.md).
+factors exactly, about 1 chance in 10^10 per try. So the model first imitates demonstrations (``fsdptrain sft``, a
+few minutes on the CPU: README.md). Three in four list the tool (the ``tools`` column), and ``--call-share`` of those
+solve the problem with the calculator (an assistant turn that calls it, the tool's message with the result, an
+assistant turn that copies the result) while the others write the product directly, which a model this small cannot
+compute; without tools they all write it directly. That sets how often the warmed-up model calls at first, and what
+it earns without the tool. RL then finds out that calling pays (README.md).
 
-Why it learns to copy in a minute: every problem has the same format and length (two two-digit factors, a
-four-digit product), so a factor's digit and its copy in the call, and the tool's result and the answer, are always
-the same number of tokens apart; with rotary positions a copy at a fixed offset is easy to learn. The tokenizer holds
-the constant parts of a call as two tokens, so a call is ``OPEN 4 7 * 8 3 CLOSE``.
+Why it learns to copy in a few hundred steps: every problem has the same format and length (two two-digit factors,
+a four-digit product), so a factor's digit and its copy in the call, and the tool's result and the answer, are
+always the same number of tokens apart; with rotary positions a copy at a fixed offset is easy to learn. The
+tokenizer holds the constant parts of a call as two tokens, so a call is ``OPEN 4 7 * 8 3 CLOSE``.
 
-The last lines printed measure the warmed-up model with greedy decoding on the eval problems: how often it calls,
+``--measure MODEL`` measures a model folder on the eval problems (README.md's table): how often it opens a call,
 how often a call copies the factors exactly, how often the answer after the tool's result copies it, and how often a
-direct answer is right.
+direct answer is right (greedy decoding, and the probability that sampling at temperature 1 writes each).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from transformers.utils import get_json_schema
 
@@ -54,8 +56,6 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}")
 """ChatML; tools are listed by name in a system turn (the model needs no schema to learn one tool)."""
 LOW, HIGH = 32, 99
-BATCH = 32
-MEASURE_EVERY = 200
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -80,8 +80,8 @@ def problem(rng: random.Random) -> dict:
 
 
 class Demonstrations:
-    """The ids of solved problems, built as the trainer's turn loop builds them: ``tools`` renders prompts with the
-    calculator listed, ``plain`` without tools (the run without the tool)."""
+    """The ids the measurements feed the model, built as the trainer's turn loop builds them: ``tools`` renders
+    prompts with the calculator listed, ``plain`` without tools (the run without the tool)."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -100,46 +100,31 @@ class Demonstrations:
     def answer_ids(self, row: dict) -> list[int]:
         return self.ids(row["answer"]) + [self.tok.eos_token_id]
 
-    def solved(self, row: dict, *, tools: bool, call: bool) -> tuple[list[int], list[int]]:
-        """One solved problem's ids and the 0/1 mask of the assistant's tokens (what the warm-up learns)."""
-        prompt = (self.tools if tools else self.plain).prompt_ids(row["prompt"])
-        answer = self.answer_ids(row)
-        if not call:
-            return prompt + answer, [0] * len(prompt) + [1] * len(answer)
-        turn, segment = self.call_ids(row), self.segment_ids(row)
-        return (prompt + turn + segment + answer,
-                [0] * len(prompt) + [1] * len(turn) + [0] * len(segment) + [1] * len(answer))
+
+def chat(row: dict, *, tools: bool, call: bool) -> dict:
+    """One solved problem as a demonstration row of ``fsdptrain sft``: the user's question and the assistant's
+    answer, with (``call``) an assistant turn that calls the calculator and the tool's message with its result in
+    between; ``tools`` lists the calculator's schema for the template."""
+    question, answer = row["prompt"][0]["content"], row["answer"]
+    messages = list(row["prompt"])
+    if call:
+        expression = question.removesuffix("=?")
+        messages += [{"role": "assistant", "content": OPEN + expression + CLOSE,
+                      "tool_calls": [{"type": "function",
+                                      "function": {"name": "calculate", "arguments": {"expression": expression}}}]},
+                     {"role": "tool", "name": "calculate", "content": calculate(expression)}]
+    messages.append({"role": "assistant", "content": answer})
+    return {"messages": messages, **({"tools": [get_json_schema(calculate)]} if tools else {})}
 
 
-def warm_up(model, demos: Demonstrations, *, call_share: float, steps: int, lr: float, seed: int,
-            eval_rows: list[dict]) -> None:
-    """``steps`` batches of demonstrations: three in four list the tool, and ``call_share`` of those call it; the
-    rest answer directly. AdamW at ``lr`` with a short linear warm-up and a cosine decay to a tenth."""
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = lambda s: min(1.0, (s + 1) / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    start = time.time()
-    for step in range(steps):
-        batch = []
-        for _ in range(BATCH):
-            tools = rng.random() < 0.75
-            batch.append(demos.solved(problem(rng), tools=tools, call=tools and rng.random() < call_share))
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in batch])
-        labels = torch.tensor([[i if m else -100 for i, m in zip(ids, mask)] + [-100] * (width - len(ids))
-                               for ids, mask in batch])
-        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"warm-up step {step}: loss {loss.item():.3f} ({time.time() - start:.0f}s)", flush=True)
-        if MEASURE_EVERY and step % MEASURE_EVERY == MEASURE_EVERY - 1:
-            print(f"  {report(model, demos, eval_rows)}", flush=True)
+def demonstrations(rng: random.Random, count: int, *, call_share: float) -> list[dict]:
+    """``count`` solved problems: three in four list the tool, and ``call_share`` of those call it; the rest answer
+    directly."""
+    rows = []
+    for _ in range(count):
+        tools = rng.random() < 0.75
+        rows.append(chat(problem(rng), tools=tools, call=tools and rng.random() < call_share))
+    return rows
 
 
 @torch.no_grad()
@@ -194,34 +179,45 @@ def report(model, demos: Demonstrations, rows: list[dict]) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in measure(model, demos, rows).items())
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "work")
     parser.add_argument("--call-share", type=float, default=0.5)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--demos", type=int, default=600 * 32, help="demonstrations (the warm-up's 600 steps of 32)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--measure", type=Path, help="measure this model folder on OUT/eval.jsonl instead")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # a model this small runs fastest on one thread
+    if args.measure is not None:
+        rows = [json.loads(line) for line in (args.out / "eval.jsonl").read_text().splitlines()]
+        model = LlamaForCausalLM.from_pretrained(args.measure)
+        demos = Demonstrations(AutoTokenizer.from_pretrained(args.measure))
+        print(f"{args.measure}, on the eval problems: {report(model, demos, rows)}")
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     problems = {name: [problem(rng) for _ in range(count)] for name, count in (("train", 2000), ("eval", 100))}
     for name, rows in problems.items():
-        (args.out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl(args.out / f"{name}.jsonl", rows)
+    write_jsonl(args.out / "demos.jsonl",
+                demonstrations(random.Random(args.seed + 1), args.demos, call_share=args.call_share))
+    write_jsonl(args.out / "demos_eval.jsonl",
+                demonstrations(random.Random(args.seed + 2), 100, call_share=args.call_share))
     tok = build_tokenizer()
-    demos = Demonstrations(tok)
     torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # a model this small runs fastest on one thread
     config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(config)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters", flush=True)
-    warm_up(model, demos, call_share=args.call_share, steps=args.steps, lr=args.lr, seed=args.seed + 1,
-            eval_rows=problems["eval"])
-    print(f"warmed up, on the eval problems: {report(model, demos, problems['eval'])}", flush=True)
     model.save_pretrained(args.out / "model")
     tok.save_pretrained(args.out / "model")
-    print(f"wrote {args.out / 'model'}, {args.out / 'train.jsonl'}, {args.out / 'eval.jsonl'}")
+    print(f"wrote {args.out / 'model'}, {args.out / 'demos.jsonl'} ({args.demos} demonstrations), "
+          f"{args.out / 'demos_eval.jsonl'}, {args.out / 'train.jsonl'}, {args.out / 'eval.jsonl'}")
 
 
 if __name__ == "__main__":

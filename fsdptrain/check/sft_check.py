@@ -41,7 +41,7 @@ from fsdptrain.rl.grad_scale import grad_scale_report
 from fsdptrain.rl.metrics import comparable, merge_all
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.data.prompts import EpochOrder
-from fsdptrain.train.build import build_tokenizer, build_trained_policy, resolve_device_type
+from fsdptrain.train.build import build_policy_model, build_tokenizer, resolve_device_type
 from fsdptrain.train.sft import SftLossSettings, as_minibatch, load_rows, packed_sft_loss, sft_loss_scale_factor
 from fsdptrain.train.step import MiniBatch
 
@@ -198,7 +198,7 @@ def check_sft_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> in
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = build_tokenizer(cfg)
-    policy, _, _, _ = build_trained_policy(cfg, tokenizer, mesh, info.device, num_steps=1)
+    policy, _ = build_policy_model(cfg, tokenizer, mesh, info.device)
     batch = checked_batch(cfg, tokenizer)
     report = run_sft_checks(cfg, policy, batch, mesh, info.device)
     if info.is_main:

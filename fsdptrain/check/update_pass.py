@@ -124,9 +124,9 @@ def reference_update(session: CheckSession, shape: UpdateShape) -> tuple[dict[st
     cfg, tr, batch = session.cfg, session.trainer, session.batch
     num_prompts = cfg.rollout.prompts_per_step
     splits = _split(batch, shape, num_prompts)
-    models = [("actor/", tr.models.policy, tr.models.policy_optimizer, cfg.trainer.grad_clip)]
+    models = [("actor/", tr.models.policy, tr.models.policy_part.optimizer, cfg.trainer.grad_clip)]
     if tr.models.critic is not None:
-        models.append(("critic/", tr.models.critic, tr.models.critic_optimizer, cfg.trainer.critic_grad_clip))
+        models.append(("critic/", tr.models.critic, tr.models.critic_part.optimizer, cfg.trainer.critic_grad_clip))
     metrics = {prefix: [] for prefix, *_ in models}
     norms = {prefix: [] for prefix, *_ in models}
     loss_scales: dict[str, list[float]] = {}
@@ -188,9 +188,9 @@ def trainer_update(session: CheckSession, shape: UpdateShape) -> Outcome:
 def update_pass(session: CheckSession, shape: UpdateShape) -> tuple[dict[str, float], Outcome, dict[str, float]]:
     """The reference values, the trainer's outcome and the scales; the weights are restored after (collective)."""
     tr = session.trainer
-    pairs = [(tr.models.policy, tr.models.policy_optimizer)]
+    pairs = [(tr.models.policy, tr.models.policy_part.optimizer)]
     if tr.models.critic is not None:
-        pairs.append((tr.models.critic, tr.models.critic_optimizer))
+        pairs.append((tr.models.critic, tr.models.critic_part.optimizer))
     snapshot = Snapshot(pairs)
     try:
         want, scales = reference_update(session, shape)

@@ -1,5 +1,6 @@
-"""Building one run from its config: the tokenizer, the sharded models and their optimizers, the loss settings,
-the dtypes by config name.
+"""Building one run from its config: the tokenizer, the sharded models, the trained parts (each model that trains
+with its optimizer, schedule, guard, watch and loss: fsdptrain/train/trained_part.py), the loss settings, the dtypes
+by config name.
 
 Every rank runs these collectively, in the same order (docs/architecture.md).
 """
@@ -27,7 +28,9 @@ from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.model.source import model_location, pretrained_args
 from fsdptrain.rl.pg_losses import resolve_policy_loss
-from fsdptrain.train.optim import build_optimizer, build_scheduler
+from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
+from fsdptrain.train.step import LossFn, packed_policy_loss, packed_value_loss
+from fsdptrain.train.trained_part import TrainedPart
 from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -117,12 +120,11 @@ class ReferencePolicy:
 
 @dataclass
 class Models:
-    policy: torch.nn.Module
-    policy_optimizer: torch.optim.Optimizer
-    policy_scheduler: object
-    critic: Optional[torch.nn.Module] = None
-    critic_optimizer: Optional[torch.optim.Optimizer] = None
-    critic_scheduler: Optional[object] = None
+    """The run's models: the trained parts (the policy's, and the critic's with ``algorithm.use_critic``) and the
+    frozen ones, with what the rollouts and the experience pass need to know of them."""
+
+    policy_part: TrainedPart
+    critic_part: Optional[TrainedPart] = None
     reference: Optional[ReferencePolicy] = None
     backend: str = "sdpa_segments"
     share_prompts: bool = False
@@ -137,11 +139,20 @@ class Models:
     """On-policy distillation's frozen sharded teacher (``algorithm.distill.teacher``), built like the reference;
     a separate model under LoRA too."""
 
+    @property
+    def trained(self) -> list[TrainedPart]:
+        """The parts the update trains, in its order: the policy's, then the critic's."""
+        return [self.policy_part] + ([] if self.critic_part is None else [self.critic_part])
 
-def adamw_settings(cfg: DictConfig) -> dict:
-    """AdamW's betas, epsilon and weight decay from ``trainer.*`` (shared by every optimizer of the run)."""
-    t = cfg.trainer
-    return dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The sharded policy (what generates, and what the experience pass scores)."""
+        return self.policy_part.model
+
+    @property
+    def critic(self) -> Optional[torch.nn.Module]:
+        """The sharded value model, or None without a critic."""
+        return None if self.critic_part is None else self.critic_part.model
 
 
 def resolve_share_prompts(cfg: DictConfig, backend: str, model_config) -> tuple[bool, str]:
@@ -169,41 +180,52 @@ def parallel_settings(cfg: DictConfig, mesh) -> dict:
                 compile_backend=cfg.parallel.compile_backend)
 
 
-def schedule_settings(cfg: DictConfig, num_steps: int) -> dict:
-    return dict(warmup_steps=cfg.trainer.warmup_steps, total_steps=num_steps,
-                schedule=cfg.trainer.lr_schedule, min_lr_ratio=cfg.trainer.min_lr_ratio)
-
-
-def build_trained_policy(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int):
+def build_policy_model(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> tuple[torch.nn.Module, str]:
     """The policy both recipes train (``fsdptrain train`` and ``fsdptrain sft``): sharded over ``mesh`` (LoRA
-    adapters with ``model.lora``), on the packed attention backend, with its AdamW and learning-rate schedule over
-    ``num_steps``. Returns ``(policy, optimizer, scheduler, backend)``."""
+    adapters with ``model.lora``), on the packed attention backend. Returns ``(policy, backend)``."""
     policy = build_policy(**model_source(cfg, tokenizer), **parallel_settings(cfg, mesh), seed=cfg.trainer.seed,
                           activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg))
     backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
-    optimizer = build_optimizer(policy, lr=cfg.trainer.lr, **adamw_settings(cfg))
-    return policy, optimizer, build_scheduler(optimizer, **schedule_settings(cfg, num_steps)), backend
+    return policy, backend
+
+
+def build_part(cfg: DictConfig, model: torch.nn.Module, *, name: str, prefix: str, lr: float, grad_clip: float,
+               loss_fn: LossFn, settings, num_steps: int) -> TrainedPart:
+    """``model`` as a trained part: AdamW at ``lr`` over its trainable parameters (betas, epsilon and weight decay
+    from ``trainer.*``, shared by every part), the learning-rate schedule of ``trainer.*`` over ``num_steps``, a
+    non-finite guard (``trainer.max_nonfinite_in_a_row``) and a grad-norm watch (``trainer.grad_norm_warn_factor``
+    x ``grad_clip``)."""
+    t = cfg.trainer
+    optimizer = build_optimizer(model, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                weight_decay=t.weight_decay)
+    scheduler = build_scheduler(optimizer, warmup_steps=t.warmup_steps, total_steps=num_steps,
+                                schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio)
+    return TrainedPart(name=name, prefix=prefix, model=model, optimizer=optimizer, scheduler=scheduler,
+                       guard=NonFiniteGuard(t.max_nonfinite_in_a_row),
+                       watch=GradNormWatch(t.grad_norm_warn_factor, grad_clip, name),
+                       loss_fn=loss_fn, settings=settings, grad_clip=grad_clip)
 
 
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
-    """Policy, optional critic, reference and reward models, sharded over ``mesh``, on the packed attention backend;
-    the learning-rate schedules span ``num_steps``."""
+    """The policy's part and, with ``algorithm.use_critic``, the critic's (their schedules span ``num_steps``); the
+    reference, the teacher and the reward models; all sharded over ``mesh``, on the packed attention backend."""
     source, parallel = model_source(cfg, tokenizer), parallel_settings(cfg, mesh)
     seed = cfg.trainer.seed
     lora = lora_settings(cfg)
-    policy, optimizer, scheduler, backend = build_trained_policy(cfg, tokenizer, mesh, device, num_steps=num_steps)
-    schedule = schedule_settings(cfg, num_steps)
+    policy, backend = build_policy_model(cfg, tokenizer, mesh, device)
     share, why = resolve_share_prompts(cfg, backend, policy.config)
-    models = Models(policy=policy, policy_optimizer=optimizer, policy_scheduler=scheduler,
+    models = Models(policy_part=build_part(cfg, policy, name="policy", prefix="actor/", lr=cfg.trainer.lr,
+                                           grad_clip=cfg.trainer.grad_clip, loss_fn=packed_policy_loss,
+                                           settings=policy_settings(cfg), num_steps=num_steps),
                     backend=backend, share_prompts=share, share_prompts_why=why)
     models.reward_specs = [load_reward_model_spec(path) for path in cfg.reward.models]
     if cfg.algorithm.use_critic:
         critic = _build_critic(cfg, source, parallel, tokenizer, models.reward_specs)
         set_attention(critic, backend)
-        critic_opt = build_optimizer(critic, lr=cfg.trainer.critic_lr, **adamw_settings(cfg))
-        models.critic, models.critic_optimizer = critic, critic_opt
-        models.critic_scheduler = build_scheduler(critic_opt, **schedule)
+        models.critic_part = build_part(cfg, critic, name="critic", prefix="critic/", lr=cfg.trainer.critic_lr,
+                                        grad_clip=cfg.trainer.critic_grad_clip, loss_fn=packed_value_loss,
+                                        settings=value_settings(cfg), num_steps=num_steps)
     if needs_reference(cfg) and lora is not None:  # the policy without its adapters: no second copy
         models.reference = ReferencePolicy(policy, adapters_off=True)
     elif needs_reference(cfg):

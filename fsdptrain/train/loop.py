@@ -8,9 +8,10 @@ checkpoints (fsdptrain/run/checkpointer.py). Set-up is split into ``build_*`` he
 and writes the run directory.
 
 Optional features plug in as an :class:`Extension` (docs/architecture.md, "Extensions"): :func:`build_extensions` is
-their one registration. Every stateful part (models, optimizers, schedulers, guards, watches, the source, the
-extensions) saves and restores itself through ``state_dict()`` / ``load_state_dict()``; :meth:`Trainer.checkpointed`
-lists them for the checkpointer.
+their one registration. The policy and the critic are trained parts (trained_part.py: a model with its optimizer,
+schedule, guard, watch and loss), which the update loops over. Every stateful part (the trained parts' models,
+optimizers, schedulers, guards and watches, the source, the extensions) saves and restores itself through
+``state_dict()`` / ``load_state_dict()``; :meth:`Trainer.checkpointed` lists them for the checkpointer.
 
 Prompt groups are owned by rank ``index % world_size`` and belong to mini-batch ``index // (P / M)``, both fixed by
 the group's global index within the step, so the mini-batches hold the same data at any world size.
@@ -36,7 +37,6 @@ from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
-from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.run.console import (
     log,
@@ -55,21 +55,14 @@ from fsdptrain.train.build import (
     build_tokenizer,
     loss_scale_factor,
     max_response_length,
-    policy_settings,
     resolve_device_type,
     skips_old_passes,
     value_settings,
 )
 from fsdptrain.run.signals import StopRequest
-from fsdptrain.train.step import (
-    AuxiliaryLoss,
-    MiniBatch,
-    packed_policy_loss,
-    packed_value_loss,
-    replica_metrics,
-    update_on_minibatch,
-)
+from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, replica_metrics
 from fsdptrain.run.trackers import Trackers
+from fsdptrain.train.trained_part import checkpointed_parts
 
 
 class Extension(Protocol):
@@ -117,11 +110,6 @@ def build_extensions(cfg: DictConfig, models, *, mesh, device: torch.device, num
     return extensions
 
 
-def part_names(metrics: Metrics, part: str) -> Metrics:
-    """A model's step metrics under `part/`; an auxiliary loss's, already named `its_part/...`, keep their names."""
-    return Metrics((name if "/" in name else part + name, metric) for name, metric in metrics.items())
-
-
 class Trainer:
     """Owns the models, the rollout source, the extensions and the run directory for one ``fsdptrain train`` run."""
 
@@ -135,14 +123,10 @@ class Trainer:
         self.source = build_source(cfg, self.tokenizer)
         self.num_steps = resolve_steps(cfg, self.source.num_train_rows)
         self.models = build_models(cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
-        self.policy_settings = policy_settings(cfg)
+        self.policy_settings = self.models.policy_part.settings
         self.experience_settings = experience_settings(cfg, share_prompts=self.models.share_prompts)
         self.value_settings = value_settings(cfg)
         self.loss_scale_factor = loss_scale_factor(cfg)
-        self.policy_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        self.critic_guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        self.policy_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.grad_clip, "policy")
-        self.critic_watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.critic_grad_clip, "critic")
         self.skip_old_passes = skips_old_passes(cfg)
         self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
         self.kinds: dict[str, str] = {}
@@ -254,46 +238,33 @@ class Trainer:
         return losses[0] if losses else None
 
     def update(self, batches: list[MiniBatch], on_policy: bool) -> tuple[Metrics, Metrics]:
-        """Epochs x mini-batches of the policy (and critic) update: the merged metrics of the losses, and the typed
-        facts of the optimizer steps (grad norms and global counts: MEANs over the step's optimizer steps, the same on
-        every rank; the on-policy check: a MAX)."""
+        """Epochs x mini-batches x the trained parts (the policy's, then the critic's): the merged metrics of the
+        losses, and the typed facts of the optimizer steps (grad norms and global counts: MEANs over the step's
+        optimizer steps, the same on every rank; the on-policy check: a MAX)."""
         cfg, models = self.cfg, self.models
-        common = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
+        layout = dict(dp_size=self.dp_size, loss_scale_factor=self.loss_scale_factor,
                       token_budget=cfg.trainer.token_budget, device=self.device,
                       share_prompts=models.share_prompts, context=self.context)
         auxiliary = self.auxiliary_loss()
         collected, facts = [], []
         for epoch in range(cfg.algorithm.ppo_epochs):
             for index, batch in enumerate(batches):
-                metrics, outcome = update_on_minibatch(
-                    models.policy, models.policy_optimizer, batch, loss_fn=packed_policy_loss,
-                    settings=self.policy_settings, grad_clip=cfg.trainer.grad_clip, guard=self.policy_guard,
-                    auxiliary=auxiliary, **common)
-                if epoch == 0 and index == 0 and on_policy:
-                    facts.append(on_policy_deviation(finalize(metrics)))
-                collected.append(close_minibatch(part_names(metrics, "actor/")))
-                facts.append(Metrics({"actor/grad_norm": Mean(outcome.grad_norm, 1),
-                                      "loss/global_num_tokens": Mean(outcome.norms.global_num_tokens, 1),
-                                      "loss/global_num_seqs": Mean(outcome.norms.global_num_seqs, 1)}))
-                facts.append(outcome.auxiliary)
-                self.policy_watch.observe(outcome.grad_norm)
-                if models.critic is not None:
-                    metrics, outcome = update_on_minibatch(
-                        models.critic, models.critic_optimizer, batch, loss_fn=packed_value_loss,
-                        settings=self.value_settings, grad_clip=cfg.trainer.critic_grad_clip,
-                        guard=self.critic_guard, **common)
-                    collected.append(close_minibatch(metrics.prefixed("critic/")))
-                    facts.append(Metrics({"critic/grad_norm": Mean(outcome.grad_norm, 1)}))
-                    self.critic_watch.observe(outcome.grad_norm)
+                for part in models.trained:
+                    is_policy = part is models.policy_part  # the auxiliary loss rides on the policy's forward
+                    metrics, outcome = part.update(batch, auxiliary=auxiliary if is_policy else None, **layout)
+                    if is_policy and epoch == 0 and index == 0 and on_policy:
+                        facts.append(on_policy_deviation(finalize(metrics)))
+                    collected.append(close_minibatch(part.named(metrics)))
+                    facts.append(part.facts(outcome))
         return merge_all(collected), merge_all(facts)
 
     def step_facts(self) -> Metrics:
         """The step's settings and run totals, the same on every rank (so MAX over ranks is the value): the policy's
         learning rate (after this step's scheduler step), the loss scale factor, the optimizer steps skipped so far;
         then the source's and the extensions' facts."""
-        own = Metrics({"actor/lr": Max(self.models.policy_optimizer.param_groups[0]["lr"]),
+        own = Metrics({"actor/lr": Max(self.models.policy_part.lr),
                        "loss/loss_scale_factor": Max(self.loss_scale_factor),
-                       "train/nonfinite_skipped": Max(self.policy_guard.num_skipped + self.critic_guard.num_skipped)})
+                       "train/nonfinite_skipped": Max(sum(part.guard.num_skipped for part in self.models.trained))})
         return merge_all([own, self.source.step_facts(), *(e.step_facts() for e in self.extensions)])
 
     def evaluate_if_due(self, done: int) -> Metrics:
@@ -336,15 +307,7 @@ class Trainer:
 
     def checkpointed(self) -> Checkpointed:
         """Every stateful part of the run, by name, for the checkpointer (docs/checkpointing.md)."""
-        m = self.models
-        parts = Checkpointed(models={"policy": m.policy}, optimizers={"policy": m.policy_optimizer},
-                             schedulers={"policy": m.policy_scheduler},
-                             states={"policy_guard": self.policy_guard, "critic_guard": self.critic_guard,
-                                     "policy_watch": self.policy_watch, "critic_watch": self.critic_watch,
-                                     "source": self.source})
-        if m.critic is not None:
-            parts.models["critic"], parts.optimizers["critic"] = m.critic, m.critic_optimizer
-            parts.schedulers["critic"] = m.critic_scheduler
+        parts = checkpointed_parts(self.models.trained, states={"source": self.source})
         for extension in self.extensions:
             models, optimizers, schedulers = extension.parts()
             parts.models.update(models)

@@ -2,12 +2,13 @@
 -> log -> checkpoint (docs/sft.md).
 
 :meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.loop.Trainer.run_step`, without rollouts or an
-experience pass: the step's rows in a seeded epoch order, this rank's share of each mini-batch, the update of one
-mini-batch (`fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted
-before any forward, one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step),
-then the typed metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
-`fsdptrain.train.build.build_trained_policy`), the guards, the checkpointer, the metrics files, the trackers and
-the export.
+experience pass: the step's rows in a seeded epoch order, this rank's share of each mini-batch, the policy's part's
+update of one mini-batch (`fsdptrain.train.trained_part.TrainedPart.update` over
+`fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted before any forward,
+one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step), then the typed
+metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
+`fsdptrain.train.build.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
+`fsdptrain.train.build.build_part`), the checkpointer, the metrics files, the trackers and the export.
 
 Ownership and membership are fixed by a row's position ``p`` within the step's ``sft.rows_per_step`` rows: rank
 ``p % world_size``, mini-batch ``p // (rows_per_step / mini_batches_per_step)``, so a mini-batch holds the same rows
@@ -39,18 +40,18 @@ from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.distributed.files import write_atomic
 from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.rl.metrics import Max, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.rl.packed_loss import token_logprobs_entropy
 from fsdptrain.rl.sft_loss import sft_loss
-from fsdptrain.train.build import build_tokenizer, build_trained_policy, resolve_device_type
+from fsdptrain.train.build import build_part, build_policy_model, build_tokenizer, resolve_device_type
 from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
-from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
 from fsdptrain.run.files import MetricsFiles
 from fsdptrain.run.signals import StopRequest
-from fsdptrain.train.step import MiniBatch, update_on_minibatch
+from fsdptrain.train.step import MiniBatch
 from fsdptrain.run.trackers import Trackers
+from fsdptrain.train.trained_part import checkpointed_parts
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def as_minibatch(rows: Sequence[Demonstration]) -> MiniBatch:
 
 
 class FineTuner:
-    """Owns the policy, its optimizer, the demonstrations' order and the run directory of one ``fsdptrain sft`` run."""
+    """Owns the policy's trained part (the model, its optimizer, schedule, guard and watch), the demonstrations' order
+    and the run directory of one ``fsdptrain sft`` run."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
@@ -126,11 +128,12 @@ class FineTuner:
         self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
         self.num_steps = resolve_sft_steps(cfg, len(self.train_rows))
-        self.policy, self.optimizer, self.scheduler, self.backend = build_trained_policy(
-            cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
-        self.settings = SftLossSettings(agg_mode=cfg.loss.agg_mode, chunk_size=cfg.loss.logprob_chunk_size)
-        self.guard = NonFiniteGuard(cfg.trainer.max_nonfinite_in_a_row)
-        self.watch = GradNormWatch(cfg.trainer.grad_norm_warn_factor, cfg.trainer.grad_clip, "policy")
+        policy, self.backend = build_policy_model(cfg, self.tokenizer, mesh, self.device)
+        self.part = build_part(cfg, policy, name="policy", prefix="sft/", lr=cfg.trainer.lr,
+                               grad_clip=cfg.trainer.grad_clip, loss_fn=packed_sft_loss,
+                               settings=SftLossSettings(agg_mode=cfg.loss.agg_mode,
+                                                        chunk_size=cfg.loss.logprob_chunk_size),
+                               num_steps=self.num_steps)
         self.kinds: dict[str, str] = {}
 
     # -- one step ----------------------------------------------------------------------------------------------------
@@ -141,7 +144,7 @@ class FineTuner:
             batches = self.minibatches(self.order.take(self.cfg.sft.rows_per_step))
             with phase("update"):
                 loss_metrics, facts = self.update(batches)
-            self.scheduler.step()
+            self.part.scheduler.step()
             metrics = merge_all([self.data_metrics(batches), loss_metrics, facts, self.step_facts()])
         evaluation = self.evaluate_if_due(step + 1)
         result = {"step": step, **finalize(merge_all([metrics, evaluation, timer.metrics()]))}
@@ -160,20 +163,15 @@ class FineTuner:
                 for start in range(0, len(positions), per_mb)]
 
     def update(self, batches: list[MiniBatch]) -> tuple[Metrics, Metrics]:
-        """One optimizer step per mini-batch: the merged loss metrics, and the typed facts of the steps (grad norm and
-        global counts: MEANs over the step's optimizer steps)."""
+        """One optimizer step of the policy's part per mini-batch: the merged loss metrics, and the typed facts of
+        the steps (grad norm and global counts: MEANs over the step's optimizer steps)."""
         collected, facts = [], []
         for batch in batches:
-            metrics, outcome = update_on_minibatch(
-                self.policy, self.optimizer, batch, loss_fn=packed_sft_loss, settings=self.settings,
-                dp_size=self.dp_size, loss_scale_factor=sft_loss_scale_factor(self.cfg),
-                token_budget=self.cfg.trainer.token_budget, grad_clip=self.cfg.trainer.grad_clip, guard=self.guard,
-                device=self.device)
-            collected.append(close_minibatch(metrics.prefixed("sft/")))
-            facts.append(Metrics({"sft/grad_norm": Mean(outcome.grad_norm, 1),
-                                  "loss/global_num_tokens": Mean(outcome.norms.global_num_tokens, 1),
-                                  "loss/global_num_seqs": Mean(outcome.norms.global_num_seqs, 1)}))
-            self.watch.observe(outcome.grad_norm)
+            metrics, outcome = self.part.update(batch, dp_size=self.dp_size,
+                                                loss_scale_factor=sft_loss_scale_factor(self.cfg),
+                                                token_budget=self.cfg.trainer.token_budget, device=self.device)
+            collected.append(close_minibatch(self.part.named(metrics)))
+            facts.append(self.part.facts(outcome))
         return merge_all(collected), merge_all(facts)
 
     def data_metrics(self, batches: list[MiniBatch]) -> Metrics:
@@ -188,8 +186,7 @@ class FineTuner:
     def step_facts(self) -> Metrics:
         """The learning rate after this step's scheduler step and the optimizer steps skipped so far (MAX of a value
         every rank holds)."""
-        return Metrics({"sft/lr": Max(self.optimizer.param_groups[0]["lr"]),
-                        "train/nonfinite_skipped": Max(self.guard.num_skipped)})
+        return Metrics({"sft/lr": Max(self.part.lr), "train/nonfinite_skipped": Max(self.part.guard.num_skipped)})
 
     def evaluate_if_due(self, done: int) -> Metrics:
         """``eval/loss`` after ``done`` steps when ``trainer.eval_every`` says so (and after the last step)."""
@@ -209,8 +206,8 @@ class FineTuner:
         for pack in plan_agreed(batch.lengths(), self.cfg.trainer.token_budget).packs:
             packed = pack_sequences(batch.prompts, batch.responses, pack,
                                     response_masks=batch.response_masks()).to(self.device)
-            collected.append(packed_sft_loss(self.policy, packed, [batch.targets[i] for i in pack], norms=norms,
-                                             settings=self.settings)[1])
+            collected.append(packed_sft_loss(self.part.model, packed, [batch.targets[i] for i in pack], norms=norms,
+                                             settings=self.part.settings)[1])
         nll = reduce_metrics(merge_all(collected))["nll"]
         return Metrics({"eval/loss": nll, "eval/num_tokens": Sum(nll.count)})
 
@@ -218,13 +215,11 @@ class FineTuner:
 
     def checkpointed(self) -> Checkpointed:
         """Every stateful part of the run, by name, for the checkpointer (docs/checkpointing.md)."""
-        return Checkpointed(models={"policy": self.policy}, optimizers={"policy": self.optimizer},
-                            schedulers={"policy": self.scheduler},
-                            states={"policy_guard": self.guard, "policy_watch": self.watch, "order": self.order})
+        return checkpointed_parts([self.part], states={"order": self.order})
 
     def export(self, run_dir: Path) -> None:
         """The final policy as a Hugging Face folder (and a peft adapter under LoRA), collective."""
-        export_hf_models(run_dir, policy=self.policy, critic=None, tokenizer=self.tokenizer,
+        export_hf_models(run_dir, policy=self.part.model, critic=None, tokenizer=self.tokenizer,
                          base_path=self.cfg.model.path)
 
 

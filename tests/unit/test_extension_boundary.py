@@ -15,5 +15,5 @@ def test_the_recipe_names_the_drafter_only_in_its_registration():
 
 
 def test_the_checkpointer_and_the_update_name_no_extension():
-    for name in ("run_dir.py", "step.py"):
-        assert "drafter" not in (TRAIN / name).read_text().lower(), name
+    for path in (TRAIN.parent / "run" / "checkpointer.py", TRAIN / "step.py", TRAIN / "trained_part.py"):
+        assert "drafter" not in path.read_text().lower(), path

@@ -51,9 +51,9 @@ def check(overrides: list[str], info, mesh) -> dict:
                                         agg_mode=settings.agg_mode, on=cfg.drafter.on,
                                         temperature=settings.temperature)
     metrics, _ = update_on_minibatch(
-        trainer.models.policy, trainer.models.policy_optimizer, batch, loss_fn=packed_policy_loss, settings=settings,
+        trainer.models.policy, trainer.models.policy_part.optimizer, batch, loss_fn=packed_policy_loss, settings=settings,
         dp_size=1, loss_scale_factor=trainer.loss_scale_factor, token_budget=cfg.trainer.token_budget,
-        grad_clip=cfg.trainer.grad_clip, guard=trainer.policy_guard, device=trainer.device, auxiliary=trainer.auxiliary_loss())
+        grad_clip=cfg.trainer.grad_clip, guard=trainer.models.policy_part.guard, device=trainer.device, auxiliary=trainer.auxiliary_loss())
     got = {k: v for k, v in finalize(metrics).items() if k.startswith("drafter/")}
     return {"weights_equal": same, "num_weights": len(want), "train_step": got, "oracle": finalize(oracle),
             "num_layers": trainer.auxiliary_loss().module.config.num_hidden_layers}
