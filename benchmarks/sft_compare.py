@@ -46,14 +46,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_compare import EXAMPLE, ROOT, StepLog, cpu_s, median_after_first, peak_rss_gib, plain_model_from_gguf  # noqa: E402
+from trl_compare import (EXAMPLE, StepLog, cpu_s, median_after_first, peak_rss_gib,  # noqa: E402
+                         plain_model_from_gguf, run_child, time_steps)
 
 SIDES = ("fsdptrain", "trl")
 
@@ -97,18 +97,9 @@ def run_fsdptrain(args, log: StepLog) -> None:
     from fsdptrain.train import sft
 
     run_dir = Path(tempfile.mkdtemp(prefix="sft-compare-fsdptrain-"))
-    original = sft.FineTuner.run_step
-
-    def timed_step(self, step):
-        wall, cpu = time.perf_counter(), cpu_s()
-        result = original(self, step)
-        log.write({"step": step, "wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu,
-                   "loss": result["sft/loss"], "num_tokens": result["batch/num_tokens"],
-                   "num_trained_tokens": result["batch/num_trained_tokens"], "peak_gib": peak_rss_gib(),
-                   "rss_gib": rss_gib()})
-        return result
-
-    sft.FineTuner.run_step = timed_step
+    time_steps(sft.FineTuner, log, lambda result: {
+        "loss": result["sft/loss"], "num_tokens": result["batch/num_tokens"],
+        "num_trained_tokens": result["batch/num_trained_tokens"], "peak_gib": peak_rss_gib(), "rss_gib": rss_gib()})
     from fsdptrain.cli import app
 
     app(["sft", "model=local", f"model.path={args.gguf}", f"data.path={args.chats}", f"data.seed={args.seed}",
@@ -188,14 +179,7 @@ def run_side(side: str, args) -> dict:
     command = [python, __file__, "--side", side, "--out", str(out), "--gguf", args.gguf, "--steps", str(args.steps),
                "--rows", str(args.rows), "--lr", str(args.lr), "--seed", str(args.seed),
                "--token-budget", str(args.token_budget), "--chats", args.chats, "--tokenized", args.tokenized]
-    # the caller's PYTHONPATH first: another checkout of fsdptrain there is what gets measured (before/after)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    if len(records) < args.steps:
-        sys.exit(f"{side} stopped after {len(records)} of {args.steps} steps (exit {done.returncode}):\n"
-                 f"{done.stderr[-3000:]}")
-    return summarize(records)
+    return summarize(run_child(command, out, args.steps, side))
 
 
 def print_table(results: dict, args) -> None:
