@@ -84,21 +84,27 @@ class StepLog:
             handle.write(json.dumps(record) + "\n")
 
 
-def run_fsdptrain(args, log: StepLog) -> None:
-    from fsdptrain.train import loop
-
-    run_dir = Path(tempfile.mkdtemp(prefix="trl-compare-fsdptrain-"))
-    original = loop.Trainer.run_step
+def time_steps(recipe: type, log: StepLog, record) -> None:
+    """Patch ``recipe.run_step`` (fsdptrain's Trainer or FineTuner) to log each step's wall and CPU time and
+    ``record(result)`` as it ends."""
+    original = recipe.run_step
 
     def timed_step(self, step):
         wall, cpu = time.perf_counter(), cpu_s()
         result = original(self, step)
-        log.write({"step": step, "wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu,
-                   "generate_s": result["perf/generate_s"], "update_s": result["perf/update_s"],
-                   "reward": result["reward/mean"], "peak_gib": peak_rss_gib()})
+        log.write({"step": step, "wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu, **record(result)})
         return result
 
-    loop.Trainer.run_step = timed_step
+    recipe.run_step = timed_step
+
+
+def run_fsdptrain(args, log: StepLog) -> None:
+    from fsdptrain.train import loop
+
+    run_dir = Path(tempfile.mkdtemp(prefix="trl-compare-fsdptrain-"))
+    time_steps(loop.Trainer, log, lambda result: {
+        "generate_s": result["perf/generate_s"], "update_s": result["perf/update_s"], "reward": result["reward/mean"],
+        "peak_gib": peak_rss_gib()})
     from fsdptrain.cli import app
 
     shared = ["trainer.share_prompts=true" if args.side == SHARED else "trainer.share_prompts=false"]
@@ -208,6 +214,19 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+def run_child(command: list[str], out: Path, steps: int, label: str) -> list[dict]:
+    """Run one side's child process (``command`` writes its step records to ``out``); the records, or exit naming
+    ``label`` when it stopped before ``steps`` steps."""
+    # the caller's PYTHONPATH first: another checkout of fsdptrain there is what gets measured (before/after)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if len(records) < steps:
+        sys.exit(f"{label} stopped after {len(records)} of {steps} steps (exit {done.returncode}):\n"
+                 f"{done.stderr[-3000:]}")
+    return records
+
+
 def run_side(side: str, seed: int, args) -> dict:
     """One side for one seed in a fresh process; its per-step records."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,14 +234,7 @@ def run_side(side: str, seed: int, args) -> dict:
         command = [sys.executable, __file__, "--side", side, "--seed", str(seed), "--out", str(out),
                    "--gguf", args.gguf, "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
                    "--max-new", str(args.max_new), "--lr", str(args.lr)]
-        # the caller's PYTHONPATH first: another checkout of fsdptrain there is what gets measured (before/after)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-        if len(records) < args.steps:
-            sys.exit(f"{side} seed {seed} stopped after {len(records)} of {args.steps} steps (exit "
-                     f"{done.returncode}):\n{done.stderr[-3000:]}")
-        return summarize(records)
+        return summarize(run_child(command, out, args.steps, f"{side} seed {seed}"))
 
 
 def print_table(results: dict, args) -> None:

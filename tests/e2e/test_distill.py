@@ -48,8 +48,11 @@ def test_a_distillation_run_logs_its_typed_metrics(cli, tmp_path, teachers):
 REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
 
 
-def test_check_metrics_passes_on_distillation_and_fails_the_teacher_shifted_by_one(cli, tmp_path, teachers):
-    args = (*TINY[:4], f"algorithm.distill.teacher={teachers[0]}")
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: ~50 s a check
+def test_check_metrics_passes_on_distillation_and_fails_the_teacher_shifted_by_one(cli, tmp_path, teachers, nproc):
+    """On 2 ranks the teacher is sharded like the reference and distill/* are reduced over the ranks before the
+    check compares them with their definition over every policy token."""
+    args = (*TINY[:4], f"algorithm.distill.teacher={teachers[0]}", "--nproc", str(nproc))
     good = cli("check-metrics", *args, "--json", str(tmp_path / "good.json"))
     assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-3000:]
     rules = {c["rule"] for c in json.loads((tmp_path / "good.json").read_text())["checks"] if c["pass"]}
