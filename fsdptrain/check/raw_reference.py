@@ -54,16 +54,21 @@ class RawSequence:
 
 
 @contextlib.contextmanager
-def recording_generate(model: torch.nn.Module) -> Iterator[list[RawCall]]:
-    """Within the block, every call of ``model.generate`` is recorded (as returned, on the CPU) into the yielded list.
-    The model's own method runs unchanged; it is restored after the block."""
-    calls: list[RawCall] = []
+def recording_generate(model: torch.nn.Module) -> Iterator[list[Optional[RawCall]]]:
+    """Within the block, every call of ``model.generate`` is recorded (as returned, on the CPU) into the yielded list
+    (None for a call without keyword ``input_ids`` and ``attention_mask``, which the reference cannot read). The
+    model's own method runs unchanged; it is restored after the block."""
+    calls: list[Optional[RawCall]] = []
     generate = model.generate
 
     def recorded(*args, **kwargs):
         out = generate(*args, **kwargs)
         sequences = out.sequences if hasattr(out, "sequences") else out
-        calls.append(RawCall(kwargs["input_ids"].tolist(), kwargs["attention_mask"].tolist(), sequences.tolist()))
+        if args or "input_ids" not in kwargs or "attention_mask" not in kwargs:  # not generate_responses' call
+            calls.append(None)
+        else:
+            calls.append(RawCall(kwargs["input_ids"].tolist(), kwargs["attention_mask"].tolist(),
+                                 sequences.tolist()))
         return out
 
     model.generate = recorded
@@ -96,12 +101,12 @@ def reference_reward(values: Sequence[Optional[float]], weights: Sequence[float]
     return total
 
 
-def raw_sequences(calls: Sequence[RawCall], rewards: Optional[list[Optional[float]]], num_rollouts: int, *,
-                  eos_id: int, max_new_tokens: int) -> Optional[list[RawSequence]]:
+def raw_sequences(calls: Sequence[Optional[RawCall]], rewards: Optional[list[Optional[float]]], num_rollouts: int,
+                  *, eos_id: int, max_new_tokens: int) -> Optional[list[RawSequence]]:
     """This rank's sequences from one recorded ``generate`` call whose rows are its rollouts, in order (the
     single-turn sampler's training call); None when the calls are not that (no call: another engine or offline data;
-    several: turns of a multi-turn sampler)."""
-    if len(calls) != 1 or len(calls[0].sequences) != num_rollouts:
+    several: turns of a multi-turn sampler; one it could not read)."""
+    if len(calls) != 1 or calls[0] is None or len(calls[0].sequences) != num_rollouts:
         return None
     call = calls[0]
     width = len(call.input_ids[0]) if call.input_ids else 0

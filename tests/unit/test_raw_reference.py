@@ -50,6 +50,7 @@ def test_sequences_from_one_call_and_none_from_several():
     assert got == [RawSequence([7, 8], [5, EOS], False, 0.5), RawSequence([9, 9, 9], [4, 4, 4], True, None)]
     assert raw_sequences([call, call], None, 2, eos_id=EOS, max_new_tokens=3) is None
     assert raw_sequences([], None, 2, eos_id=EOS, max_new_tokens=3) is None
+    assert raw_sequences([None], None, 2, eos_id=EOS, max_new_tokens=3) is None
 
 
 def test_checks_fail_on_a_different_cut_and_a_different_reward():
