@@ -6,6 +6,8 @@ Each ``plant_*`` takes the setter to use: ``monkeypatch.setattr`` in one process
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -147,3 +149,50 @@ def plant_micro_batch_normalised_by_its_own_tokens(set_attr=setattr) -> None:
         return accumulate(model, batch, loss_fn=per_pack, norms=norms, **kwargs)
 
     set_attr(step, "accumulate_gradients", own_counts)
+
+
+# ---- before the layouts: every layout is fed the same result, so only the reference's own cut and rewards from the
+# raw generation output and the raw reward values (fsdptrain/check/raw_reference.py) can catch these
+
+def plant_eos_cut_off_the_response(set_attr=setattr) -> None:
+    """A response cut one token short: a finished response loses its EOS (the policy is never trained to stop)."""
+    from fsdptrain.model import generate
+
+    split = generate.split_response
+
+    def without_eos(generated, *, eos_id):
+        response, truncated = split(generated, eos_id=eos_id)
+        return (response if truncated else response[:-1]), truncated
+
+    set_attr(generate, "split_response", without_eos)
+
+
+def plant_eos_left_out_of_the_response_mask(set_attr=setattr) -> None:
+    """A single-turn sampler that marks a finished response's EOS as not the policy's (as if the template wrote it):
+    its loss, normalisers and advantages skip the token that ends the response."""
+    from fsdptrain.rollout.single_turn import SingleTurnSampler
+
+    sample = SingleTurnSampler.sample
+
+    def masking_eos(self, *args, **kwargs):
+        samples = sample(self, *args, **kwargs)
+        eos = self.tokenizer.eos_token_id
+        masks = [[0 if j == len(ids) - 1 and token == eos else 1 for j, token in enumerate(ids)]
+                 for ids in samples.response_ids]
+        return dataclasses.replace(samples, response_masks=masks)
+
+    set_attr(SingleTurnSampler, "sample", masking_eos)
+
+
+def plant_reward_clipped_before_the_advantages(set_attr=setattr) -> None:
+    """A clip range meant for normalised scores applied to the raw reward: the outcome reward clamped to [-0.25,
+    0.25] before the advantages."""
+    from fsdptrain.rewards import runner
+
+    combine = runner._combine
+
+    def clipped(raw, functions, timed_out):
+        scores = combine(raw, functions, timed_out)
+        return dataclasses.replace(scores, total=[min(max(t, -0.25), 0.25) for t in scores.total])
+
+    set_attr(runner, "_combine", clipped)

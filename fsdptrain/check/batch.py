@@ -19,6 +19,12 @@ with :func:`make_batch`'s arguments):
   one cut at the end (trailing zeros), as a multi-turn tool-calling rollout would hold; the other third keep none
   (the single-turn path). A loss, normaliser, metric or estimator that reads lengths instead of the mask then
   differs from the reference, which reads the mask itself (``CheckBatch.policy_masks``, ``counted``).
+
+The reference's own inputs before the layouts (:mod:`fsdptrain.check.raw_reference`): while the source makes the
+rollouts, the policy's ``generate`` calls are recorded; the reference cuts the prompts and responses out of that raw
+output itself, takes the policy's tokens by its own rule (:func:`reference_policy`) and adds the reward functions' raw
+values up itself (:func:`reference_sequences`). Its rollout facts, the oracle's scores and its masks are those, and
+``CheckBatch.raw_checks`` compares the product's prompts, responses and rewards with them.
 """
 
 from __future__ import annotations
@@ -33,8 +39,16 @@ import torch
 import torch.distributed
 from omegaconf import DictConfig, OmegaConf
 
+from fsdptrain.check.compare import Check
 from fsdptrain.check.draft_check import check_vocab
-from fsdptrain.config import ConfigError
+from fsdptrain.check.raw_reference import (
+    RawSequence,
+    raw_checks,
+    raw_sequences,
+    recording_generate,
+    reference_rewards,
+)
+from fsdptrain.config import ConfigError, reward_specs
 from fsdptrain.data.rollout import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
@@ -121,14 +135,20 @@ class CheckBatch:
     carried none; planted ones included): what ``rollout_corr/*`` compares with the old log-probs. None when no
     sequence carried any."""
     policy_masks: Optional[list[list[bool]]] = None
-    """Per sequence of ``full``, its policy's response tokens, read from the rollout itself (all True without a
-    ``response_mask``; the fixture's is empty): the reference's mask, never the product's."""
+    """Per sequence of ``full``, its policy's response tokens by the reference's rule (:func:`reference_policy`:
+    the check's fixture mask, every token of a single-turn sample, else the rollout's own; the prompt-only
+    fixture's is empty): the reference's mask, never the product's."""
     counted: Optional[list[list[bool]]] = None
     """``policy_masks`` less the tokens the reference rejects (:func:`reference_counted` with
     ``rejection``): the tokens the reference's losses, counts and metrics read."""
     rejection: Optional[Rejection] = None
     trainer_old: Optional[list[torch.Tensor]] = None
     """With rejection: the trainer's own old log-probs of ``full``'s sequences (the rejection's numerator)."""
+    raw_checks: list[Check] = dataclasses.field(default_factory=list)
+    """The product's prompts, responses and rewards against the reference's own from the raw generation output and
+    the raw reward values (:mod:`fsdptrain.check.raw_reference`)."""
+    raw_notes: list[str] = dataclasses.field(default_factory=list)
+    """What the reference could not recompute from the raw output on this config (it took the product's)."""
 
     def with_targets(self, targets: list) -> "CheckBatch":
         """The same batch with ``full``'s targets replaced (``local``'s follow through ``local_index``)."""
@@ -238,14 +258,51 @@ def _all_gather(obj) -> list:
     return out
 
 
+@dataclass
+class Sampled:
+    """This rank's rollouts as the source made them (with the multi-turn fixture when ``fixture``), each one's
+    prompt, response and reward as the product made them and as the reference makes them from the raw output
+    (``recut``: the reference cut the responses itself), and the reference's rule for the policy's tokens."""
+
+    rollouts: list[Rollout]
+    product: list[RawSequence]
+    reference: list[RawSequence]
+    recut: bool
+    fixture: bool
+    single_turn: bool
+
+    def policy(self, rollouts: list[Rollout], lengths: list[int]) -> list[list[bool]]:
+        """:func:`reference_policy` over responses of ``lengths``."""
+        return reference_policy(rollouts, lengths, fixture=self.fixture, single_turn=self.single_turn)
+
+    def facts(self, rollouts: list[Rollout]) -> list[RolloutFacts]:
+        """The reference's rollout facts of this rank's sequences: its own prompts, responses, truncation, rewards
+        and policy tokens."""
+        policy = self.policy(rollouts, [len(raw.response_ids) for raw in self.reference])
+        return [RolloutFacts(reward_of(raw, r), len(raw.prompt_ids), len(raw.response_ids), raw.truncated, sum(m))
+                for raw, r, m in zip(self.reference, rollouts, policy)]
+
+
+def _sample(trainer: Trainer, *, mask_holes: bool) -> Sampled:
+    """This rank's rollouts of the first step with ``generate`` recorded (collective), and the reference's own
+    sequences (:func:`reference_sequences`)."""
+    info = trainer.info
+    with recording_generate(trainer.models.policy) as calls:
+        rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
+                                           device=trainer.device)
+    product = [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, float(r.reward)) for r in rollouts]
+    reference, recut = reference_sequences(trainer, rollouts, calls)
+    fixture = mask_holes and all(r.response_mask is None for r in rollouts)
+    return Sampled(with_tool_segments(rollouts) if fixture else rollouts, product, reference, recut, fixture,
+                   writes_every_token(trainer.cfg))
+
+
 def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values: bool = True,
                mask_holes: bool = True) -> CheckBatch:
     """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch."""
     info = trainer.info
-    rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
-                                       device=trainer.device)
-    if mask_holes and all(r.response_mask is None for r in rollouts):
-        rollouts = with_tool_segments(rollouts)
+    sampled = _sample(trainer, mask_holes=mask_holes)
+    rollouts = sampled.rollouts
     shift = None
     if trainer.models.critic is not None and negative_values:
         shift = shift_values_below_zero(trainer, rollouts)
@@ -272,12 +329,12 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
                  else t.old_logprobs for r, t in zip(rollouts, targets)]
     carried = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None else None
                for r in rollouts]
-    policy = [[True] * len(r.response_ids) if r.response_mask is None else [bool(m) for m in r.response_mask]
-              for r in rollouts]
+    policy = sampled.policy(rollouts, [len(r.response_ids) for r in rollouts])
     olds = trainer_old if trainer_old is not None else [None] * len(rollouts)
-    entries = [((r.group, k), p, resp, t, info.rank, r.reward, b, m, o, c) for k, (r, p, resp, t, b, m, o, c) in
+    entries = [((r.group, k), p, resp, t, info.rank, reward_of(raw, r), b, m, o, c, mine, raw)
+               for k, (r, p, resp, t, b, m, o, c, mine, raw) in
                enumerate(zip(rollouts, local.prompts, local.responses, local.targets, behaviour, policy, olds,
-                             carried))]
+                             carried, sampled.product, sampled.reference))]
     gathered = sorted((e for part in _all_gather(entries) for e in part), key=lambda e: e[0])
     full = MiniBatch([e[1] for e in gathered], [e[2] for e in gathered], [e[3] for e in gathered])
     scores = [float(e[5]) for e in gathered]
@@ -287,6 +344,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     policy_masks = [e[7] for e in gathered]
     full_old = [e[8] for e in gathered]
     full_carried = [e[9] for e in gathered]
+    found_raw = raw_checks([e[10] for e in gathered], [e[11] for e in gathered], atol=trainer.cfg.check.atol,
+                           rtol=trainer.cfg.check.rtol, responses_recut=sampled.recut)
     add_fixture = masked_fixture
     if add_fixture:
         prompt, response, target = _fixture(full.prompts[0])
@@ -301,9 +360,7 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
             local.prompts.append(prompt)
             local.responses.append(response)
             local.targets.append(target)
-    mine = [RolloutFacts(r.reward, len(r.prompt_ids), len(r.response_ids), r.truncated, sum(m))
-            for r, m in zip(rollouts, policy)]
-    all_facts = [f for part in _all_gather(mine) for f in part]
+    all_facts = [f for part in _all_gather(sampled.facts(rollouts)) for f in part]
     # Planted behaviour log-probs leave the old ones the trainer's own under a correction, so the ratio is still 1
     # (on-policy); without one (rejection alone) they become the old log-probs and the batch is off-policy.
     return CheckBatch(full=full, local=local, rollouts=rollouts, facts=all_facts,
@@ -314,7 +371,60 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
                       policy_masks=policy_masks,
                       counted=reference_counted(policy_masks, full_old, full_behaviour, rejection),
                       rejection=rejection, trainer_old=full_old if rejection is not None else None,
-                      carried_behaviour=full_carried if any(c is not None for c in full_carried) else None)
+                      carried_behaviour=full_carried if any(c is not None for c in full_carried) else None,
+                      raw_checks=found_raw, raw_notes=[] if sampled.recut else [NOT_RECUT])
+
+
+NOT_RECUT = ("the responses are the sampler's own (the multi-turn sampler, rollout.engine=continuous or offline "
+             "rollouts): the reference did not cut them from the raw generation output")
+
+
+def writes_every_token(cfg: DictConfig) -> bool:
+    """Whether the policy wrote every response token (a single-turn sampler: no tools, no environment, not offline
+    rollouts)."""
+    return cfg.data.source != "jsonl" and cfg.rollout.tools is None and cfg.rollout.environment is None
+
+
+def reference_sequences(trainer: Trainer, rollouts: list[Rollout], calls) -> tuple[list, bool]:
+    """This rank's sequences as the reference makes them (:mod:`fsdptrain.check.raw_reference`), and whether it cut
+    the responses itself: from the recorded ``generate`` call of a single-turn sampler; otherwise the product's
+    prompts and responses. The rewards come from the functions' raw values and the configured weights whenever the
+    source scored the rollouts (an environment's ``get_reward`` with the weight the sampler gave it; the reward
+    models' scaled total as the source made it); None for offline rollouts."""
+    cfg, source = trainer.cfg, trainer.source
+    rewards = None
+    scores = getattr(source, "last_scores", None)
+    if scores is not None:
+        specs = reward_specs(cfg)
+        weights = [float(w) for w in cfg.reward.weights] if cfg.reward.weights is not None else [1.0] * len(specs)
+        weights += [f.weight for f in source.functions[len(specs):]]
+        models = source.last_model_scores.total_N.tolist() if trainer.models.reward_models else None
+        rewards = reference_rewards(scores.raw, [f.name for f in source.functions], weights, models, len(rollouts))
+    recut = (raw_sequences(calls, rewards, len(rollouts), eos_id=trainer.tokenizer.eos_token_id,
+                           max_new_tokens=cfg.rollout.max_new_tokens) if writes_every_token(cfg) else None)
+    if recut is not None:
+        return recut, True
+    return [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, None if rewards is None else rewards[k])
+            for k, r in enumerate(rollouts)], False
+
+
+def reward_of(raw: RawSequence, rollout: Rollout) -> float:
+    """The reference's reward, or the rollout's where the reference has no raw value (offline rollouts)."""
+    return raw.reward if raw.reward is not None else float(rollout.reward)
+
+
+def reference_policy(rollouts: list[Rollout], lengths: list[int], *, fixture: bool,
+                     single_turn: bool) -> list[list[bool]]:
+    """Per rollout, the policy's tokens over a response of ``lengths[k]`` tokens by the reference's rule: the
+    check's multi-turn fixture mask (:func:`tool_masks`) where the check gave one, every token of a single-turn
+    sample, else the rollout's own ``response_mask`` (a multi-turn sampler's or offline rollouts')."""
+    if fixture:
+        masks = tool_masks([r.group for r in rollouts], lengths)
+    elif single_turn:
+        masks = [None] * len(rollouts)
+    else:
+        masks = [r.response_mask for r in rollouts]
+    return [[True] * n if m is None else [bool(x) for x in m] for m, n in zip(masks, lengths)]
 
 
 TOOL_VARIANTS = 3
@@ -341,17 +451,22 @@ def tool_segments(num_response: int, variant: int) -> Optional[list[int]]:
     return mask
 
 
-def with_tool_segments(rollouts: list[Rollout]) -> list[Rollout]:
-    """The rollouts with :func:`tool_segments` masks; the same sequences get the same mask at any world size (a
-    prompt group never spans ranks)."""
+def tool_masks(groups: list[int], lengths: list[int]) -> list[Optional[list[int]]]:
+    """:func:`tool_segments` of each sequence (its prompt group and response length, in the rank's order); the same
+    sequences get the same mask at any world size (a prompt group never spans ranks)."""
     seen: dict[int, int] = {}
     out = []
-    for rollout in rollouts:
-        k = seen.get(rollout.group, 0)
-        seen[rollout.group] = k + 1
-        mask = tool_segments(len(rollout.response_ids), (rollout.group + k) % TOOL_VARIANTS)
-        out.append(dataclasses.replace(rollout, response_mask=mask))
+    for group, length in zip(groups, lengths):
+        k = seen.get(group, 0)
+        seen[group] = k + 1
+        out.append(tool_segments(length, (group + k) % TOOL_VARIANTS))
     return out
+
+
+def with_tool_segments(rollouts: list[Rollout]) -> list[Rollout]:
+    """The rollouts with :func:`tool_masks`."""
+    masks = tool_masks([r.group for r in rollouts], [len(r.response_ids) for r in rollouts])
+    return [dataclasses.replace(r, response_mask=m) for r, m in zip(rollouts, masks)]
 
 
 def reference_counted(policy_masks: list[list[bool]], olds: list, behaviours: list,

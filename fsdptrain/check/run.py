@@ -449,8 +449,8 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     if experience:
         def experience_stage() -> None:
             experience_found, note = experience_checks(session, **tol)
-            found.checks += experience_found
-            found.notes += [note] if note else []
+            found.checks += batch.raw_checks + experience_found  # the reference's own cut and rewards first
+            found.notes += batch.raw_notes + ([note] if note else [])
 
         found.stage("experience", experience_stage)
     if update and session.update is not None and mode == cfg.loss.agg_mode:

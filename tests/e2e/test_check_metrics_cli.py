@@ -227,3 +227,30 @@ def test_several_mini_batches_epochs_and_rollout_correction_pass(cli, nproc):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "update/actor/pg_loss" in result.stdout and "experience/rollout_is_mean" in result.stdout
     assert "rollout_corr/kl_k3" in result.stdout  # the planted behaviour log-probs: diagnosed on 1 and 2 ranks
+
+
+# Bugs before the layouts (docs/check-metrics.md, "What the reference recomputes before the layouts"): every layout is
+# fed the same wrong experience, so only the reference's own cut of the raw generation output, its own policy mask
+# and its own rewards from the raw reward values catch them. Each passed check-metrics before the reference did so.
+BEFORE_THE_LAYOUTS = {
+    "plant_eos_cut_off_the_response": ("FAIL experience: prompts and responses = the cut of the raw generation",
+                                       "FAIL batch/num_response_tokens [ranks="),
+    "plant_eos_left_out_of_the_response_mask": ("FAIL actor/probs_ratio_min [per-sequence]",
+                                                "FAIL response_length/mean [ranks="),
+    "plant_reward_clipped_before_the_advantages": ("FAIL experience: rewards = the weighted raw reward values",
+                                                   "FAIL reward/max [ranks="),
+}
+
+
+@pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.slow)])  # CI: 1 (budget)
+@pytest.mark.parametrize("plant", list(BEFORE_THE_LAYOUTS))
+def test_a_bug_before_the_layouts_fails(cli, tmp_path, plant, nproc):
+    patch_dir = tmp_path / "patch"
+    patch_dir.mkdir()
+    (patch_dir / "sitecustomize.py").write_text(f"from tests.planted_bugs import {plant}\n\n{plant}()\n")
+    pythonpath = os.pathsep.join([str(patch_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    result = cli("check-metrics", "--nproc", nproc, env=_env(PYTHONPATH=pythonpath), timeout=400)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    for line in BEFORE_THE_LAYOUTS[plant]:
+        assert line in result.stdout, (line, result.stdout)

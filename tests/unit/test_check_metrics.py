@@ -281,7 +281,9 @@ def test_default_battery_reaches_the_paths_bugs_hide_in(ppo):
     assert any(n.startswith("off-policy: ") for n in names)
     assert {k.rule for k in report.checks if k.layout == "experience"} == {
         "experience: advantages = oracle (global whitening)", "experience: returns = oracle",
-        "experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
+        "experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks",
+        "experience: prompts and responses = the cut of the raw generation (EOS, rollout.max_new_tokens)",
+        "experience: rewards = the weighted raw reward values"}
     assert not ppo.trainer.policy_settings.use_reference  # the default config has no KL loss: the battery adds it
 
 

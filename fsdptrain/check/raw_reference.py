@@ -1,0 +1,154 @@
+"""check-metrics, part 0: the reference's own inputs, from the raw generation output and the raw reward values.
+
+Before any layout, the product cuts each response out of what ``generate`` returned, decides which of its tokens the
+policy wrote, and adds the reward functions' values up into one reward. Every layout is then fed the same result, so a
+bug in those stages cannot show as a difference between layouts; the reference therefore redoes them itself, from
+their definitions, starting from what the model and the user's functions returned (docs/check-metrics.md, "What the
+reference recomputes before the layouts"):
+
+- prompt: the row's ids where ``generate``'s attention mask is 1 (its left padding dropped);
+- response: the new tokens ``generate`` returned for the row, up to and including the first EOS; a row with no EOS
+  among them is truncated, and its response is all of them (at most ``rollout.max_new_tokens``);
+- the policy's tokens: every response token of a single-turn sample, its EOS included (the check's multi-turn
+  fixture mask where the check gave one);
+- reward: ``sum_f w_f * v_f`` over the functions whose raw value ``v_f`` is a number (None is left out; 0.0 when no
+  function applies), ``w_f`` the configured ``reward.weights`` (1.0 each when null), plus the reward models' scaled
+  total.
+
+Nothing here calls the product's ``split_response``, sampler, ``RewardRunner`` or reward combination. Shared, because
+they are the inputs and not a stage: the model's ``generate`` (which tokens were drawn), the tokenizer (the EOS id, the
+prompt's ids), the user's reward functions (their values) and the reward models' scaled scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from fsdptrain.check.compare import Check
+
+
+@dataclass(frozen=True)
+class RawCall:
+    """One ``generate`` call as the model returned it: the (left-padded) prompt ids, their mask, and the sequences
+    (prompt then new tokens)."""
+
+    input_ids: list[list[int]]
+    attention_mask: list[list[int]]
+    sequences: list[list[int]]
+
+
+@dataclass(frozen=True)
+class RawSequence:
+    """One sequence as the reference makes it: prompt and response ids, truncation, and the reward (None: the
+    reference has no raw value to make it from)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    truncated: bool
+    reward: Optional[float]
+
+
+@contextlib.contextmanager
+def recording_generate(model: torch.nn.Module) -> Iterator[list[Optional[RawCall]]]:
+    """Within the block, every call of ``model.generate`` is recorded (as returned, on the CPU) into the yielded list
+    (None for a call without keyword ``input_ids`` and ``attention_mask``, which the reference cannot read). The
+    model's own method runs unchanged; it is restored after the block."""
+    calls: list[Optional[RawCall]] = []
+    generate = model.generate
+
+    def recorded(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        if args or "input_ids" not in kwargs or "attention_mask" not in kwargs:  # not generate_responses' call
+            calls.append(None)
+        else:
+            calls.append(RawCall(kwargs["input_ids"].tolist(), kwargs["attention_mask"].tolist(),
+                                 sequences.tolist()))
+        return out
+
+    model.generate = recorded
+    try:
+        yield calls
+    finally:
+        del model.generate
+
+
+def reference_prompt(input_ids: Sequence[int], attention_mask: Sequence[int]) -> list[int]:
+    """The prompt's ids: those under a mask of 1."""
+    return [int(token) for token, keep in zip(input_ids, attention_mask) if keep]
+
+
+def reference_cut(new_tokens: Sequence[int], *, eos_id: int, max_new_tokens: int) -> tuple[list[int], bool]:
+    """(response, truncated): ``new_tokens`` up to and including the first EOS, not truncated; without an EOS, the
+    first ``max_new_tokens`` of them, truncated."""
+    tokens = [int(t) for t in new_tokens]
+    if eos_id in tokens:
+        return tokens[: tokens.index(eos_id) + 1], False
+    return tokens[:max_new_tokens], True
+
+
+def reference_reward(values: Sequence[Optional[float]], weights: Sequence[float]) -> float:
+    """``sum_f w_f * v_f`` over the values that are numbers; 0.0 when none is."""
+    total = 0.0
+    for value, weight in zip(values, weights, strict=True):
+        if value is not None:
+            total += weight * float(value)
+    return total
+
+
+def raw_sequences(calls: Sequence[Optional[RawCall]], rewards: Optional[list[Optional[float]]], num_rollouts: int,
+                  *, eos_id: int, max_new_tokens: int) -> Optional[list[RawSequence]]:
+    """This rank's sequences from one recorded ``generate`` call whose rows are its rollouts, in order (the
+    single-turn sampler's training call); None when the calls are not that (no call: another engine or offline data;
+    several: turns of a multi-turn sampler; one it could not read)."""
+    if len(calls) != 1 or calls[0] is None or len(calls[0].sequences) != num_rollouts:
+        return None
+    call = calls[0]
+    width = len(call.input_ids[0]) if call.input_ids else 0
+    out = []
+    for row, (ids, mask, sequence) in enumerate(zip(call.input_ids, call.attention_mask, call.sequences)):
+        response, truncated = reference_cut(sequence[width:], eos_id=eos_id, max_new_tokens=max_new_tokens)
+        out.append(RawSequence(reference_prompt(ids, mask), response, truncated,
+                               None if rewards is None else rewards[row]))
+    return out
+
+
+def reference_rewards(raw: dict[str, list[Optional[float]]], names: Sequence[str], weights: Sequence[float],
+                      model_totals: Optional[Sequence[float]], num: int) -> list[float]:
+    """Per sample, :func:`reference_reward` of the functions ``names`` (their raw values ``raw[name]``) with
+    ``weights``, plus the reward models' total (``model_totals``; None: no reward model)."""
+    out = []
+    for k in range(num):
+        total = reference_reward([raw[name][k] for name in names], weights)
+        out.append(total + (float(model_totals[k]) if model_totals is not None else 0.0))
+    return out
+
+
+def raw_checks(product: Sequence[RawSequence], reference: Sequence[RawSequence], *, atol: float, rtol: float,
+               responses_recut: bool) -> list[Check]:
+    """The product's prompts, responses, truncation and rewards against the reference's (every rank's sequences):
+    one check for the ids and truncation (exact; only when the reference cut them itself) and one for the rewards
+    (``atol + rtol * |reference|``)."""
+    checks = []
+    if responses_recut:
+        differ = [i for i, (p, r) in enumerate(zip(product, reference, strict=True))
+                  if (p.prompt_ids, p.response_ids, p.truncated) != (r.prompt_ids, r.response_ids, r.truncated)]
+        detail = f"{len(differ)} of {len(reference)} sequences differ"
+        if differ:
+            p, r = product[differ[0]], reference[differ[0]]
+            detail += (f"; sequence {differ[0]}: response {p.response_ids} (truncated {p.truncated}), the cut of "
+                       f"the raw generation {r.response_ids} (truncated {r.truncated})")
+        checks.append(Check("experience: prompts and responses = the cut of the raw generation (EOS, "
+                            "rollout.max_new_tokens)", "experience", float(len(differ)), not differ, detail))
+    pairs = [(p.reward, r.reward) for p, r in zip(product, reference, strict=True) if r.reward is not None]
+    if pairs:
+        passed = all(abs(got - want) <= atol + rtol * abs(want) for got, want in pairs)  # a NaN fails
+        got, want = max(pairs, key=lambda pair: math.inf if math.isnan(pair[0] - pair[1]) else abs(pair[0] - pair[1]))
+        checks.append(Check("experience: rewards = the weighted raw reward values", "experience", abs(got - want),
+                            passed, f"max |diff| {abs(got - want):.3g} (reward {got:.6g}, reference {want:.6g})"))
+    return checks
