@@ -19,7 +19,10 @@ multi-turn one call per group and turn (fsdptrain/rollout/multi_turn.py). ``cont
 workload through one :class:`fsdptrain.rollout.engine.ContinuousEngine` loop. Each (workload, engine) runs in a fresh
 process, the engines alternating, ``--repeats`` times: the wall and process CPU time of generation, the generated
 (policy) tokens and tokens/s, the model forwards (a forward hook; ``generate``'s prefill included), and the peak
-resident memory above what the process held before generating (sampled every 5 ms).
+resident memory above what the process held before generating: the kernel's peak mark (VmHWM, reset just before),
+with glibc's mmap threshold fixed at 64 KiB in every child (``MALLOC_MMAP_THRESHOLD_=65536``, as
+benchmarks/context_parallel.py: every tensor is its own mapping and leaves the resident set when freed, so the peak
+is that of the live tensors, not of glibc's heap keeping freed blocks). Both engines are measured the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.shared_prompts import PeakRss, cpu_s, rss_gib  # noqa: E402
+from benchmarks.loss import _peak_rss_kib, _reset_peak_rss  # noqa: E402
+from benchmarks.shared_prompts import cpu_s, rss_gib  # noqa: E402
 
 ENGINES = ("generate", "continuous")
 SEED = 1234
@@ -159,13 +163,14 @@ def run_tools(args, engine: str) -> dict:
 def measure(go, forwards) -> dict:
     forwards[0] = 0
     base = rss_gib()
+    peak_measure = _reset_peak_rss()
     wall, cpu = time.perf_counter(), cpu_s()
-    with PeakRss() as peak:
-        lengths = go()
+    lengths = go()
     wall, cpu = time.perf_counter() - wall, cpu_s() - cpu
+    peak = _peak_rss_kib(peak_measure) / 2**20 - base
     tokens = sum(lengths)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "forwards": forwards[0], "peak_gib": peak.peak - base, "max_len": max(lengths),
+            "forwards": forwards[0], "peak_gib": peak, "peak_measure": peak_measure, "max_len": max(lengths),
             "mean_len": tokens / len(lengths)}
 
 
@@ -223,7 +228,7 @@ def main() -> None:
                 done = subprocess.run([sys.executable, __file__, "--workload", workload, "--engine", engine,
                                        "--gguf", args.gguf, "--real-max-new-tokens", str(args.real_max_new_tokens)],
                                       capture_output=True, text=True, cwd=ROOT,
-                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                      env={**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"})
                 if done.returncode != 0:
                     sys.exit(f"{workload}/{engine} failed:\n{done.stderr[-3000:]}")
                 result = json.loads(done.stdout.strip().splitlines()[-1])

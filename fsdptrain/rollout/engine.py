@@ -8,11 +8,17 @@ new tokens -- the last sampled token, the tool message and the template's separa
 - **one decode loop**: each decode forward advances every live row by one token; a row that samples EOS or reaches
   its cap leaves at that step (its cache rows are dropped from the batch, or handed back as a :class:`KeptCache` when
   the request asks to ``keep`` it) and costs no further forward (``EngineStats.num_row_steps`` counts them);
-- **admission bound**: waiting requests enter, in arrival order, while the live batch holds fewer than
+- **admission bound**: waiting requests enter, continuing trajectories (with a kept cache) first and otherwise in
+  arrival order, while the live batch holds fewer than
   ``max_live_rows`` rows and fewer than ``max_live_tokens`` cache positions (rows x width of the padded batch); an
   empty batch always admits one request, so no request waits forever;
-- **the cache** is one padded batch, left-aligned and compacted: when rows leave, the columns that every remaining row
-  pads are cut, so its memory is live rows x the longest live row, never batch x (prompt + max_new_tokens);
+- **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity,
+  dim] whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes
+  its column in place, no per-step copy of the cache). When rows leave, their rows and the columns that every
+  remaining row pads are cut. Every rebuild (rows leaving, rows entering, realigning) replaces the buffers one
+  tensor at a time, so it holds at most one layer's keys or values twice. Its memory is live rows x (the longest live
+  row + less than a block), never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it
+  is copied into the batch;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
   but the last token, from one forward per distinct prompt;
 - **callbacks**: ``on_finish(finished)`` is called as each row leaves and may return the trajectory's next
@@ -29,12 +35,22 @@ after temperature, before top-p (the distribution the training forward scores at
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import inspect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Union
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+CACHE_BLOCK = 16
+"""Cache columns allocated at a time on the CPU: a row's cache grows by one copy per block of tokens, and holds
+less than a block of unused columns."""
+BUCKETED_CACHE_BLOCK = 64
+"""The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
+SAMPLE_CHUNK = 8
+"""Rows whose uniforms are drawn and used together: [chunk, vocab] float64 at a time, not [rows, vocab]."""
 
 
 @dataclass
@@ -100,10 +116,11 @@ class _Row:
 
 
 class ContinuousEngine:
-    """See the module docstring. ``model`` is a causal LM taking ``position_ids`` and a transformers cache."""
+    """See the module docstring. ``model`` is a causal LM taking ``position_ids`` and a transformers cache.
+    ``bucketed`` (default: on CUDA) runs each decode forward at :func:`decode_shape`'s bucketed shape."""
 
     def __init__(self, model, *, eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-                 max_live_rows: int = 64, max_live_tokens: int = 1 << 20):
+                 max_live_rows: int = 64, max_live_tokens: int = 1 << 20, bucketed: Optional[bool] = None):
         if max_live_rows < 1 or max_live_tokens < 1:
             raise ValueError(f"max_live_rows={max_live_rows}, max_live_tokens={max_live_tokens}: both must be >= 1")
         if not 0.0 < top_p <= 1.0 or temperature <= 0.0:
@@ -111,10 +128,12 @@ class ContinuousEngine:
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.temperature, self.top_p = temperature, top_p
         self.max_live_rows, self.max_live_tokens = max_live_rows, max_live_tokens
+        self.bucketed = self.device.type == "cuda" if bucketed is None else bucketed
+        self.block = BUCKETED_CACHE_BLOCK if self.bucketed else CACHE_BLOCK
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.stats = EngineStats()
         self._rows: list[_Row] = []
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # live batch, each [rows, heads, width, dim]
+        self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
         self._mask: Optional[torch.Tensor] = None  # [rows, width], left-aligned
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
 
@@ -128,18 +147,22 @@ class ContinuousEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._loop(deque(requests), on_finish or (lambda _: None))
+            return self._loop(deque(requests), on_finish)
         finally:
             self.model.train(was_training)
             self._rows, self._layers, self._mask, self._prefixes = [], [], None, {}
 
-    def _loop(self, waiting: deque, on_finish: OnFinish) -> list[Finished]:
+    def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Finished]:
         done: list[Finished] = []
         pending: list[concurrent.futures.Future] = []
 
         def leave() -> None:
             for finished in self._leave():
-                done.append(finished)
+                if on_finish is None:
+                    done.append(finished)
+                    continue
+                # the kept cache goes to on_finish only: `done` holding it would keep every turn's cache alive
+                done.append(dataclasses.replace(finished, kept=None))
                 follow = on_finish(finished)
                 if isinstance(follow, concurrent.futures.Future):
                     pending.append(follow)
@@ -164,17 +187,24 @@ class ContinuousEngine:
     # admission -------------------------------------------------------------------------------------------------
 
     def _admit(self, waiting: deque) -> None:
+        """Continuing trajectories first (their kept caches are memory already held), then new requests in arrival
+        order, within the bounds."""
         entering: list[Request] = []
         width = self._mask.shape[1] if self._mask is not None else 0
-        while waiting and len(self._rows) + len(entering) < self.max_live_rows:
-            request = waiting[0]
+        for request in sorted(waiting, key=lambda r: r.kept is None):
+            if len(self._rows) + len(entering) >= self.max_live_rows:
+                break
             need = (request.kept.length if request.kept else 0) + len(request.new_ids)
             rows = len(self._rows) + len(entering) + 1
             if (self._rows or entering) and rows * max(width, need) > self.max_live_tokens:
                 break
             width = max(width, need)
-            entering.append(waiting.popleft())
+            entering.append(request)
         if entering:
+            chosen = {id(r) for r in entering}
+            remaining = [r for r in waiting if id(r) not in chosen]
+            waiting.clear()
+            waiting.extend(remaining)
             self._prefill(self._with_shared_prefixes(entering, waiting))
 
     def _with_shared_prefixes(self, entering: list[Request], waiting: deque) -> list[Request]:
@@ -199,47 +229,75 @@ class ContinuousEngine:
 
     def _forward_prefixes(self, prefixes: list[tuple[int, ...]]) -> list[KeptCache]:
         ids, mask = _left_pad([list(p) for p in prefixes], self.pad_id, self.device)
-        layers, _ = self._forward(ids, mask, _positions(mask), cache_layers=None)
+        layers, _ = self._forward(ids, mask, _positions(mask), None, 0)
         self.stats.num_prefill_forwards += 1
         return [_row_cache(layers, mask, r) for r in range(len(prefixes))]
 
     def _prefill(self, entering: list[Request]) -> None:
         """One forward over the entering rows (each its kept cache, if any, then its new ids), their first token
-        sampled, their cache left-aligned and joined to the live batch."""
+        sampled, their cache right-aligned and joined to the live batch. The requests' kept caches are dropped once
+        copied into the batch."""
         device = self.device
         kept_len = [r.kept.length if r.kept else 0 for r in entering]
         ids, new_mask = _left_pad([r.new_ids for r in entering], self.pad_id, device)
-        cache_layers, cache_mask = None, torch.zeros(len(entering), 0, dtype=torch.long, device=device)
-        if max(kept_len) > 0:
-            cache_layers, cache_mask = _stack_kept([r.kept for r in entering], max(kept_len), self.model, device)
+        width = max(kept_len)
+        layers, cache_mask = None, torch.zeros(len(entering), 0, dtype=torch.long, device=device)
+        if width > 0:
+            capacity = _round_up(width + ids.shape[1], self.block)
+            layers, cache_mask = _stack_kept([r.kept for r in entering], width, capacity, device)
+        for r in entering:
+            r.kept = None
         mask = torch.cat([cache_mask, new_mask], dim=1)
-        layers, logits = self._forward(ids, mask, _positions(mask)[:, cache_mask.shape[1]:], cache_layers)
+        layers, logits = self._forward(ids, mask, _positions(mask)[:, width:], layers, width)
         self.stats.num_prefill_forwards += 1
         rows = [_Row(r, _generator(r.seed, device), length=k + len(r.new_ids)) for r, k in zip(entering, kept_len)]
-        layers, mask = _left_align(layers, mask)
+        mask = _right_align(layers, mask, self.block)
         self._join(rows, layers, mask)
         self._sample(rows, logits)
 
-    def _join(self, rows: list[_Row], layers, mask: torch.Tensor) -> None:
+    def _join(self, rows: list[_Row], layers: list[list[torch.Tensor]], mask: torch.Tensor) -> None:
+        """The entering rows (``layers`` used up to ``mask``'s width) appended to the live batch, one tensor at a
+        time."""
         if not self._rows:
             self._rows, self._layers, self._mask = rows, layers, mask
             return
-        width = max(mask.shape[1], self._mask.shape[1])
-        self._layers = [(torch.cat([_pad_left(k0, width, 2), _pad_left(k1, width, 2)]),
-                         torch.cat([_pad_left(v0, width, 2), _pad_left(v1, width, 2)]))
-                        for (k0, v0), (k1, v1) in zip(self._layers, layers)]
+        live, new = self._mask.shape[1], mask.shape[1]
+        width = max(live, new)
+        num_live = len(self._rows)
+        for old, entering in zip(self._layers, layers):
+            for part in range(2):
+                ref = old[part]
+                joined = ref.new_zeros(self._rows_at(num_live + len(rows)), ref.shape[1],
+                                       _round_up(width + 1, self.block), ref.shape[3])
+                joined[:num_live, :, width - live:width] = old[part][:num_live, :, :live]
+                joined[num_live:num_live + len(rows), :, width - new:width] = entering[part][:len(rows), :, :new]
+                old[part], entering[part] = joined, None  # both sources freed here, one tensor at a time
         self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
         self._rows = self._rows + rows
 
     # decoding --------------------------------------------------------------------------------------------------
 
+    def _rows_at(self, num_rows: int) -> int:
+        return decode_shape(num_rows, 0, bucketed=self.bucketed, block=self.block)[0]
+
     def _decode(self) -> None:
-        """Every live row advances one token by one decode forward."""
+        """Every live row advances one token by one decode forward; bucketed, at :func:`decode_shape`'s shape:
+        padding rows (a pad id attending only to itself) and the cache's unused columns, masked."""
         device = self.device
-        ids = torch.tensor([[r.last] for r in self._rows], device=device)
-        mask = torch.cat([self._mask, torch.ones(len(self._rows), 1, dtype=self._mask.dtype, device=device)], 1)
-        positions = torch.tensor([[r.length] for r in self._rows], device=device)
-        self._layers, logits = self._forward(ids, mask, positions, self._layers)
+        num_rows, width = len(self._rows), self._mask.shape[1]
+        mask = torch.cat([self._mask, torch.ones(num_rows, 1, dtype=self._mask.dtype, device=device)], 1)
+        rows, columns = decode_shape(num_rows, width + 1, bucketed=self.bucketed, block=self.block)
+        padding = rows - num_rows
+        ids = torch.tensor([[r.last] for r in self._rows] + [[self.pad_id]] * padding, device=device)
+        positions = torch.tensor([[r.length] for r in self._rows] + [[0]] * padding, device=device)
+        full_mask = mask
+        if self.bucketed:
+            self._fit(rows, columns)
+            full_mask = mask.new_zeros(rows, columns)
+            full_mask[:num_rows, :width + 1] = mask
+            full_mask[num_rows:, width] = 1
+        self._layers, logits = self._forward(ids, full_mask, positions, self._layers, width, expose=self.bucketed)
+        logits = logits[:num_rows]
         self._mask = mask
         self.stats.num_decode_forwards += 1
         self.stats.num_row_steps += len(self._rows)
@@ -247,7 +305,21 @@ class ContinuousEngine:
             r.length += 1
         self._sample(self._rows, logits)
 
+    def _fit(self, rows: int, columns: int) -> None:
+        """Bucketed: the buffers at exactly ``rows`` rows and at least ``columns`` columns (a copy only when
+        short)."""
+        for pair in self._layers:
+            for part in range(2):
+                t = pair[part]
+                if t.shape[0] < rows or t.shape[2] < columns:
+                    grown = t.new_zeros(rows, t.shape[1], max(columns, t.shape[2]), t.shape[3])
+                    grown[:min(rows, t.shape[0]), :, :t.shape[2]] = t[:rows]
+                    t = grown
+                pair[part] = t[:rows]
+
     def _leave(self) -> list[Finished]:
+        """The rows that ended, cut out of the batch with the columns every remaining row pads (one tensor at a
+        time)."""
         gone = [i for i, r in enumerate(self._rows) if _ended(r, self.eos_id)]
         if not gone:
             return []
@@ -262,23 +334,25 @@ class ContinuousEngine:
         mask = self._mask.index_select(0, index)
         cut = int((mask.cumsum(1) == 0).sum(1).min())  # columns every remaining row pads
         self._mask = mask[:, cut:]
-        self._layers = [(k.index_select(0, index)[:, :, cut:], v.index_select(0, index)[:, :, cut:])
-                        for k, v in self._layers]
+        # bucketed, padding rows are copies of a live row: finite values, the next decode's shape without a copy
+        index = torch.tensor(stay + stay[:1] * (self._rows_at(len(stay)) - len(stay)), device=index.device)
+        for pair in self._layers:
+            for part in range(2):
+                pair[part] = pair[part][:, :, cut:].index_select(0, index)
         self._rows = [self._rows[i] for i in stay]
         return out
 
-    def _forward(self, ids, mask, positions, cache_layers):
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        if cache_layers:  # the layers take the tensors as they are (a cache built from data would copy them)
-            cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in cache_layers])
-            for layer, (k, v) in zip(cache.layers, cache_layers):
-                layer.keys, layer.values = k, v
+    def _forward(self, ids, mask, positions, layers, length: int, expose: bool = False):
+        """One forward of ``ids`` onto the cache ``layers`` (used up to column ``length``; None: an empty cache;
+        ``expose``: attention over every column of the buffers, ``mask`` as wide); the updated buffers (per layer a
+        [keys, values] list) and the last position's logits."""
+        if layers:
+            cache = Cache(layers=[_BufferLayer(k, v, length, self.block, expose) for k, v in layers])
+        else:
+            cache = Cache(layer_class_to_replicate=lambda: _BufferLayer(block=self.block))
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self.cache_name: cache})
-        cache = getattr(out, self.cache_name)
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        layers = [list(layer.buffers) for layer in getattr(out, self.cache_name).layers]
         rows, width = mask.shape
         self.stats.max_live_rows = max(self.stats.max_live_rows, rows)
         self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width)
@@ -293,6 +367,59 @@ class ContinuousEngine:
             r.last = token
 
 
+class _BufferLayer(DynamicLayer):
+    """One layer of the engine's cache: keys and values in buffers [rows, heads, capacity, dim] used up to column
+    ``length``. ``update`` writes the new states in place and returns views of the used columns (``expose``: of
+    every column, the caller masking the unused ones, so the shapes stay those of the buffers); a full buffer grows to
+    the next multiple of ``block`` columns (one copy per block of tokens, where DynamicLayer concatenates, a copy of
+    the layer per token)."""
+
+    def __init__(self, keys: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None, length: int = 0,
+                 block: int = CACHE_BLOCK, expose: bool = False):
+        super().__init__()
+        self.buffers, self.length, self.block, self.expose = (keys, values), length, block, expose
+        if keys is not None:
+            self.device, self.is_initialized = keys.device, True
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.is_initialized, self.length = key_states.device, True, 0
+        self.buffers = (key_states[:, :, :0], value_states[:, :, :0])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.buffers[0].shape[2]:
+            self.buffers = tuple(_grown(b, self.length, _round_up(end, self.block)) for b in self.buffers)
+        keys, values = self.buffers
+        keys[:, :, self.length:end] = key_states
+        values[:, :, self.length:end] = value_states
+        self.length = end
+        shown = keys.shape[2] if self.expose else end
+        self.keys, self.values = keys[:, :, :shown], values[:, :, :shown]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.expose:
+            return self.buffers[0].shape[2], 0
+        return super().get_mask_sizes(query_length)
+
+
+def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tuple[int, int]:
+    """The (rows, cache columns) a decode forward of ``num_rows`` live rows over ``width`` cache columns (the new
+    token's included) runs at. On the CPU (not ``bucketed``) exactly those. Bucketed (CUDA), so that a captured CUDA
+    graph or a compiled step meets few shapes: rows rounded up to a power of two up to 8 and to a multiple of 8
+    beyond, columns to a multiple of ``block``."""
+    if not bucketed:
+        return num_rows, width
+    rows = 1 << max(num_rows - 1, 0).bit_length() if num_rows <= 8 else _round_up(num_rows, 8)
+    return rows, _round_up(width, block)
+
+
 def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]], *, temperature: float,
                 top_p: float) -> tuple[list[int], list[float]]:
     """Each row's next token and its behaviour log-prob (``log_softmax(logits / temperature)`` at the token).
@@ -300,22 +427,28 @@ def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]
     A row with a generator draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
     uniform per vocabulary entry from its generator; with ``top_p`` < 1 the draw is over the nucleus, as
     transformers' ``TopPLogitsWarper`` cuts it); a row without one takes the argmax of its logits (greedy, its
-    log-prob at temperature 1). The log-softmax and argmax run over the whole batch; only the uniforms are drawn row
-    by row."""
+    log-prob at temperature 1). Seeded rows are drawn ``SAMPLE_CHUNK`` at a time (each row's draw is its own, so the
+    chunking changes no token); only the uniforms are drawn row by row."""
     scores = logits.float()
-    seeded = [g is not None for g in generators]
-    logp = torch.log_softmax(scores / temperature, dim=-1) if any(seeded) else None
-    greedy_logp = torch.log_softmax(scores, dim=-1) if not all(seeded) else None
     tokens = scores.argmax(-1)
-    if any(seeded):
-        rows = [r for r, s in enumerate(seeded) if s]
-        drawn = logp[rows] if top_p >= 1.0 else torch.stack([_nucleus(logp[r], top_p) for r in rows])
-        tiny = torch.finfo(torch.float64).tiny
+    values = torch.empty(scores.shape[0], dtype=scores.dtype, device=scores.device)
+    greedy = [r for r, g in enumerate(generators) if g is None]
+    if greedy:
+        index = torch.tensor(greedy, device=scores.device)
+        picked = tokens.index_select(0, index)[:, None]
+        values[index] = torch.log_softmax(scores.index_select(0, index), -1).gather(1, picked)[:, 0]
+    seeded = [r for r, g in enumerate(generators) if g is not None]
+    tiny = torch.finfo(torch.float64).tiny
+    for start in range(0, len(seeded), SAMPLE_CHUNK):
+        rows = seeded[start:start + SAMPLE_CHUNK]
+        index = torch.tensor(rows, device=scores.device)
+        logp = torch.log_softmax(scores.index_select(0, index) / temperature, dim=-1)
+        drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
         u = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=scores.device,
                                     dtype=torch.float64) for r in rows]).clamp(tiny, 1.0 - 1e-16)
-        tokens[rows] = (drawn + (-torch.log(-torch.log(u))).to(drawn.dtype)).argmax(-1)
-    chosen = torch.stack([(logp if s else greedy_logp)[r] for r, s in enumerate(seeded)])
-    values = chosen.gather(1, tokens[:, None])[:, 0]
+        chosen = (drawn + (-torch.log(-torch.log(u))).to(drawn.dtype)).argmax(-1)
+        tokens[index] = chosen
+        values[index] = logp.gather(1, chosen[:, None])[:, 0]
     return tokens.tolist(), values.tolist()
 
 
@@ -335,6 +468,17 @@ def _ended(row: _Row, eos_id: int) -> bool:
 
 def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Generator]:
     return None if seed is None else torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _grown(buffer: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    """``buffer``'s first ``used`` columns in a zeroed buffer of ``capacity`` columns."""
+    grown = buffer.new_zeros(*buffer.shape[:2], capacity, buffer.shape[3])
+    grown[:, :, :used] = buffer[:, :, :used]
+    return grown
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -358,17 +502,21 @@ def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def _stack_kept(kept: list[Optional[KeptCache]], width: int, model, device):
-    """The kept caches as one left-padded batch (rows without one are all padding) and its mask."""
+def _stack_kept(kept: list[Optional[KeptCache]], width: int, capacity: int, device):
+    """The kept caches as one batch right-aligned to column ``width`` (rows without one are all padding), in
+    buffers of ``capacity`` columns, and its mask [rows, width]."""
     template = next(k for k in kept if k is not None)
     layers = []
     for layer in range(len(template.layers)):
         pair = []
         for part in range(2):
             ref = template.layers[layer][part]
-            empty = ref.new_zeros(ref.shape[0], 0, ref.shape[2])
-            pair.append(torch.stack([_pad_left(k.layers[layer][part] if k else empty, width, 1) for k in kept]))
-        layers.append(tuple(pair))
+            buffer = ref.new_zeros(len(kept), ref.shape[0], capacity, ref.shape[2])
+            for row, k in enumerate(kept):
+                if k is not None:
+                    buffer[row, :, width - k.length:width] = k.layers[layer][part]
+            pair.append(buffer)
+        layers.append(pair)
     mask = torch.tensor([[0] * (width - (k.length if k else 0)) + [1] * (k.length if k else 0) for k in kept],
                         device=device)
     return layers, mask
@@ -376,21 +524,28 @@ def _stack_kept(kept: list[Optional[KeptCache]], width: int, model, device):
 
 def _row_cache(layers, mask: torch.Tensor, row: int) -> KeptCache:
     keep = mask[row].bool()
-    return KeptCache([(k[row][:, keep].clone(), v[row][:, keep].clone()) for k, v in layers])
+    width = mask.shape[1]
+    return KeptCache([(k[row][:, :width][:, keep], v[row][:, :width][:, keep]) for k, v in layers])
 
 
-def _left_align(layers, mask: torch.Tensor):
-    """The batch with each row's real positions moved to its right end (no holes between a kept cache and the new
-    ids), the columns every row pads cut."""
+def _right_align(layers: list[list[torch.Tensor]], mask: torch.Tensor, block: int) -> torch.Tensor:
+    """Each row's real positions moved to the right end (no hole between a kept cache and the new ids), the columns
+    every row pads cut; ``layers`` are replaced in place, one tensor at a time. The new mask."""
     lengths = mask.sum(1)
     width = int(lengths.max())
     columns = torch.arange(mask.shape[1], device=mask.device)
     if bool((mask.bool() == (columns >= mask.shape[1] - lengths[:, None])).all()):
-        return [(k[:, :, -width:], v[:, :, -width:]) for k, v in layers], mask[:, -width:]
-    rows = [_row_cache(layers, mask, r) for r in range(mask.shape[0])]
-    aligned = []
-    for layer in range(len(layers)):
-        aligned.append(tuple(torch.stack([_pad_left(row.layers[layer][part], width, 1) for row in rows])
-                             for part in range(2)))
-    new_mask = torch.tensor([[0] * (width - int(n)) + [1] * int(n) for n in lengths], device=mask.device)
-    return aligned, new_mask
+        cut = mask.shape[1] - width
+        for pair in layers:
+            for part in range(2):
+                pair[part] = pair[part][:, :, cut:]
+        return mask[:, cut:]
+    real = [mask[r].bool() for r in range(mask.shape[0])]
+    for pair in layers:
+        for part in range(2):
+            old = pair[part][:, :, :mask.shape[1]]
+            aligned = old.new_zeros(*old.shape[:2], _round_up(width + 1, block), old.shape[3])
+            for r, keep in enumerate(real):
+                aligned[r, :, width - int(lengths[r]):width] = old[r][:, keep]
+            pair[part] = aligned
+    return torch.tensor([[0] * (width - int(n)) + [1] * int(n) for n in lengths], device=mask.device)

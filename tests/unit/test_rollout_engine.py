@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout.engine import ContinuousEngine, Request
+from fsdptrain.rollout.engine import ContinuousEngine, Request, decode_shape
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
@@ -185,3 +185,24 @@ def test_multi_turn_in_one_loop_equals_the_turn_by_turn_reference(tmp_path):
         assert (g.response_ids, g.response_mask, g.messages, g.truncation) == \
             (r.response_ids, r.response_mask, r.messages, r.truncation)
     assert engine.stats.num_row_steps == sum(sum(t.response_mask) for t in got) - sum(t.num_turns for t in got)
+
+
+def test_the_decode_shape_buckets_rows_and_cache_columns_only_when_bucketed():
+    assert decode_shape(5, 37, bucketed=False, block=64) == (5, 37)
+    got = [decode_shape(n, w, bucketed=True, block=64) for n, w in [(1, 1), (2, 64), (3, 65), (5, 128), (8, 129),
+                                                                      (9, 10), (17, 10), (64, 10)]]
+    assert got == [(1, 64), (2, 64), (4, 128), (8, 128), (8, 192), (16, 64), (24, 64), (64, 64)]
+
+
+def test_bucketed_decoding_gives_the_exact_shapes_tokens(setup):
+    """The CUDA path on the CPU: padding rows and masked unused cache columns change no token."""
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    requests = lambda: [Request(i, ids[i], 3 + 2 * i, seed=40 + i) for i in range(4)]  # noqa: E731
+    exact = _by_key(_engine(model, tokenizer, eos=NEVER, bucketed=False).run(requests()))
+    engine = _engine(model, tokenizer, eos=NEVER, bucketed=True, max_live_rows=3)
+    bucketed = _by_key(engine.run(requests()))
+    assert engine.stats.max_live_rows == 4  # 3 live rows run as 4
+    for i in range(4):
+        assert bucketed[i][0] == exact[i][0]
+        torch.testing.assert_close(torch.tensor(bucketed[i][1]), torch.tensor(exact[i][1]), rtol=0, atol=1e-5)
