@@ -108,7 +108,7 @@ def run_single(args, engine: str) -> dict:
                                      share_prompt_prefill=n > 1)
             return [len(r) for _, r, _ in out]
         eng = ContinuousEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                               temperature=1.0)
+                               temperature=1.0, max_live_rows=args.max_live_rows)
         out = generate_continuous(eng, ids, [SEED + i for i in range(len(ids))], max_new_tokens=max_new)
         return [len(r) for _, r, _, _ in out]
 
@@ -151,7 +151,8 @@ def run_tools(args, engine: str) -> dict:
                     return [(r, not truncated) for _, r, truncated in res]
                 out += run_turns(chat, [p] * 8, generate=generate, call_tools=call_tools, caps=caps)
         else:
-            eng = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0)
+            eng = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0,
+                                   max_live_rows=args.max_live_rows)
             out = run_turns_continuous(eng, chat, [p for p in prompts for _ in range(8)],
                                        seed=lambda s, turn: SEED + 1000 * s + turn, call_tools=call_tools, caps=caps)
         return [sum(t.response_mask) for t in out]
@@ -212,6 +213,8 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--real-max-new-tokens", type=int, default=256,
                         help="the real workload's max_new_tokens (256, the issue's, took over 12 min a side at load ~6)")
+    parser.add_argument("--max-live-rows", type=int, default=64,
+                        help="the continuous engine's bound on live rows (rollout.max_live_rows; 64, its default)")
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--logprob-gap", action="store_true", help="only the behaviour log-prob gap, then exit")
@@ -226,7 +229,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for engine in ENGINES:
                 done = subprocess.run([sys.executable, __file__, "--workload", workload, "--engine", engine,
-                                       "--gguf", args.gguf, "--real-max-new-tokens", str(args.real_max_new_tokens)],
+                                       "--gguf", args.gguf, "--real-max-new-tokens", str(args.real_max_new_tokens),
+                                       "--max-live-rows", str(args.max_live_rows)],
                                       capture_output=True, text=True, cwd=ROOT,
                                       env={**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"})
                 if done.returncode != 0:

@@ -296,7 +296,8 @@ class ContinuousEngine:
             full_mask = mask.new_zeros(rows, columns)
             full_mask[:num_rows, :width + 1] = mask
             full_mask[num_rows:, width] = 1
-        self._layers, logits = self._forward(ids, full_mask, positions, self._layers, width, expose=self.bucketed)
+        layers, self._layers = self._layers, []
+        self._layers, logits = self._forward(ids, full_mask, positions, layers, width, expose=self.bucketed)
         logits = logits[:num_rows]
         self._mask = mask
         self.stats.num_decode_forwards += 1
@@ -318,28 +319,36 @@ class ContinuousEngine:
                 pair[part] = t[:rows]
 
     def _leave(self) -> list[Finished]:
-        """The rows that ended, cut out of the batch with the columns every remaining row pads (one tensor at a
-        time)."""
+        """The rows that ended, out of the batch: each slot they free below the new row count takes a live row from
+        above it (one row copied per layer, not the whole cache), the buffers are narrowed to the live rows and the
+        columns every remaining row pads are cut (views: the memory is released at the next rebuild, at most
+        a block of tokens later)."""
         gone = [i for i, r in enumerate(self._rows) if _ended(r, self.eos_id)]
         if not gone:
             return []
         out = [Finished(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
                         kept=_row_cache(self._layers, self._mask, i) if r.request.keep else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
-        stay = [i for i in range(len(self._rows)) if i not in set(gone)]
-        if not stay:
+        num_rows = len(self._rows) - len(gone)
+        if num_rows == 0:
             self._rows, self._layers, self._mask = [], [], None
             return out
-        index = torch.tensor(stay, device=self._mask.device)
-        mask = self._mask.index_select(0, index)
+        holes = [i for i in gone if i < num_rows]
+        movers = [i for i in range(num_rows, len(self._rows)) if i not in set(gone)]
+        rows, mask = list(self._rows), self._mask.clone()
+        for hole, mover in zip(holes, movers, strict=True):
+            rows[hole] = rows[mover]
+            mask[hole] = mask[mover]
+            for pair in self._layers:
+                for part in range(2):
+                    pair[part][hole] = pair[part][mover]
+        mask = mask[:num_rows]
         cut = int((mask.cumsum(1) == 0).sum(1).min())  # columns every remaining row pads
-        self._mask = mask[:, cut:]
-        # bucketed, padding rows are copies of a live row: finite values, the next decode's shape without a copy
-        index = torch.tensor(stay + stay[:1] * (self._rows_at(len(stay)) - len(stay)), device=index.device)
+        keep = self._rows_at(num_rows)  # bucketed: the rows above the live ones stay as padding rows
         for pair in self._layers:
             for part in range(2):
-                pair[part] = pair[part][:, :, cut:].index_select(0, index)
-        self._rows = [self._rows[i] for i in stay]
+                pair[part] = pair[part][:keep, :, cut:]
+        self._rows, self._mask = rows[:num_rows], mask[:, cut:]
         return out
 
     def _forward(self, ids, mask, positions, layers, length: int, expose: bool = False):
@@ -348,6 +357,7 @@ class ContinuousEngine:
         [keys, values] list) and the last position's logits."""
         if layers:
             cache = Cache(layers=[_BufferLayer(k, v, length, self.block, expose) for k, v in layers])
+            layers.clear()  # the cache's layers hold the only references, so a buffer that grows frees its old one
         else:
             cache = Cache(layer_class_to_replicate=lambda: _BufferLayer(block=self.block))
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -391,7 +401,13 @@ class _BufferLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self.buffers[0].shape[2]:
-            self.buffers = tuple(_grown(b, self.length, _round_up(end, self.block)) for b in self.buffers)
+            # one tensor at a time, this layer holding the only reference: the old buffer is freed before the next grows
+            self.keys = self.values = None
+            buffers = list(self.buffers)
+            self.buffers = ()
+            for part in range(2):
+                buffers[part] = _grown(buffers[part], self.length, _round_up(end, self.block))
+            self.buffers = tuple(buffers)
         keys, values = self.buffers
         keys[:, :, self.length:end] = key_states
         values[:, :, self.length:end] = value_states
