@@ -14,11 +14,14 @@ new tokens -- the last sampled token, the tool message and the template's separa
   empty batch always admits one request, so no request waits forever;
 - **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity,
   dim] whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes
-  its column in place, no per-step copy of the cache). When rows leave, their rows and the columns that every
-  remaining row pads are cut. Every rebuild (rows leaving, rows entering, realigning) replaces the buffers one
-  tensor at a time, so it holds at most one layer's keys or values twice. Its memory is live rows x (the longest live
-  row + less than a block), never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it
-  is copied into the batch;
+  its column in place, no per-step copy of the cache). When rows leave, a live row from above moves into each freed
+  slot (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads
+  cut (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing,
+  rows entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or
+  values twice. Its memory is live rows x (the longest live row + less than a block), never batch x (prompt +
+  max_new_tokens). A request's kept cache is dropped as soon as it is copied into the batch;
+- **shapes**: exact on the CPU; on CUDA (``bucketed``) each decode forward runs at :func:`decode_shape`'s bucket of
+  rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
   but the last token, from one forward per distinct prompt;
 - **callbacks**: ``on_finish(finished)`` is called as each row leaves and may return the trajectory's next
@@ -134,7 +137,7 @@ class ContinuousEngine:
         self.stats = EngineStats()
         self._rows: list[_Row] = []
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
-        self._mask: Optional[torch.Tensor] = None  # [rows, width], left-aligned
+        self._mask: Optional[torch.Tensor] = None  # [rows, width]: every row ends at the last column
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
 
     @property
