@@ -52,8 +52,9 @@ CACHE_BLOCK = 16
 less than a block of unused columns."""
 BUCKETED_CACHE_BLOCK = 64
 """The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
-SAMPLE_CHUNK = 8
-"""Rows whose uniforms are drawn and used together: [chunk, vocab] float64 at a time, not [rows, vocab]."""
+SAMPLE_CHUNK_VALUES = 1 << 20
+"""Uniforms drawn and used together, rows x vocabulary (8 MiB of float64): a 49152-entry vocabulary is sampled 21
+rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
 
 
 @dataclass
@@ -446,8 +447,8 @@ def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]
     A row with a generator draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
     uniform per vocabulary entry from its generator; with ``top_p`` < 1 the draw is over the nucleus, as
     transformers' ``TopPLogitsWarper`` cuts it); a row without one takes the argmax of its logits (greedy, its
-    log-prob at temperature 1). Seeded rows are drawn ``SAMPLE_CHUNK`` at a time (each row's draw is its own, so the
-    chunking changes no token); only the uniforms are drawn row by row."""
+    log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` uniforms (each row's draw is
+    its own, so the chunking changes no token); only the uniforms are drawn row by row."""
     scores = logits.float()
     tokens = scores.argmax(-1)
     values = torch.empty(scores.shape[0], dtype=scores.dtype, device=scores.device)
@@ -458,8 +459,9 @@ def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]
         values[index] = torch.log_softmax(scores.index_select(0, index), -1).gather(1, picked)[:, 0]
     seeded = [r for r, g in enumerate(generators) if g is not None]
     tiny = torch.finfo(torch.float64).tiny
-    for start in range(0, len(seeded), SAMPLE_CHUNK):
-        rows = seeded[start:start + SAMPLE_CHUNK]
+    chunk = max(1, SAMPLE_CHUNK_VALUES // scores.shape[-1])
+    for start in range(0, len(seeded), chunk):
+        rows = seeded[start:start + chunk]
         index = torch.tensor(rows, device=scores.device)
         logp = torch.log_softmax(scores.index_select(0, index) / temperature, dim=-1)
         drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
@@ -508,8 +510,13 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, mask
+    return ids, _right_aligned_mask([len(r) for r in rows], width, device)
+
+
+def _right_aligned_mask(lengths: list[int], width: int, device) -> torch.Tensor:
+    """[rows, width]: 1 on each row's last ``lengths[row]`` columns."""
+    lengths_ = torch.tensor(lengths, device=device)
+    return (torch.arange(width, device=device) >= width - lengths_[:, None]).long()
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -525,26 +532,35 @@ def _stack_kept(kept: list[Optional[KeptCache]], width: int, capacity: int, devi
     """The kept caches as one batch right-aligned to column ``width`` (rows without one are all padding), in
     buffers of ``capacity`` columns, and its mask [rows, width]."""
     template = next(k for k in kept if k is not None)
+    rows_of: dict[int, list[int]] = {}  # a shared prompt's cache is one object: copied to all its rows at once
+    for row, k in enumerate(kept):
+        if k is not None:
+            rows_of.setdefault(id(k), []).append(row)
+    by_id = {id(k): k for k in kept if k is not None}
     layers = []
     for layer in range(len(template.layers)):
         pair = []
         for part in range(2):
             ref = template.layers[layer][part]
             buffer = ref.new_zeros(len(kept), ref.shape[0], capacity, ref.shape[2])
-            for row, k in enumerate(kept):
-                if k is not None:
-                    buffer[row, :, width - k.length:width] = k.layers[layer][part]
+            for key, rows in rows_of.items():
+                k = by_id[key]
+                index = slice(rows[0], rows[-1] + 1) if _consecutive(rows) else rows
+                buffer[index, :, width - k.length:width] = k.layers[layer][part]
             pair.append(buffer)
         layers.append(pair)
-    mask = torch.tensor([[0] * (width - (k.length if k else 0)) + [1] * (k.length if k else 0) for k in kept],
-                        device=device)
-    return layers, mask
+    return layers, _right_aligned_mask([k.length if k else 0 for k in kept], width, device)
+
+
+def _consecutive(rows: list[int]) -> bool:
+    return rows[-1] - rows[0] == len(rows) - 1
 
 
 def _row_cache(layers, mask: torch.Tensor, row: int) -> KeptCache:
-    keep = mask[row].bool()
-    width = mask.shape[1]
-    return KeptCache([(k[row][:, :width][:, keep], v[row][:, :width][:, keep]) for k, v in layers])
+    """A copy of ``row``'s real positions (the last ``mask[row].sum()`` columns of ``mask``'s width)."""
+    width, length = mask.shape[1], int(mask[row].sum())
+    return KeptCache([tuple(t[row, :, width - length:width].clone(memory_format=torch.contiguous_format)
+                            for t in pair) for pair in layers])
 
 
 def _right_align(layers: list[list[torch.Tensor]], mask: torch.Tensor, block: int) -> torch.Tensor:
@@ -567,4 +583,4 @@ def _right_align(layers: list[list[torch.Tensor]], mask: torch.Tensor, block: in
             for r, keep in enumerate(real):
                 aligned[r, :, width - int(lengths[r]):width] = old[r][:, keep]
             pair[part] = aligned
-    return torch.tensor([[0] * (width - int(n)) + [1] * int(n) for n in lengths], device=mask.device)
+    return _right_aligned_mask(lengths.tolist(), width, mask.device)

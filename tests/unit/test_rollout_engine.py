@@ -120,6 +120,10 @@ def test_a_shared_prompt_is_prefilled_once_and_changes_no_token(setup):
     assert engine.stats.num_prefill_forwards == 2  # the two prompts' prefixes, then every row's last prompt token
     alone = {r.key: _by_key(_engine(model, tokenizer, eos=NEVER).run([r]))[r.key] for r in requests}
     assert {k: v[0] for k, v in shared.items()} == {k: v[0] for k, v in alone.items()}
+    # the groups interleaved: a prompt's cache is copied to rows that are not next to each other
+    interleaved = _by_key(_engine(model, tokenizer, eos=NEVER).run(
+        [Request((g, s), ids[g], 6, seed=10 * g + s) for s in range(4) for g in range(2)]))
+    assert {k: v[0] for k, v in interleaved.items()} == {k: v[0] for k, v in alone.items()}
 
 
 def test_tools_run_while_other_rows_decode(setup):
