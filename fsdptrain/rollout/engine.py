@@ -72,7 +72,8 @@ class KeptCache:
 @dataclass
 class Request:
     """One turn of one trajectory; see the module docstring. ``key`` is the caller's, handed back in
-    :class:`Finished`."""
+    :class:`Finished`. The engine sets ``kept`` to None once that cache is copied into its batch (so the request does
+    not keep it alive)."""
 
     key: Hashable
     new_ids: list[int]
