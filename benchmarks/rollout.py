@@ -246,14 +246,16 @@ def main() -> None:
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | engine | wall s | CPU s | tokens | tokens/s | forwards | peak GiB | wall ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | engine | wall s | CPU s | tokens | tokens/s | forwards | peak GiB | wall ratio | CPU ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for workload, engines in results.items():
         best = {e: min(runs, key=lambda r: r["wall_s"]) for e, runs in engines.items()}
         for engine, r in best.items():
             ratio = r["wall_s"] / best["generate"]["wall_s"]
-            lines.append(f"| {workload} | {engine} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens']} | "
-                         f"{r['tokens_per_s']:.0f} | {r['forwards']} | {r['peak_gib']:.3f} | {ratio:.2f} |")
+            cpu_ratio = r["cpu_s"] / best["generate"]["cpu_s"]
+            lines.append(f"| {workload} | {engine} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens']} | "
+                         f"{r['tokens_per_s']:.0f} | {r['forwards']} | {r['peak_gib']:.4f} | {ratio:.2f} | "
+                         f"{cpu_ratio:.2f} |")
     return "\n".join(lines)
 
 
