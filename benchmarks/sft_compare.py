@@ -34,10 +34,6 @@ decreasing), which decides which chats share a step; padding-free packing of eac
 the same on both sides, and the forward is the same one packed row. Left as TRL's defaults: SFTTrainer also computes
 the entropy and the token accuracy of every step (logged metrics, part of its step time).
 
-Three sides by default (`--sides`): fsdptrain, TRL as it runs by default (`trl`), and TRL with the one allocator
-setting `fsdptrain sft` makes for itself on the CPU (`trl-fixed-mmap`: glibc's `MALLOC_MMAP_THRESHOLD_=131072`, the
-same as fsdptrain/run/host_memory.py's `mallopt`), so a memory ratio against the same malloc is printed too.
-
 Reported per side: per-step wall and CPU time (process CPU time, user + system) as medians over the steps after the
 first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest
 resident set at a step's end (`rss GiB`: what training holds, loading's transient copies gone); and the training loss of
@@ -59,10 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_compare import (EXAMPLE, StepLog, cpu_s, median_after_first, peak_rss_gib,  # noqa: E402
                          plain_model_from_gguf, run_child, time_steps)
 
-# TRL as it runs by default, and with the allocator setting `fsdptrain sft` makes on the CPU
-# (fsdptrain/run/host_memory.py) given to it through glibc's environment variable: the same malloc on both sides.
-TRL_ENV = {"trl": {}, "trl-fixed-mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
-SIDES = ("fsdptrain", *TRL_ENV)
+SIDES = ("fsdptrain", "trl")
 
 
 def rss_gib() -> float:
@@ -182,37 +175,34 @@ def summarize(records: list[dict]) -> dict:
 def run_side(side: str, args) -> dict:
     """One side in a fresh process (its own interpreter: TRL's venv for TRL); its summary."""
     out = Path(args.work) / f"{side}.jsonl"
-    python = args.trl_python if side in TRL_ENV else sys.executable
+    python = args.trl_python if side == "trl" else sys.executable
     command = [python, __file__, "--side", side, "--out", str(out), "--gguf", args.gguf, "--steps", str(args.steps),
                "--rows", str(args.rows), "--lr", str(args.lr), "--seed", str(args.seed),
                "--token-budget", str(args.token_budget), "--chats", args.chats, "--tokenized", args.tokenized]
-    return summarize(run_child(command, out, args.steps, side, extra_env=TRL_ENV.get(side)))
+    return summarize(run_child(command, out, args.steps, side))
 
 
 def print_table(results: dict, args) -> None:
     model = Path(args.gguf).name if args.gguf else "the GGUF"
     print(f"{model} (fp32), {args.rows} two-turn chats a step, lr {args.lr}, {args.steps} steps; medians over the steps "
           "after the first")
-    print(f"{'side':<15} {'wall s':>8} {'cpu s':>8} {'peak GiB':>9} {'rss GiB':>8}  tokens (trained) a step")
+    print(f"{'side':<10} {'wall s':>8} {'cpu s':>8} {'peak GiB':>9} {'rss GiB':>8}  tokens (trained) a step")
     for side, r in results.items():
-        print(f"{side:<15} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_gib']:>9.2f} {r['rss_gib']:>8.2f}  "
+        print(f"{side:<10} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_gib']:>9.2f} {r['rss_gib']:>8.2f}  "
               f"{statistics.mean(r['num_tokens']):.0f} ({statistics.mean(r['num_trained_tokens']):.0f})")
     print("training loss per step:")
-    print(f"{'step':>4} " + " ".join(f"{side:>15}" for side in results) + "  max |diff|")
+    print(f"{'step':>4} " + " ".join(f"{side:>10}" for side in results) + ("  |diff|" if len(results) == 2 else ""))
     for k in range(min(r["steps"] for r in results.values())):
         losses = [r["losses"][k] for r in results.values()]
-        print(f"{k:>4} " + " ".join(f"{x:>15.5f}" for x in losses) + f"  {max(losses) - min(losses):.2e}")
-    ours = results.get("fsdptrain")
-    for side in TRL_ENV:
-        theirs = results.get(side)
-        if not (ours and theirs):
-            continue
+        print(f"{k:>4} " + " ".join(f"{x:>10.5f}" for x in losses)
+              + (f"  {abs(losses[0] - losses[1]):.2e}" if len(losses) == 2 else ""))
+    ours, theirs = results.get("fsdptrain"), results.get("trl")
+    if ours and theirs:
         if (ours["num_tokens"], ours["num_trained_tokens"]) != (theirs["num_tokens"], theirs["num_trained_tokens"]):
-            print(f"fsdptrain and {side} did not train on the same tokens: no ratio")
-            continue
-        ratio = {key: ours[key] / theirs[key] for key in ("wall_s", "cpu_s", "peak_gib", "rss_gib")}
-        print(f"fsdptrain / {side}  wall {ratio['wall_s']:.2f}  cpu {ratio['cpu_s']:.2f}  "
-              f"peak memory {ratio['peak_gib']:.2f}  rss {ratio['rss_gib']:.2f}")
+            print("the two sides did not train on the same tokens: no ratio")
+            return
+        print(f"fsdptrain / trl  wall {ours['wall_s'] / theirs['wall_s']:.2f}  cpu {ours['cpu_s'] / theirs['cpu_s']:.2f}"
+              f"  peak memory {ours['peak_gib'] / theirs['peak_gib']:.2f}  rss {ours['rss_gib'] / theirs['rss_gib']:.2f}")
 
 
 def main() -> None:
@@ -234,7 +224,7 @@ def main() -> None:
     parser.add_argument("--tokenized", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:  # a child: run one side
-        (run_trl if args.side in TRL_ENV else run_fsdptrain)(args, StepLog(Path(args.out)))
+        (run_trl if args.side == "trl" else run_fsdptrain)(args, StepLog(Path(args.out)))
         return
     if args.table_from:
         saved = json.loads(Path(args.table_from).read_text())

@@ -214,12 +214,11 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def run_child(command: list[str], out: Path, steps: int, label: str, extra_env: dict | None = None) -> list[dict]:
-    """Run one side's child process (``command`` writes its step records to ``out``, ``extra_env`` added to its
-    environment); the records, or exit naming ``label`` when it stopped before ``steps`` steps."""
+def run_child(command: list[str], out: Path, steps: int, label: str) -> list[dict]:
+    """Run one side's child process (``command`` writes its step records to ``out``); the records, or exit naming
+    ``label`` when it stopped before ``steps`` steps."""
     # the caller's PYTHONPATH first: another checkout of fsdptrain there is what gets measured (before/after)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)])),
-           **(extra_env or {})}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     if len(records) < steps:

@@ -48,7 +48,6 @@ from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
 from fsdptrain.train.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
 from fsdptrain.run.files import MetricsFiles
-from fsdptrain.run.host_memory import fix_mmap_threshold
 from fsdptrain.run.signals import StopRequest
 from fsdptrain.train.step import MiniBatch
 from fsdptrain.run.trackers import Trackers
@@ -232,10 +231,7 @@ def sft(cfg: DictConfig, run_dir: str) -> int:
     quiet_known_warnings()
     stop = StopRequest()
     stop.install()
-    device_type = resolve_device_type(cfg)
-    if device_type == "cpu":  # the resident set follows the live tensors, not glibc's heap (docs/performance.md)
-        fix_mmap_threshold()
-    info = world.init_distributed(device_type=device_type)
+    info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
     random.seed(cfg.trainer.seed)
