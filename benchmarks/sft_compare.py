@@ -34,6 +34,9 @@ decreasing), which decides which chats share a step; padding-free packing of eac
 the same on both sides, and the forward is the same one packed row. Left as TRL's defaults: SFTTrainer also computes
 the entropy and the token accuracy of every step (logged metrics, part of its step time).
 
+Both sides inherit the command's environment: `MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/sft_compare.py ...`
+runs both on glibc's fixed mmap threshold (docs/sft.md says what that trades).
+
 Reported per side: per-step wall and CPU time (process CPU time, user + system) as medians over the steps after the
 first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest
 resident set at a step's end (`rss GiB`: what training holds, loading's transient copies gone); and the training loss of

@@ -262,16 +262,18 @@ def sdpa_segments_attention(
     bounds = call.bounds()
     if call.branches is not None:
         assert len(call.branches.masks) == len(bounds) - 1, "shared-prompt masks do not match the row's segments"
+    sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    # One split per tensor, not a slice per segment: a slice's backward writes its gradient into a zero-filled
+    # tensor of the whole row, once per segment (16 chats a row: 16 row-sized fills and copies per q, k, v and layer).
     outs = []
-    for segment, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+    for segment, (q, k, v) in enumerate(zip(*(t.split(sizes, dim=2) for t in (query, key, value)))):
         if explicit:
             outs.append(_explicit_segment(q, k, v, call, module.training))
             continue
         if call.branches is not None:  # a group of shared prompts: causal within its prompt and each response
             allowed = call.branches.masks[segment]
         else:
-            allowed = _allowed_mask(end - start, call, query.device)
+            allowed = _allowed_mask(sizes[segment], call, query.device)
         outs.append(
             F.scaled_dot_product_attention(
                 q,

@@ -128,6 +128,28 @@ def test_sdpa_segments_backward_matches_dense_reference():
         assert (g.double() - r).abs().max() <= 1e-6 * r.abs().max()
 
 
+def _backward_nodes(tensor: torch.Tensor) -> list[str]:
+    seen, stack, names = set(), [tensor.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_sdpa_segments_backward_splits_the_row_once():
+    """q, k and v are split into segments once each: a per-segment slice's backward zero-fills and copies a tensor of
+    the whole row once per segment (docs/sft.md, the profile of `fsdptrain sft`)."""
+    q, k, v = (x.requires_grad_() for x in _qkv(num_kv_heads=2, seed=1))
+    out, _ = sdpa_segments_attention(_Layer(), q, k, v, None, position_ids=_position_ids(SEGMENTS))
+    nodes = _backward_nodes(out)
+    assert "SliceBackward0" not in nodes, nodes
+    assert nodes.count("SplitWithSizesBackward0") == 3, nodes
+
+
 def test_dropout_is_applied_not_ignored():
     q, k, v = _qkv()
     layer = _Layer().train()

@@ -50,12 +50,12 @@ def demos(tokenizer):
             for chat in CHATS]
 
 
-def tiny_model(tokenizer):
+def tiny_model(tokenizer, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config).float()
 
@@ -105,8 +105,14 @@ def test_mask_equals_the_multi_turn_rollouts(tokenizer):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: str(s))
-def test_loss_and_gradients_equal_transformers_cross_entropy(tokenizer, demos, split):
-    model = tiny_model(tokenizer)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_loss_and_gradients_equal_transformers_cross_entropy(tokenizer, demos, split, tied):
+    """Tied: the output head is the input embedding (as SmolLM2's), so its gradient sums both uses. The chunks of
+    the fused head (7 trained tokens each) end inside sequences: the chunked head equals the full logits there too."""
+    model = tiny_model(tokenizer, tied)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    assert any(0 < 7 - sum(sum(d[2]) for d in demos[:k]) < sum(d[2]) for k, d in enumerate(demos)), \
+        "no chunk boundary falls inside a sequence's trained tokens"
     reference = hand_loss(model, demos)
     reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -126,6 +132,9 @@ def test_loss_and_gradients_equal_transformers_cross_entropy(tokenizer, demos, s
     assert abs(done.loss - float(reference.detach())) <= 1e-6, (done.loss, float(reference.detach()))
     worst = max(float((p.grad - expected[n]).abs().max()) for n, p in model.named_parameters())
     assert worst <= 1e-6, worst
+    head = model.get_output_embeddings().weight
+    assert float((head.grad - expected["lm_head.weight" if not tied else "model.embed_tokens.weight"]).abs().max()) \
+        <= 1e-6
     logged = done.metrics["loss"].value()
     assert abs(logged - float(reference.detach())) <= 1e-6
 
