@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.check.compare import Check
 from fsdptrain.check.draft_check import check_vocab
+from fsdptrain.check.progress import say
 from fsdptrain.check.raw_reference import (
     RawSequence,
     raw_checks,
@@ -532,8 +534,12 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     checked = check_config(cfg, info.world_size)
     random.seed(checked.trainer.seed)
     torch.manual_seed(checked.trainer.seed)
+    start = time.perf_counter()
     trainer = Trainer(without_context_parallel(checked), run_dir=None, info=info, mesh=mesh)
+    say(f"check-metrics: models built ({time.perf_counter() - start:.1f} s)")
+    start = time.perf_counter()
     batch = make_batch(trainer)
+    say(f"check-metrics: batch generated and its experience made ({time.perf_counter() - start:.1f} s)")
     if checked.drafter.enabled and trainer.auxiliary_loss() is None:  # no vocabulary file or saved drafter yet:
         vocab_size = trainer.models.policy.config.vocab_size  # the batch's ids
         trainer.extensions[0].start(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,

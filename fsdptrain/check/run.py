@@ -13,8 +13,7 @@ writes ``--json``. Exit code 0 when everything passes, 1 when anything fails (do
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -71,6 +70,7 @@ from fsdptrain.check.reference import (
     reference_rejection_ratio_mean,
     reference_rollout_metrics,
 )
+from fsdptrain.check.progress import Progress
 from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report, write_report_json
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
@@ -84,7 +84,6 @@ from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"
-
 
 
 def parts_of(session: CheckSession, mode: str) -> list[Part]:
@@ -278,7 +277,8 @@ def _shares_prompts(cfg, trainer) -> bool:
     return resolve_share_prompts(cfg, trainer.models.backend, trainer.models.policy.config)[0]
 
 
-def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, list[Comparison], list[Check]]:
+def _off_policy(session: CheckSession, mode: str, tol: dict,
+                progress: Progress) -> tuple[Outcome, list[Comparison], list[Check]]:
     """The off-policy pass (:mod:`fsdptrain.check.passes`): every layout on the perturbed batch with the off-policy
     paths on; names carry the ``off-policy/`` prefix."""
     cfg, tr = session.cfg, session.trainer
@@ -293,10 +293,12 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
              for p in checked_policy_and_critic(parts_of(session, mode))]
     counts = Counts.of(off_batch.counted_masks(), tr.loss_scale_factor)
     ctx = _context(off, off_batch, counts)
-    reference, scales, ref_grads = _reference(off, parts, counts)
+    reference, scales, ref_grads = progress.run("off-policy: reference", lambda: _reference(off, parts, counts))
     planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
                       world_size=off.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
-    outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, off) for name, run_layout in planned]
+    outcomes = [progress.run("off-policy: " + name,
+                             lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, off))
+                for name, run_layout in planned]
     reference = _prefixed(reference, keep_rollout=False)
     outcomes = [_prefixed(o, keep_rollout=False) for o in outcomes]
     scales = {OFF + k: v for k, v in scales.items()}
@@ -315,15 +317,16 @@ def _prefixed(outcome: Outcome, *, keep_rollout: bool) -> Outcome:
 
 
 def _drafter_pass(session: CheckSession, parts: list[Part], ctx: Context, planned, counts: Counts,
-                  tol: dict) -> tuple[Outcome, list[Comparison]]:
+                  tol: dict, progress: Progress) -> tuple[Outcome, list[Comparison]]:
     """The drafter's reference and layouts (:mod:`fsdptrain.check.draft_check`), run after every policy and critic
     row. Gradients are zeroed with `zero_grads`: the oracle's no-grad teacher forwards leave the policy's root unit
     unsharded, and a plain `zero_grad` then missed its sharded gradients (docs/check-metrics.md)."""
-    full, scales, ref_grads = _reference(session, parts, counts)
+    full, scales, ref_grads = progress.run("drafter: reference", lambda: _reference(session, parts, counts))
     reference = Outcome("reference", {k: v for k, v in full.values.items() if k.startswith(DRAFTER)}, covers=())
     comparisons = []
     for name, run_layout in planned:
-        outcome = _layout_outcome(name, run_layout, parts, ctx, ref_grads, session)
+        outcome = progress.run("drafter: " + name,
+                               lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, session))
         mine = {k: v for k, v in outcome.values.items() if k.startswith(DRAFTER)}
         drafter = Outcome(name, mine, {k: v for k, v in outcome.kinds.items() if k in mine}, covers=(DRAFTER,),
                           error=outcome.error)
@@ -340,10 +343,11 @@ class Found:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def stage(self, name: str, run) -> None:
-        """Run one stage; an exception it raises becomes one FAIL row named after it (docs/check-metrics.md)."""
+    def stage(self, name: str, run, progress: Optional[Progress] = None) -> None:
+        """Run one stage (one progress line when ``progress`` is given: a stage that counts its own passes gives
+        none); an exception it raises becomes one FAIL row named after it (docs/check-metrics.md)."""
         try:
-            run()
+            run() if progress is None else progress.run(name, run)
         except Exception as error:  # a bug that crashes a path is reported like one that miscounts
             self.comparisons.append(raised(f"({name} raised)", name, error))
 
@@ -413,14 +417,21 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
                       world_size=session.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
     tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
     found = Found(Outcome("reference", {}, covers=()))
+    has_drafter = len(every_part) > len(parts)
+    runs_update = update and session.update is not None and mode == cfg.loss.agg_mode
+    per_pass = 1 + len(planned)  # the reference and each layout
+    progress = Progress(per_pass + 1 + off_policy * per_pass + has_drafter * per_pass + runs_update + experience
+                        + (batch.correction is not None or batch.rejection is not None)
+                        + (batch.carried_behaviour is not None))
     grad_scale = GradScale(_scale_report(session, mode, counts))
 
     def configured() -> None:
-        reference, scales, ref_grads = _reference(session, parts, counts)
+        reference, scales, ref_grads = progress.run("reference", lambda: _reference(session, parts, counts))
         found.reference.values.update(reference.values)
-        outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, session)
+        outcomes = [progress.run(name, lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, session))
                     for name, run_layout in planned]
-        expected, measured = _grad_scale(grad_scale, parts, ctx, mode, reference)
+        expected, measured = progress.run("token-mean (gradient scale)",
+                                          lambda: _grad_scale(grad_scale, parts, ctx, mode, reference))
         found.reference.values.update(expected)
         if measured:
             outcomes.append(Outcome("token-mean, same batch", measured, covers=("grad_scale/",)))
@@ -435,7 +446,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     names = [name for name, _ in planned]
     if off_policy:
         def off() -> None:
-            off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol)
+            off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol, progress)
             found.reference.values.update(off_reference.values)
             found.comparisons += off_comparisons
             found.checks += off_checks
@@ -443,23 +454,23 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
         found.stage("off-policy", off)
         names += ["off-policy: " + name for name in names]
     if batch.correction is not None or batch.rejection is not None:
-        found.stage("experience", lambda: _correction_stage(found, batch, tol))
+        found.stage("rollout-correction weights", lambda: _correction_stage(found, batch, tol), progress)
     if batch.carried_behaviour is not None:
-        found.stage("off-policy diagnostics", lambda: _off_policy_diagnostics_stage(found, session, tol))
+        found.stage("off-policy diagnostics", lambda: _off_policy_diagnostics_stage(found, session, tol), progress)
     if experience:
         def experience_stage() -> None:
             experience_found, note = experience_checks(session, **tol)
             found.checks += batch.raw_checks + experience_found  # the reference's own cut and rewards first
             found.notes += batch.raw_notes + ([note] if note else [])
 
-        found.stage("experience", experience_stage)
-    if update and session.update is not None and mode == cfg.loss.agg_mode:
-        found.stage("update", lambda: _update_stage(found, session, tol))
+        found.stage("experience", experience_stage, progress)
+    if runs_update:
+        found.stage("update", lambda: _update_stage(found, session, tol), progress)
         names.append(session.update.layout)
-    if len(every_part) > len(parts):
+    if has_drafter:
         def drafter() -> None:
             drafter_reference, drafter_comparisons = _drafter_pass(session, every_part[len(parts):], ctx, planned,
-                                                                   counts, tol)
+                                                                   counts, tol, progress)
             found.reference.values.update(drafter_reference.values)
             found.comparisons += drafter_comparisons
 
