@@ -70,6 +70,7 @@ from fsdptrain.check.reference import (
     reference_rejection_ratio_mean,
     reference_rollout_metrics,
 )
+from fsdptrain.check.precision import checked_precision
 from fsdptrain.check.progress import Progress
 from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report, write_report_json
 from fsdptrain.check.update_pass import update_pass
@@ -442,8 +443,23 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
                          for k in self_checks(o, on_policy=batch.on_policy, **tol)]
         found.notes += _notes(parts, reference, batch.on_policy)
 
-    found.stage("configured", configured)
-    names = [name for name, _ in planned]
+    with checked_precision(cfg):
+        found.stage("configured", configured)
+        _later_stages(found, session, mode, planned, ctx, counts, tol, progress, every_part, parts, off_policy,
+                      experience, runs_update, has_drafter)
+    found.notes += session.notes
+    names = [name for name, _ in planned] + (["off-policy: " + name for name, _ in planned] if off_policy else [])
+    if runs_update:
+        names.append(session.update.layout)
+    return CheckReport(mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)
+
+
+def _later_stages(found: Found, session: CheckSession, mode: str, planned, ctx: Context, counts: Counts, tol: dict,
+                  progress: Progress, every_part: list[Part], parts: list[Part], off_policy: bool, experience: bool,
+                  runs_update: bool, has_drafter: bool) -> None:
+    """The stages after the configured layouts: the off-policy pass, the rollout-correction weights, the off-policy
+    diagnostics, the experience checks, the update pass and the drafter (each that applies)."""
+    batch = session.batch
     if off_policy:
         def off() -> None:
             off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol, progress)
@@ -452,7 +468,6 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
             found.checks += off_checks
 
         found.stage("off-policy", off)
-        names += ["off-policy: " + name for name in names]
     if batch.correction is not None or batch.rejection is not None:
         found.stage("rollout-correction weights", lambda: _correction_stage(found, batch, tol), progress)
     if batch.carried_behaviour is not None:
@@ -466,7 +481,6 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
         found.stage("experience", experience_stage, progress)
     if runs_update:
         found.stage("update", lambda: _update_stage(found, session, tol), progress)
-        names.append(session.update.layout)
     if has_drafter:
         def drafter() -> None:
             drafter_reference, drafter_comparisons = _drafter_pass(session, every_part[len(parts):], ctx, planned,
@@ -475,7 +489,6 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
             found.comparisons += drafter_comparisons
 
         found.stage("drafter", drafter)
-    return CheckReport(mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)
 
 
 
