@@ -296,7 +296,7 @@ def _off_policy(session: CheckSession, mode: str, tol: dict,
     ctx = _context(off, off_batch, counts)
     reference, scales, ref_grads = progress.run("off-policy: reference", lambda: _reference(off, parts, counts))
     planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=off.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
+                      world_size=off.world_size, cp=cfg.parallel.cp, off_policy=True)
     outcomes = [progress.run("off-policy: " + name,
                              lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, off))
                 for name, run_layout in planned]
@@ -420,8 +420,11 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
     found = Found(Outcome("reference", {}, covers=()))
     has_drafter = len(every_part) > len(parts)
     runs_update = update and session.update is not None and mode == cfg.loss.agg_mode
+    off_planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
+                          world_size=session.world_size, cp=cfg.parallel.cp, off_policy=True) if off_policy else []
     per_pass = 1 + len(planned)  # the reference and each layout
-    progress = Progress(per_pass + 1 + off_policy * per_pass + has_drafter * per_pass + runs_update + experience
+    progress = Progress(per_pass + 1 + off_policy * (1 + len(off_planned)) + has_drafter * per_pass + runs_update
+                        + experience
                         + (batch.correction is not None or batch.rejection is not None)
                         + (batch.carried_behaviour is not None))
     grad_scale = GradScale(_scale_report(session, mode, counts))
@@ -448,7 +451,7 @@ def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_pol
         _later_stages(found, session, mode, planned, ctx, counts, tol, progress, every_part, parts, off_policy,
                       experience, runs_update, has_drafter)
     found.notes += session.notes
-    names = [name for name, _ in planned] + (["off-policy: " + name for name, _ in planned] if off_policy else [])
+    names = [name for name, _ in planned] + ["off-policy: " + name for name, _ in off_planned]
     if runs_update:
         names.append(session.update.layout)
     return CheckReport(mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)

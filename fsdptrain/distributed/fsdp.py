@@ -192,7 +192,10 @@ def _load_full_weights(
     set_model_state_dict(model, dict(full_state_dict), options=options)
     rank = world.rank()
     for name, buf in non_persistent_buffers(model).items():
-        value = buffers[clean_name(name)].to(device) if rank == 0 else torch.empty_like(buf, device=device)
+        # in the model's dtype on every rank: the broadcast must send what the other ranks receive into (a float64
+        # model's rotary frequencies are float64, rank 0's full model's float32)
+        value = (buffers[clean_name(name)].to(device=device, dtype=buf.dtype) if rank == 0
+                 else torch.empty_like(buf, device=device))
         if torch.distributed.get_world_size() > 1:
             torch.distributed.broadcast(value, src=0)
         _set_buffer(model, name, value)
