@@ -290,6 +290,8 @@ def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world
     forward and backward of the batch). Each layout costs a forward and backward of the whole batch, so none runs
     that another one already proves (docs/check-metrics.md, "The layouts"):
 
+    - ``packed budget=B`` only when the batch needs more than one pack under B: else its plan is
+      ``micro-batches=1``'s (the trainer's agreed plan itself runs in ``ranks=W``);
     - ``simulated dp`` only on one rank: on several, ``ranks=W`` runs the dp factor and the rank reduction for real;
     - shared prompts on the real ranks only: the same forward as a single-process shared layout, and the step's own
       normalisers besides;
@@ -302,11 +304,9 @@ def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world
                                    world_size=world_size, cp=cp)
     lengths = full.lengths()
     total, longest, n = sum(lengths), max(lengths), full.num_seqs
-    out = [
-        ("per-sequence", per_sequence),
-        ("padded", padded),
-        (f"packed budget={token_budget}", packed_with_budget()),
-    ]
+    out = [("per-sequence", per_sequence), ("padded", padded)]
+    if total > token_budget:  # else its one pack is micro-batches=1's: the same forward and backward
+        out.append((f"packed budget={token_budget}", packed_with_budget()))
     if longest < token_budget:
         out.append((f"packed budget={longest} (small)", packed_with_budget(longest)))
     out += [
