@@ -133,7 +133,8 @@ def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
     bite = [(name, report.reference.values.get(OFF + name)) for name in
             ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl", "critic/vf_clipfrac")]
     if any(v is not None for _, v in bite):
-        console.print("off-policy pass (perturbed old/ref log-probs and values, importance weights, temperature "
+        console.print("off-policy pass (perturbed old/ref log-probs, values and advantages, importance weights, "
+                      "temperature "
                       f"{off_policy_settings(session.trainer.policy_settings).temperature:g}): "
                       + ", ".join(f"{n} {v:.3g}" for n, v in bite if v is not None)
                       + " on the reference: the clip, dual-clip and KL paths bit on these shares", highlight=False)
