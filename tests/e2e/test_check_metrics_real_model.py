@@ -22,11 +22,12 @@ PLANTS = {  # each planted-bug class that applies to this config, and the ranks 
     "plant_loss_on_tool_tokens": "1",
     "plant_tool_tokens_in_the_normaliser": "1",
     "plant_micro_batch_normalised_by_its_own_tokens": "1",
-    "plant_eos_cut_off_the_response": "1",
-    "plant_eos_left_out_of_the_response_mask": "1",
-    "plant_reward_clipped_before_the_advantages": "1",
     "plant_grad_norm_over_local_shards": "2",  # on one rank its shards are every shard
 }
+# Not here: the three bugs before the layouts change nothing on this batch (every response is cut at
+# rollout.max_new_tokens=6, so none ends with an EOS, and every reward is 0, inside the planted clip), so no check can
+# see them; tests/e2e/test_check_metrics_cli.py catches them on the tiny config. The others of tests/planted_bugs.py
+# need settings this config does not use (rollout correction or rejection, parallel.cp, distillation).
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not GGUF.exists(), reason=f"no SmolLM2 GGUF at {GGUF} (FSDPTRAIN_SMOLLM2_GGUF)")]
@@ -50,7 +51,9 @@ def test_smollm2_passes_in_float64_with_margin(cli, tmp_path, nproc):
     margins = [e["margin"] for metrics in report["layouts"].values() for e in metrics.values()
                if isinstance(e.get("margin"), float)]
     assert margins and max(margins) < 0.1  # far from failing: rounding, not a tolerance tuned to the model
-    assert report["reference"]["actor/grad_norm"] > 0  # the gradient rows prove something on this batch
+    # every advantage of this batch is 0 (equal rewards in each group): the off-policy pass's perturbed advantages
+    # give the policy gradient the layouts are compared on
+    assert report["reference"]["off-policy/actor/grad_norm"] > 0
 
 
 @pytest.mark.parametrize("plant", list(PLANTS))
