@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +42,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.check.compare import Check
 from fsdptrain.check.draft_check import check_vocab
+from fsdptrain.check.precision import checked_precision, in_checked_precision, tolerances
+from fsdptrain.check.progress import say
 from fsdptrain.check.raw_reference import (
     RawSequence,
     raw_checks,
@@ -199,6 +202,8 @@ class CheckSession:
     batch: CheckBatch
     update: Optional[UpdateShape] = None
     """The mini-batches and epochs of the update pass (:mod:`fsdptrain.check.update_pass`)."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the checked precision changed (:func:`fsdptrain.check.precision.in_checked_precision`)."""
 
     @property
     def world_size(self) -> int:
@@ -207,8 +212,9 @@ class CheckSession:
 
 def check_config(cfg: DictConfig, world_size: int) -> DictConfig:
     """A copy of ``cfg`` whose step is the checked mini-batch: ``min(check.num_prompts, prompts_per_step)`` prompt
-    groups and one mini-batch (the update pass takes its mini-batches and epochs from :func:`update_shape`). The
-    caller's config is not modified."""
+    groups and one mini-batch (the update pass takes its mini-batches and epochs from :func:`update_shape`), and
+    ``check.rtol``/``check.atol`` resolved (:func:`fsdptrain.check.precision.tolerances`). The caller's config is not
+    modified."""
     num_prompts = min(cfg.check.num_prompts, cfg.rollout.prompts_per_step)
     if num_prompts < world_size:
         raise ConfigError(f"check.num_prompts={cfg.check.num_prompts} must be at least the number of ranks "
@@ -216,6 +222,7 @@ def check_config(cfg: DictConfig, world_size: int) -> DictConfig:
     checked = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     checked.rollout.prompts_per_step = num_prompts
     checked.trainer.mini_batches_per_step = 1
+    checked.check.rtol, checked.check.atol = tolerances(cfg)  # the numbers every comparison reads
     return checked
 
 
@@ -529,14 +536,19 @@ def without_context_parallel(cfg: DictConfig) -> DictConfig:
 
 def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     """The checked config, the models (as ``fsdptrain train`` builds them) and the batch (collective)."""
-    checked = check_config(cfg, info.world_size)
+    checked, notes = in_checked_precision(check_config(cfg, info.world_size), info.device)
     random.seed(checked.trainer.seed)
     torch.manual_seed(checked.trainer.seed)
+    start = time.perf_counter()
     trainer = Trainer(without_context_parallel(checked), run_dir=None, info=info, mesh=mesh)
-    batch = make_batch(trainer)
+    say(f"check-metrics: models built ({time.perf_counter() - start:.1f} s)")
+    start = time.perf_counter()
+    with checked_precision(checked):
+        batch = make_batch(trainer)
+    say(f"check-metrics: batch generated and its experience made ({time.perf_counter() - start:.1f} s)")
     if checked.drafter.enabled and trainer.auxiliary_loss() is None:  # no vocabulary file or saved drafter yet:
         vocab_size = trainer.models.policy.config.vocab_size  # the batch's ids
         trainer.extensions[0].start(check_vocab(batch.full, vocab_size=vocab_size, on=checked.drafter.on,
                                           draft_vocab_size=draft_vocab_size(checked, vocab_size)))
     return CheckSession(cfg=checked, trainer=trainer, batch=batch,
-                        update=update_shape(cfg, checked.rollout.prompts_per_step))
+                        update=update_shape(cfg, checked.rollout.prompts_per_step), notes=notes)

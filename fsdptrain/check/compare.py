@@ -53,9 +53,12 @@ class Comparison:
     rel_diff: Optional[float]
     passed: bool
     badness: float
-    """abs_diff over the tolerance (inf when one side is missing): what makes a layout the worst."""
+    """abs_diff over the tolerance (inf when one side is missing): what makes a layout the worst, and how far from
+    failing it was (it fails above 1)."""
     error: Optional[str] = None
     """What was raised when this comparison could not run (then it fails)."""
+    tolerance: Optional[float] = None
+    """``atol + rtol * scale``, the largest abs_diff that passes (None when there was nothing to compare)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ def compare(reference: Outcome, outcome: Outcome, *, rtol: float, atol: float, s
         diff = abs(value - ref)
         tolerance = atol + rtol * scale
         rel = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
-        out.append(Comparison(name, outcome.layout, ref, value, diff, rel, diff <= tolerance, diff / tolerance))
+        out.append(Comparison(name, outcome.layout, ref, value, diff, rel, diff <= tolerance,
+                              diff / tolerance if tolerance > 0 else (0.0 if diff == 0 else math.inf),
+                              tolerance=tolerance))
     return out
 
 
@@ -162,7 +167,7 @@ def rows(comparisons: list[Comparison], reference: Outcome) -> list[MetricRow]:
         max_rel = max((c.rel_diff for c in comparisons if c.metric == name and c.rel_diff is not None), default=None)
         out.append(MetricRow(name, reference.values.get(name),
                              Comparison(w.metric, w.layout, w.reference, w.value, max_abs, max_rel, w.passed,
-                                        w.badness)))
+                                        w.badness, tolerance=w.tolerance)))
     return out
 
 
@@ -192,11 +197,13 @@ def _number(x: Optional[float]):
 
 
 def to_json(comparisons: list[Comparison], checks: list[Check]) -> dict:
-    """Per layout and metric: reference, value, abs_diff, rel_diff, pass; then the checks."""
+    """Per layout and metric: reference, value, abs_diff, rel_diff, tolerance, margin (abs_diff / tolerance), pass;
+    then the checks."""
     layouts: dict[str, dict] = {}
     for c in comparisons:
         entry = {"reference": _number(c.reference), "value": _number(c.value), "abs_diff": _number(c.abs_diff),
-                 "rel_diff": _number(c.rel_diff), "pass": c.passed}
+                 "rel_diff": _number(c.rel_diff), "tolerance": _number(c.tolerance),
+                 "margin": _number(c.badness) if c.tolerance is not None else None, "pass": c.passed}
         layouts.setdefault(c.layout, {})[c.metric] = entry if c.error is None else {**entry, "error": c.error}
     return {"layouts": layouts,
             "checks": [{"rule": k.rule, "layout": k.layout, "value": _number(k.value), "pass": k.passed,

@@ -12,9 +12,9 @@ own counts with dp_size 1, except the simulated data-parallel one:
   the smallest budget that fits the longest sequence (many packs), whatever the configured one;
 - ``micro-batches=1``, ``=2``, ``=n (one sequence each)``: the same ``accumulate_gradients`` with packs forced by
   ``plan_packs(min_packs=)`` or by hand;
-- ``simulated dp=N``: the sequences split round-robin into N shards; each shard runs its packs with the global counts
-  and dp_size N, the shards' gradients are averaged (what FSDP's reduce-scatter does) and their metrics reduced
-  like ranks (``flatten`` / SUM, MIN, MAX / ``unflatten``);
+- ``simulated dp=N`` (on one rank only): the sequences split round-robin into N shards; each shard runs its packs
+  with the global counts and dp_size N, the shards' gradients are averaged (what FSDP's reduce-scatter does) and
+  their metrics reduced like ranks (``flatten`` / SUM, MIN, MAX / ``unflatten``);
 - ``ranks=W``: the product path on the real ranks: each rank's own share, ``global_normalizers``,
   ``world.dp_size(mesh)``, ``accumulate_gradients`` and ``reduce_metrics``; FSDP averages the gradients over the
   mesh's ranks;
@@ -22,9 +22,11 @@ own counts with dp_size 1, except the simulated data-parallel one:
   real ranks: each CP group of C ranks holds its data-parallel share (sequences ``i % (W / C) == rank // C``), every
   row split over the group (fsdptrain/distributed/context_parallel.py), ``global_normalizers`` with the group,
   ``world.dp_size(mesh)`` (dp x cp) and ``reduce_metrics``;
-- with ``trainer.share_prompts=true``, ``shared prompts`` and ``shared prompts, ranks=W``: ``packed budget=B`` and
-  ``ranks=W`` again with each pack's forward holding each of its prompts once (fsdptrain/data/shared_prompts.py),
-  compared like every layout with the reference, which never shares.
+- with ``trainer.share_prompts=true``, ``shared prompts, ranks=W``: ``ranks=W`` again with each pack's forward
+  holding each of its prompts once (fsdptrain/data/shared_prompts.py), compared like every layout with the
+  reference, which never shares.
+
+The off-policy pass runs a subset of them (:func:`layouts` says which and why).
 
 Every packed layout runs the train step's own ``accumulate_gradients`` (looked up on ``fsdptrain.train.step`` at call
 time), and the loss it reports is what that function summed: the scalars backward ran on, then averaged over the
@@ -240,13 +242,6 @@ def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
                                    torch.stack([b.max for b in buffers]).amax(0)), schema)
 
 
-def shared_prompts(part: Part, ctx: Context) -> Run:
-    """The trainer's agreed plan under the configured budget with shared prompts, on the whole batch."""
-    _fresh(part)
-    loss, metrics = run_packs(part, ctx.full, None, ctx.norms, ctx, share_prompts=True)
-    return Run(loss, metrics, gather_full_grads(part.model))
-
-
 def shared_prompts_ranks(part: Part, ctx: Context) -> Run:
     """``real_ranks`` with shared prompts."""
     return real_ranks(part, ctx, share_prompts=True)
@@ -285,35 +280,62 @@ def context_parallel(cp: int) -> Callable[[Part, Context], Run]:
 
 
 def layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world_size: int,
-            share_prompts: bool = False, cp: int = 1) -> list[tuple[str, Callable[[Part, Context], Run]]]:
+            share_prompts: bool = False, cp: int = 1,
+            off_policy: bool = False) -> list[tuple[str, Callable[[Part, Context], Run]]]:
     """The layouts to run, by name, in order (the pack choices depend on the batch's lengths only).
 
     Whatever the configured budget, one layout packs under the smallest budget that fits the longest sequence
     (many packs), and the simulated data-parallel size is at least 2. ``share_prompts`` (the configured
-    ``trainer.share_prompts``) adds the two shared-prompt layouts (left out otherwise: each costs a forward and
-    backward of the batch).
+    ``trainer.share_prompts``) adds the shared-prompt layout on the real ranks (left out otherwise: it costs a
+    forward and backward of the batch). Each layout costs a forward and backward of the whole batch, so none runs
+    that another one already proves (docs/check-metrics.md, "The layouts"):
+
+    - ``packed budget=B`` only when the batch needs more than one pack under B: else its plan is
+      ``micro-batches=1``'s (the trainer's agreed plan itself runs in ``ranks=W``);
+    - ``simulated dp`` only on one rank: on several, ``ranks=W`` runs the dp factor and the rank reduction for real;
+    - shared prompts on the real ranks only: the same forward as a single-process shared layout, and the step's own
+      normalisers besides;
+    - ``off_policy`` (the off-policy pass, whose job is the loss paths that bind only off-policy, the same per-token
+      functions in every layout): the configured budget's plan, one sequence per pack (many packs, every
+      extremum merged, the prompt-only fixture alone), ``simulated dp`` on one rank and ``ranks=W``.
     """
+    if off_policy:
+        return _off_policy_layouts(full, token_budget=token_budget, simulated_dp_size=simulated_dp_size,
+                                   world_size=world_size, cp=cp)
     lengths = full.lengths()
     total, longest, n = sum(lengths), max(lengths), full.num_seqs
-    out = [
-        ("per-sequence", per_sequence),
-        ("padded", padded),
-        (f"packed budget={token_budget}", packed_with_budget()),
-    ]
+    out = [("per-sequence", per_sequence), ("padded", padded)]
+    if total > token_budget:  # else its one pack is micro-batches=1's: the same forward and backward
+        out.append((f"packed budget={token_budget}", packed_with_budget()))
     if longest < token_budget:
         out.append((f"packed budget={longest} (small)", packed_with_budget(longest)))
     out += [
         ("micro-batches=1", forced_packs(plan_packs(lengths, total))),
         ("micro-batches=2", forced_packs(plan_packs(lengths, total, min_packs=2))),
         (f"micro-batches={n} (one sequence each)", forced_packs(_one_each(lengths))),
-        (f"simulated dp={simulated_dp_size}", simulated_dp),
-        (f"ranks={world_size}", real_ranks),
     ]
+    out += _data_parallel(simulated_dp_size, world_size, cp)
+    if share_prompts:
+        out.append((f"shared prompts, ranks={world_size}", shared_prompts_ranks))
+    return out
+
+
+def _data_parallel(simulated_dp_size: int, world_size: int, cp: int) -> list[tuple[str, Callable]]:
+    """``simulated dp`` (one rank only), ``ranks=W`` and, with ``cp`` > 1, the context-parallel layout."""
+    out = [(f"simulated dp={simulated_dp_size}", simulated_dp)] if world_size == 1 else []
+    out.append((f"ranks={world_size}", real_ranks))
     if cp > 1:
         out.append((f"context parallel cp={cp}", context_parallel(cp)))
-    if share_prompts:
-        out += [("shared prompts", shared_prompts), (f"shared prompts, ranks={world_size}", shared_prompts_ranks)]
     return out
+
+
+def _off_policy_layouts(full: MiniBatch, *, token_budget: int, simulated_dp_size: int, world_size: int,
+                        cp: int) -> list[tuple[str, Callable]]:
+    """The off-policy pass's layouts (see :func:`layouts`)."""
+    lengths = full.lengths()
+    return [(f"packed budget={token_budget}", packed_with_budget()),
+            (f"micro-batches={full.num_seqs} (one sequence each)", forced_packs(_one_each(lengths))),
+            *_data_parallel(simulated_dp_size, world_size, cp)]
 
 
 def _one_each(lengths: list[int]) -> PackPlan:

@@ -2,8 +2,10 @@
 
 - The **off-policy pass**: the first mini-batch is on-policy (ratio 1, reference = policy), where clip bounds,
   dual-clip, clip-higher, the KL estimators and importance weights never bind. This pass reruns every layout on the
-  same sequences with the old log-probs, the reference log-probs and the old values perturbed by seeded amounts
-  (:data:`OFF_POLICY_SEED`), rollout-correction weights from a perturbed behaviour policy, and loss settings that
+  same sequences with the old log-probs, the reference log-probs, the old values and the advantages perturbed by
+  seeded amounts (:data:`OFF_POLICY_SEED`; the advantages by their own generator, :data:`ADVANTAGE_SEED`, so that a
+  batch whose every advantage is 0, as GRPO gives when each group's rewards are equal, still has a policy gradient
+  to compare), rollout-correction weights from a perturbed behaviour policy, and loss settings that
   switch those paths on: asymmetric clip (clip_ratio_high + 0.08 when the bounds are equal), dual-clip (3.0 when off,
   vanilla loss), the KL loss (the configured estimator and clamp, coefficient at least 0.001), importance weights
   (the configured correction, else tis per token with cap 2) and a sampling temperature of 0.7 when 1 is configured.
@@ -32,6 +34,8 @@ OFF_POLICY_SEED = 20_250_515
 OLD_SPREAD, REF_SPREAD, BEHAVIOUR_SPREAD, VALUE_SPREAD = 1.5, 4.0, 1.0, 0.5
 """Uniform perturbations: old log-probs +-1.5 (ratios in [0.22, 4.5]: both clip bounds and dual-clip at 3 bind),
 reference +-4 (k3 above its clamp of 10 for d < -2.5), behaviour +-1 (weights above a cap of 2), old values +-0.5."""
+ADVANTAGE_SEED, ADVANTAGE_SPREAD = 20_261_206, 1.0
+"""Advantages +-1: both signs, so the clip bounds and dual-clip bind on the policy-gradient term."""
 PROBE_GAMMA, PROBE_LAM = 0.9, 0.8
 OFF_POLICY_TEMPERATURE = 0.7
 
@@ -46,6 +50,7 @@ def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: flo
     order) and rollout-correction weights made by the product's ``rollout_correction_weights`` (what the layouts
     use); the behaviour log-probs ride along, for the reference to make its own weights from their definitions."""
     gen = torch.Generator().manual_seed(OFF_POLICY_SEED)
+    advantage_gen = torch.Generator().manual_seed(ADVANTAGE_SEED)
     targets, behaviours = [], []
     for t, policy in zip(batch.full.targets, batch.policy_token_masks()):
         old = t.old_logprobs + _noise(gen, t.old_logprobs, OLD_SPREAD)
@@ -54,8 +59,9 @@ def off_policy_batch(batch: CheckBatch, *, correction: str, level: str, cap: flo
         weights, _ = rollout_correction_weights(old[None], behaviour[None], torch.tensor(policy, dtype=torch.bool)[None],
                                                 mode=correction, level=level, cap=cap, low=low)
         values = None if t.old_values is None else t.old_values + _noise(gen, t.old_values, VALUE_SPREAD)
+        advantages = t.advantages + _noise(advantage_gen, t.advantages, ADVANTAGE_SPREAD)
         targets.append(dataclasses.replace(t, old_logprobs=old, ref_logprobs=ref, old_values=values,
-                                           is_weights=weights[0]))
+                                           advantages=advantages, is_weights=weights[0]))
         behaviours.append(behaviour)
     return dataclasses.replace(batch.with_targets(targets), behaviour=behaviours,
                                correction=IsCorrection(correction, level, cap, low))

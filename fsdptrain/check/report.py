@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fsdptrain.check.batch import CheckSession
-from fsdptrain.check.compare import Check, Comparison, Outcome, failure_lines, rows, to_json
+from fsdptrain.check.compare import Check, Comparison, MetricRow, Outcome, failure_lines, rows, to_json
 from fsdptrain.check.passes import off_policy_settings
 from fsdptrain.rl.grad_scale import GradScaleReport
 
@@ -65,6 +65,31 @@ def _fmt(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.6g}"
 
 
+def _short(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+COLUMNS = (("metric", "left"), ("reference", "right"), ("worst layout", "left"), ("max |diff|", "right"),
+           ("max rel diff", "right"), ("tolerance", "right"), ("|diff|/tol", "right"), ("result", "center"))
+"""The table's columns: the worst layout's |diff| over its tolerance says how far from failing a row was (above 1
+fails)."""
+
+
+def add_columns(table) -> None:
+    for column, justify in COLUMNS:
+        table.add_column(column, justify=justify)
+
+
+def row_cells(row: MetricRow) -> tuple[str, ...]:
+    """One table row: the metric, its reference, the worst layout, the largest differences over every layout, the
+    worst layout's tolerance and |diff|/tolerance, and the verdict."""
+    worst = row.worst
+    margin = worst.badness if worst.tolerance is not None else None
+    return (row.metric, _fmt(row.reference), worst.layout, _fmt(worst.abs_diff), _short(worst.rel_diff),
+            _short(worst.tolerance), _short(margin),
+            "[green]PASS[/green]" if row.passed else "[bold red]FAIL[/bold red]")
+
+
 def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
     """The table, the self-checks, the gradient-scale report and the verdict (rank 0)."""
     from rich.console import Console
@@ -90,13 +115,9 @@ def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
         console.print("fixtures: " + "; ".join(fixtures))
     console.print("layouts: " + ", ".join(report.layouts) + ", token-mean (gradient scale)")
     table = Table(title=f"check-metrics: every layout against the reference ({report.mode})")
-    for column, justify in (("metric", "left"), ("reference", "right"), ("worst layout", "left"),
-                            ("max |diff|", "right"), ("max rel diff", "right"), ("result", "center")):
-        table.add_column(column, justify=justify)
+    add_columns(table)
     for row in rows(report.comparisons, report.reference):
-        result = "[green]PASS[/green]" if row.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(row.metric, _fmt(row.reference), row.worst.layout, _fmt(row.worst.abs_diff),
-                      _fmt(row.worst.rel_diff), result)
+        table.add_row(*row_cells(row))
     console.print(table)
     failed_checks = [k for k in report.checks if not k.passed]
     console.print(f"self-consistency and on-policy checks: {len(report.checks) - len(failed_checks)} of "
@@ -112,7 +133,8 @@ def print_report(report: CheckReport, session: CheckSession, file=None) -> None:
     bite = [(name, report.reference.values.get(OFF + name)) for name in
             ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/kl", "critic/vf_clipfrac")]
     if any(v is not None for _, v in bite):
-        console.print("off-policy pass (perturbed old/ref log-probs and values, importance weights, temperature "
+        console.print("off-policy pass (perturbed old/ref log-probs, values and advantages, importance weights, "
+                      "temperature "
                       f"{off_policy_settings(session.trainer.policy_settings).temperature:g}): "
                       + ", ".join(f"{n} {v:.3g}" for n, v in bite if v is not None)
                       + " on the reference: the clip, dual-clip and KL paths bit on these shares", highlight=False)

@@ -13,8 +13,6 @@ writes ``--json``. Exit code 0 when everything passes, 1 when anything fails (do
 from __future__ import annotations
 
 import dataclasses
-
-import torch
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -71,6 +69,8 @@ from fsdptrain.check.reference import (
     reference_rejection_ratio_mean,
     reference_rollout_metrics,
 )
+from fsdptrain.check.precision import checked_precision
+from fsdptrain.check.progress import Progress
 from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report, write_report_json
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
@@ -84,7 +84,6 @@ from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"
-
 
 
 def parts_of(session: CheckSession, mode: str) -> list[Part]:
@@ -278,10 +277,10 @@ def _shares_prompts(cfg, trainer) -> bool:
     return resolve_share_prompts(cfg, trainer.models.backend, trainer.models.policy.config)[0]
 
 
-def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, list[Comparison], list[Check]]:
-    """The off-policy pass (:mod:`fsdptrain.check.passes`): every layout on the perturbed batch with the off-policy
-    paths on; names carry the ``off-policy/`` prefix."""
-    cfg, tr = session.cfg, session.trainer
+def _off_policy(session: CheckSession, plan: Plan) -> tuple[Outcome, list[Comparison], list[Check]]:
+    """The off-policy pass (:mod:`fsdptrain.check.passes`): its layouts (``plan.off_planned``) on the perturbed batch
+    with the off-policy paths on; names carry the ``off-policy/`` prefix."""
+    cfg, tr, mode, tol, progress = session.cfg, session.trainer, plan.mode, plan.tol, plan.progress
     alg = cfg.algorithm
     correction = alg.rollout_correction if alg.rollout_correction != "none" else "tis"
     level = alg.rollout_correction_level if alg.rollout_correction != "none" else "token"
@@ -293,10 +292,10 @@ def _off_policy(session: CheckSession, mode: str, tol: dict) -> tuple[Outcome, l
              for p in checked_policy_and_critic(parts_of(session, mode))]
     counts = Counts.of(off_batch.counted_masks(), tr.loss_scale_factor)
     ctx = _context(off, off_batch, counts)
-    reference, scales, ref_grads = _reference(off, parts, counts)
-    planned = layouts(off_batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=off.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
-    outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, off) for name, run_layout in planned]
+    reference, scales, ref_grads = progress.run("off-policy: reference", lambda: _reference(off, parts, counts))
+    outcomes = [progress.run("off-policy: " + name,
+                             lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, off))
+                for name, run_layout in plan.off_planned]
     reference = _prefixed(reference, keep_rollout=False)
     outcomes = [_prefixed(o, keep_rollout=False) for o in outcomes]
     scales = {OFF + k: v for k, v in scales.items()}
@@ -314,20 +313,21 @@ def _prefixed(outcome: Outcome, *, keep_rollout: bool) -> Outcome:
                    covers, error=outcome.error)
 
 
-def _drafter_pass(session: CheckSession, parts: list[Part], ctx: Context, planned, counts: Counts,
-                  tol: dict) -> tuple[Outcome, list[Comparison]]:
+def _drafter_pass(session: CheckSession, plan: Plan) -> tuple[Outcome, list[Comparison]]:
     """The drafter's reference and layouts (:mod:`fsdptrain.check.draft_check`), run after every policy and critic
     row. Gradients are zeroed with `zero_grads`: the oracle's no-grad teacher forwards leave the policy's root unit
     unsharded, and a plain `zero_grad` then missed its sharded gradients (docs/check-metrics.md)."""
-    full, scales, ref_grads = _reference(session, parts, counts)
+    parts, ctx, progress = plan.every_part[len(plan.parts):], plan.ctx, plan.progress
+    full, scales, ref_grads = progress.run("drafter: reference", lambda: _reference(session, parts, plan.counts))
     reference = Outcome("reference", {k: v for k, v in full.values.items() if k.startswith(DRAFTER)}, covers=())
     comparisons = []
-    for name, run_layout in planned:
-        outcome = _layout_outcome(name, run_layout, parts, ctx, ref_grads, session)
+    for name, run_layout in plan.planned:
+        outcome = progress.run("drafter: " + name,
+                               lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, session))
         mine = {k: v for k, v in outcome.values.items() if k.startswith(DRAFTER)}
         drafter = Outcome(name, mine, {k: v for k, v in outcome.kinds.items() if k in mine}, covers=(DRAFTER,),
                           error=outcome.error)
-        comparisons += compare(reference, drafter, scales=scales, **tol)
+        comparisons += compare(reference, drafter, scales=scales, **plan.tol)
     return reference, comparisons
 
 
@@ -340,10 +340,11 @@ class Found:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def stage(self, name: str, run) -> None:
-        """Run one stage; an exception it raises becomes one FAIL row named after it (docs/check-metrics.md)."""
+    def stage(self, name: str, run, progress: Optional[Progress] = None) -> None:
+        """Run one stage (one progress line when ``progress`` is given: a stage that counts its own passes gives
+        none); an exception it raises becomes one FAIL row named after it (docs/check-metrics.md)."""
         try:
-            run()
+            run() if progress is None else progress.run(name, run)
         except Exception as error:  # a bug that crashes a path is reported like one that miscounts
             self.comparisons.append(raised(f"({name} raised)", name, error))
 
@@ -397,75 +398,123 @@ def _update_stage(found: Found, session: CheckSession, tol: dict) -> None:
         found.notes.append(f"the update pass ran {session.update.layout} (you configured 1 and 1)")
 
 
+@dataclass
+class Plan:
+    """What one :func:`run_checks` runs: the loss mode, the models (``parts``: policy and critic; ``every_part``:
+    the drafter too), the batch's counts and context, the layouts of the configured and of the off-policy pass, the
+    tolerances, which later stages run, and the progress lines."""
+
+    mode: str
+    every_part: list[Part]
+    parts: list[Part]
+    counts: Counts
+    ctx: Context
+    planned: list
+    off_planned: list
+    tol: dict
+    experience: bool
+    update: bool
+    progress: Optional[Progress] = None
+
+    @property
+    def has_drafter(self) -> bool:
+        return len(self.every_part) > len(self.parts)
+
+    def num_passes(self, batch: CheckBatch) -> int:
+        """The progress lines: the reference and each layout of each pass, the gradient scale, each stage."""
+        per_pass = 1 + len(self.planned)
+        return (per_pass + 1 + (1 + len(self.off_planned) if self.off_planned else 0) + self.has_drafter * per_pass
+                + self.update + self.experience + (batch.correction is not None or batch.rejection is not None)
+                + (batch.carried_behaviour is not None))
+
+
+def _plan(session: CheckSession, mode: str, *, off_policy: bool, experience: bool, update: bool) -> Plan:
+    cfg, batch, tr = session.cfg, session.batch, session.trainer
+    every_part = parts_of(session, mode)
+    counts = Counts.of(batch.counted_masks(), tr.loss_scale_factor)
+    ctx = _context(session, batch, counts)
+    common = dict(token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp, world_size=session.world_size,
+                  cp=cfg.parallel.cp)
+    plan = Plan(mode, every_part, checked_policy_and_critic(every_part), counts, ctx,
+                layouts(batch.full, share_prompts=_shares_prompts(cfg, tr), **common),
+                layouts(batch.full, off_policy=True, **common) if off_policy else [],
+                dict(rtol=cfg.check.rtol, atol=cfg.check.atol), experience,
+                update and session.update is not None and mode == cfg.loss.agg_mode)
+    plan.progress = Progress(plan.num_passes(batch))
+    return plan
+
+
 def run_checks(session: CheckSession, agg_mode: Optional[str] = None, *, off_policy: bool = True,
                experience: bool = True, update: bool = True) -> CheckReport:
     """Reference, every layout and the comparisons for ``agg_mode`` (default: the configured one), then the
     off-policy pass, the rollout-correction weights, the experience checks, the update over several mini-batches and
-    epochs (the configured mode only) and the drafter (docs/check-metrics.md).
-    Each stage, and each layout within one, that raises is a FAIL row; the others still run. Collective."""
-    cfg, batch, tr = session.cfg, session.batch, session.trainer
-    mode = agg_mode or cfg.loss.agg_mode
-    every_part = parts_of(session, mode)
-    parts = checked_policy_and_critic(every_part)
-    counts = Counts.of(batch.counted_masks(), tr.loss_scale_factor)
-    ctx = _context(session, batch, counts)
-    planned = layouts(batch.full, token_budget=ctx.token_budget, simulated_dp_size=ctx.simulated_dp,
-                      world_size=session.world_size, share_prompts=_shares_prompts(cfg, tr), cp=cfg.parallel.cp)
-    tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
+    epochs (the configured mode only) and the drafter (docs/check-metrics.md), in the checked precision
+    (:mod:`fsdptrain.check.precision`). Each stage, and each layout within one, that raises is a FAIL row; the
+    others still run. Collective."""
+    plan = _plan(session, agg_mode or session.cfg.loss.agg_mode, off_policy=off_policy, experience=experience,
+                 update=update)
     found = Found(Outcome("reference", {}, covers=()))
-    grad_scale = GradScale(_scale_report(session, mode, counts))
+    grad_scale = GradScale(_scale_report(session, plan.mode, plan.counts))
+    with checked_precision(session.cfg):
+        found.stage("configured", lambda: _configured(found, session, plan, grad_scale))
+        _later_stages(found, session, plan)
+    found.notes += session.notes
+    names = [name for name, _ in plan.planned] + ["off-policy: " + name for name, _ in plan.off_planned]
+    if plan.update:
+        names.append(session.update.layout)
+    return CheckReport(plan.mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)
 
-    def configured() -> None:
-        reference, scales, ref_grads = _reference(session, parts, counts)
-        found.reference.values.update(reference.values)
-        outcomes = [_layout_outcome(name, run_layout, parts, ctx, ref_grads, session)
-                    for name, run_layout in planned]
-        expected, measured = _grad_scale(grad_scale, parts, ctx, mode, reference)
-        found.reference.values.update(expected)
-        if measured:
-            outcomes.append(Outcome("token-mean, same batch", measured, covers=("grad_scale/",)))
-        skip = frozenset() if EV_NAME in reference.values else frozenset({EV_NAME})
-        found.comparisons += [c for o in outcomes for c in compare(found.reference, o, scales=scales, skip=skip,
-                                                                    **tol)]
-        found.checks += [k for o in (found.reference, *outcomes)
-                         for k in self_checks(o, on_policy=batch.on_policy, **tol)]
-        found.notes += _notes(parts, reference, batch.on_policy)
 
-    found.stage("configured", configured)
-    names = [name for name, _ in planned]
-    if off_policy:
+def _configured(found: Found, session: CheckSession, plan: Plan, grad_scale: GradScale) -> None:
+    """The reference, every configured layout and the gradient-scale row, compared; the self-checks and notes."""
+    batch, parts, ctx, progress, tol = session.batch, plan.parts, plan.ctx, plan.progress, plan.tol
+    reference, scales, ref_grads = progress.run("reference", lambda: _reference(session, parts, plan.counts))
+    found.reference.values.update(reference.values)
+    outcomes = [progress.run(name, lambda: _layout_outcome(name, run_layout, parts, ctx, ref_grads, session))
+                for name, run_layout in plan.planned]
+    expected, measured = progress.run("token-mean (gradient scale)",
+                                      lambda: _grad_scale(grad_scale, parts, ctx, plan.mode, reference))
+    found.reference.values.update(expected)
+    if measured:
+        outcomes.append(Outcome("token-mean, same batch", measured, covers=("grad_scale/",)))
+    skip = frozenset() if EV_NAME in reference.values else frozenset({EV_NAME})
+    found.comparisons += [c for o in outcomes for c in compare(found.reference, o, scales=scales, skip=skip, **tol)]
+    found.checks += [k for o in (found.reference, *outcomes) for k in self_checks(o, on_policy=batch.on_policy, **tol)]
+    found.notes += _notes(parts, reference, batch.on_policy)
+
+
+def _later_stages(found: Found, session: CheckSession, plan: Plan) -> None:
+    """The stages after the configured layouts: the off-policy pass, the rollout-correction weights, the off-policy
+    diagnostics, the experience checks, the update pass and the drafter (each that applies)."""
+    batch, tol, progress = session.batch, plan.tol, plan.progress
+    if plan.off_planned:
         def off() -> None:
-            off_reference, off_comparisons, off_checks = _off_policy(session, mode, tol)
+            off_reference, off_comparisons, off_checks = _off_policy(session, plan)
             found.reference.values.update(off_reference.values)
             found.comparisons += off_comparisons
             found.checks += off_checks
 
         found.stage("off-policy", off)
-        names += ["off-policy: " + name for name in names]
     if batch.correction is not None or batch.rejection is not None:
-        found.stage("experience", lambda: _correction_stage(found, batch, tol))
+        found.stage("rollout-correction weights", lambda: _correction_stage(found, batch, tol), progress)
     if batch.carried_behaviour is not None:
-        found.stage("off-policy diagnostics", lambda: _off_policy_diagnostics_stage(found, session, tol))
-    if experience:
+        found.stage("off-policy diagnostics", lambda: _off_policy_diagnostics_stage(found, session, tol), progress)
+    if plan.experience:
         def experience_stage() -> None:
             experience_found, note = experience_checks(session, **tol)
             found.checks += batch.raw_checks + experience_found  # the reference's own cut and rewards first
             found.notes += batch.raw_notes + ([note] if note else [])
 
-        found.stage("experience", experience_stage)
-    if update and session.update is not None and mode == cfg.loss.agg_mode:
-        found.stage("update", lambda: _update_stage(found, session, tol))
-        names.append(session.update.layout)
-    if len(every_part) > len(parts):
+        found.stage("experience", experience_stage, progress)
+    if plan.update:
+        found.stage("update", lambda: _update_stage(found, session, tol), progress)
+    if plan.has_drafter:
         def drafter() -> None:
-            drafter_reference, drafter_comparisons = _drafter_pass(session, every_part[len(parts):], ctx, planned,
-                                                                   counts, tol)
+            drafter_reference, drafter_comparisons = _drafter_pass(session, plan)
             found.reference.values.update(drafter_reference.values)
             found.comparisons += drafter_comparisons
 
         found.stage("drafter", drafter)
-    return CheckReport(mode, names, found.reference, found.comparisons, found.checks, grad_scale, found.notes)
-
 
 
 def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:

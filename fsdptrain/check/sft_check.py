@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from fsdptrain.check.compare import Outcome, compare, describe_error, raised, rows, self_checks
@@ -30,7 +30,8 @@ from fsdptrain.check.layouts import (
     trainer_clip,
 )
 from fsdptrain.check.per_sequence import reference_policy_outputs
-from fsdptrain.check.report import CheckReport, GradScale, write_report_json
+from fsdptrain.check.precision import checked_precision, in_checked_precision, tolerances
+from fsdptrain.check.report import CheckReport, GradScale, add_columns, row_cells, write_report_json
 from fsdptrain.config import validate_world
 from fsdptrain.data.packing import pad_sequences
 from fsdptrain.distributed import world
@@ -172,12 +173,9 @@ def print_sft_report(report: CheckReport, cfg: DictConfig, batch: MiniBatch, wor
                   f"rank(s); rtol={cfg.check.rtol:g}, atol={cfg.check.atol:g}", highlight=False)
     console.print("layouts: " + ", ".join(report.layouts), highlight=False)
     table = Table(title=f"check-metrics: every layout against the reference ({report.mode})")
-    for column in ("metric", "reference", "worst layout", "max |diff|", "max rel diff", "result"):
-        table.add_column(column)
-    fmt = (lambda x: "-" if x is None else f"{x:.6g}")
+    add_columns(table)
     for row in rows(report.comparisons, report.reference):
-        table.add_row(row.metric, fmt(row.reference), row.worst.layout, fmt(row.worst.abs_diff),
-                      fmt(row.worst.rel_diff), "[green]PASS[/green]" if row.passed else "[bold red]FAIL[/bold red]")
+        table.add_row(*row_cells(row))
     console.print(table)
     console.print("normalisation: " + report.grad_scale.report.describe(), highlight=False)
     for note in report.notes:
@@ -196,11 +194,15 @@ def check_sft_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> in
     info = world.init_distributed(device_type=resolve_device_type(cfg))
     replicate, shard = validate_world(cfg, info.world_size)
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
+    cfg, notes = in_checked_precision(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), info.device)
+    cfg.check.rtol, cfg.check.atol = tolerances(cfg)
     torch.manual_seed(cfg.trainer.seed)
     tokenizer = build_tokenizer(cfg)
     policy, _ = build_policy_model(cfg, tokenizer, mesh, info.device)
     batch = checked_batch(cfg, tokenizer)
-    report = run_sft_checks(cfg, policy, batch, mesh, info.device)
+    with checked_precision(cfg):
+        report = run_sft_checks(cfg, policy, batch, mesh, info.device)
+    report.notes += notes
     if info.is_main:
         print_sft_report(report, cfg, batch, info.world_size)
         write_report_json(report, json_path)

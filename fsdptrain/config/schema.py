@@ -22,6 +22,7 @@ from fsdptrain.registry.names import DRAFT_ON
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
 ALGORITHM_NAMES = ("ppo", "grpo")
 DTYPES = ("float32", "bfloat16", "float16")
+CHECK_DTYPES = ("float64", "model")
 LR_SCHEDULES = ("constant", "cosine")
 DATA_SOURCES = ("task", "jsonl", "prompts", "sft")
 LONG_PROMPTS = ("skip", "error")
@@ -383,10 +384,12 @@ class CheckpointConfig:
 
 @dataclass
 class CheckConfig:
-    rtol: float = bounded(1.0e-5, ge=0)
-    """check-metrics: relative tolerance of every comparison."""
-    atol: float = bounded(1.0e-6, ge=0)
-    """check-metrics: absolute tolerance of every comparison."""
+    dtype: str = choice("float64", CHECK_DTYPES)
+    """check-metrics: float64 (every checked model, loss and optimizer in float64: rounding near 1e-13, one tight tolerance on any model) or model (in parallel.param_dtype)."""
+    rtol: Optional[float] = bounded(None, ge=0)
+    """check-metrics: relative tolerance of every comparison; null: 1e-9 with check.dtype=float64, 1e-5 with model."""
+    atol: Optional[float] = bounded(None, ge=0)
+    """check-metrics: absolute tolerance of every comparison; null: 1e-10 with check.dtype=float64, 1e-6 with model."""
     simulated_dp: int = bounded(2, ge=1)
     """check-metrics: data-parallel size simulated in one process."""
     num_prompts: int = bounded(4, ge=1)

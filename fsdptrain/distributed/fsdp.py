@@ -192,7 +192,10 @@ def _load_full_weights(
     set_model_state_dict(model, dict(full_state_dict), options=options)
     rank = world.rank()
     for name, buf in non_persistent_buffers(model).items():
-        value = buffers[clean_name(name)].to(device) if rank == 0 else torch.empty_like(buf, device=device)
+        # in the model's dtype on every rank: the broadcast must send what the other ranks receive into (a float64
+        # model's rotary frequencies are float64, rank 0's full model's float32)
+        value = (buffers[clean_name(name)].to(device=device, dtype=buf.dtype) if rank == 0
+                 else torch.empty_like(buf, device=device))
         if torch.distributed.get_world_size() > 1:
             torch.distributed.broadcast(value, src=0)
         _set_buffer(model, name, value)
@@ -254,6 +257,7 @@ def build_sharded_model(
         buffers = non_persistent_buffers(full)
         del full, backbone
     model = meta_model(kind, resolved, lora=lora)
+    keep_masters_in(model, param_dtype)
     if kind == "reference":
         model.requires_grad_(False)
     store_frozen_in(model, param_dtype)  # the LoRA base weights, the whole reference; no-op for what trains
@@ -272,6 +276,14 @@ def build_sharded_model(
     model.to_empty(device="cpu" if cpu_offload else device)
     _load_full_weights(model, full_state_dict=full_state_dict, buffers=buffers, device=device)
     return model.train()
+
+
+def keep_masters_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """float64 compute (check-metrics' float64 mode, fsdptrain/check/precision.py) keeps float64 master weights
+    too: FSDP2 casts the reduced gradient to the sharded parameter's dtype, so float32 masters would round every
+    gradient to float32. Any other dtype keeps float32 masters."""
+    if dtype == torch.float64:
+        model.to(torch.float64)
 
 
 def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
@@ -343,6 +355,7 @@ def shard_as_one_unit(module: nn.Module, *, mesh: DeviceMesh, param_dtype: torch
     never reshards after forward, so a loss run after its forward can read a weight (the draft head) unsharded.
     """
     module.to(device)
+    keep_masters_in(module, param_dtype)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     return module

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import _load_full_weights, parallelize
+from fsdptrain.distributed.fsdp import _load_full_weights, keep_masters_in, parallelize
 from fsdptrain.model.build import config_for, meta_model, non_persistent_buffers, resolve_config
 from fsdptrain.model.reward_model import HEAD, RewardModelSpec, _meta_reward_model, load_full_reward_model
 
@@ -67,6 +67,7 @@ def _shard_and_fill(
 ) -> PreTrainedModel:
     """FSDP2 over a meta `model` (`models.parallelize` with `parallel`), then rank 0's full weights broadcast into it:
     models.build_sharded_model's order."""
+    keep_masters_in(model, parallel["param_dtype"])
     parallelize(model, mesh=mesh, **parallel)
     device = _device(mesh)
     # Under CPU offload the sharded parameters live on the CPU; FSDP copies them to the device for compute.

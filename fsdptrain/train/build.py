@@ -33,8 +33,9 @@ from fsdptrain.train.step import LossFn, packed_policy_loss, packed_value_loss
 from fsdptrain.train.trained_part import TrainedPart
 from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-"""The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept."""
+DTYPES = {name: getattr(torch, name) for name in (*DTYPE_NAMES, "float64")}
+"""The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept, and float64, which only
+check-metrics' checked config sets (fsdptrain/check/precision.py)."""
 
 
 def model_path(cfg: DictConfig) -> str | None:

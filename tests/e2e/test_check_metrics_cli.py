@@ -40,8 +40,10 @@ def test_nproc_1_passes_and_writes_json(cli, tmp_path):
                      "critic/vf_loss"):
             metric = prefix + name
             entry = report["layouts"][layout][metric]
-            assert set(entry) == {"reference", "value", "abs_diff", "rel_diff", "pass"}, (layout, metric)
-            assert entry["pass"] is True
+            assert set(entry) == {"reference", "value", "abs_diff", "rel_diff", "tolerance", "margin", "pass"}, (
+                layout, metric)
+            assert entry["pass"] is True and entry["margin"] <= 1
+            assert entry["margin"] == pytest.approx(entry["abs_diff"] / entry["tolerance"], rel=1e-12)
             assert entry["reference"] == report["reference"][metric]
             assert entry["abs_diff"] == pytest.approx(abs(entry["value"] - entry["reference"]), abs=1e-12)
     num_seqs = report["layouts"]["ranks=1"]["batch/num_seqs"]
