@@ -339,7 +339,8 @@ class ContinuousEngine:
             self._rows, self._layers, self._mask = [], [], None
             return out
         holes = [i for i in gone if i < num_rows]
-        movers = [i for i in range(num_rows, len(self._rows)) if i not in set(gone)]
+        leaving = set(gone)
+        movers = [i for i in range(num_rows, len(self._rows)) if i not in leaving]
         rows, mask = list(self._rows), self._mask.clone()
         for hole, mover in zip(holes, movers, strict=True):
             rows[hole] = rows[mover]
