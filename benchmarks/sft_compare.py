@@ -25,7 +25,7 @@ refuses to print a ratio when they differ.
 | assistant-only loss | the chats' assistant tokens (their EOS included), docs/sft.md "Masks" | `completion_only_loss=True` on the same `completion_mask` |
 | loss normalisation | `loss.agg_mode=token-mean` over the step's trained tokens | the model's mean over the labelled tokens of the batch |
 | learning rate (1e-5, constant) | `trainer.lr`, `trainer.lr_schedule=constant`, no warmup | `learning_rate`, `lr_scheduler_type="constant"`, `warmup_steps=0` |
-| AdamW | betas (0.9, 0.999), eps 1e-8, no weight decay (defaults) | `optim="adamw_torch"`, `weight_decay=0` |
+| AdamW, torch's fused kernel | betas (0.9, 0.999), eps 1e-8, no weight decay (defaults; `fused=True`) | `optim="adamw_torch_fused"` (transformers' default on torch >= 2.8), `weight_decay=0` |
 | gradient clipping | `trainer.grad_clip=1.0` | `max_grad_norm=1.0` |
 | fp32, no gradient checkpointing | `parallel.param_dtype=float32`, `parallel.activation_checkpointing=false` | `bf16=False`, `gradient_checkpointing=False` |
 
@@ -128,7 +128,7 @@ def run_trl(args, log: StepLog) -> None:
         output_dir=tempfile.mkdtemp(prefix="sft-compare-trl-"), per_device_train_batch_size=args.rows,
         gradient_accumulation_steps=1, max_steps=args.steps, packing=False, padding_free=True,
         completion_only_loss=True, max_length=None, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch", weight_decay=0.0, bf16=False, fp16=False,
+        warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch_fused", weight_decay=0.0, bf16=False, fp16=False,
         gradient_checkpointing=False, seed=args.seed, data_seed=args.seed, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, dataloader_num_workers=0,
     )

@@ -31,7 +31,12 @@ def build_optimizer(
     eps: float,
 ) -> torch.optim.AdamW:
     """AdamW over the trainable parameters of `model` (`trainable_parameters`: under LoRA the adapters only; sharded
-    DTensors under FSDP2: the optimizer state is sharded with them)."""
+    DTensors under FSDP2: the optimizer state is sharded with them).
+
+    Torch's fused kernel (``fused=True``, on the CPU and CUDA): one pass over each parameter, its gradient and its two
+    moments, where the default per-parameter loop runs about ten elementwise ops, several of which allocate a
+    parameter-sized temporary (4x faster on SmolLM2's 135M parameters on one CPU thread, docs/sft.md). The same
+    AdamW update; its rounding differs from the loop's by about one fp32 ulp of the weights."""
     if not lr > 0:
         raise ValueError(f"learning rate must be > 0, got {lr}")
     if weight_decay < 0:
@@ -39,7 +44,7 @@ def build_optimizer(
     params = trainable_parameters(model)
     if not params:
         raise ValueError(f"{type(model).__name__} has no trainable parameter")
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, fused=True)
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:

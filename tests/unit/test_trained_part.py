@@ -55,7 +55,8 @@ LAYOUT = dict(dp_size=1, loss_scale_factor=None, token_budget=16, device=torch.d
 
 def test_a_part_steps_as_the_update_it_wraps_with_the_settings_its_config_names():
     part, model = policy_part(tiny_policy()), tiny_policy()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02 * 0.5, betas=(0.8, 0.999), weight_decay=0.1)  # warmup 1/2
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02 * 0.5, betas=(0.8, 0.999), weight_decay=0.1,
+                                  fused=True)  # warmup 1/2; the fused kernel, as build_optimizer
     assert part.lr == 0.02 * 0.5
 
     for _ in range(2):  # AdamW's first step is lr x sign(g) whatever its betas: the second tells them apart
