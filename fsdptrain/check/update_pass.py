@@ -22,8 +22,11 @@ every weight by about the learning rate whatever the size of its gradient, so tw
 rounding become steps of opposite sign, and every number after the first step differs by far more than the rounding
 that caused it (measured on SmolLM2-135M in float32: 3.6e-3 relative). SGD's step is a smooth function of the
 gradient, so the later mini-batches and epochs agree to the rounding of the first. Its learning rate
-``lr * sqrt(P) / |g|`` (P trainable parameters, |g| the reference's first clipped gradient norm) moves the weights
-about as far as AdamW's first step would, so the second epoch's ratios are not 1. The trainer's own update loop
+``lr * sqrt(P) / |g|`` (P trainable parameters, |g| the largest clipped gradient norm of the mini-batches at the
+starting weights, the reference's) moves the weights about as far as AdamW's first step would, so the second
+epoch's ratios are not 1. The largest, not the first mini-batch's: a mini-batch whose every advantage is 0 and whose
+policy equals the reference (the KL's d = 0) has a gradient of pure rounding (8e-17 in float64), and a learning rate
+scaled by that norm stepped the next mini-batch by 1e16 (the weights overflowed, and its direction was rounding). The trainer's own update loop
 (mini-batches, normalisers, micro-batches, clip, metrics merged) runs unchanged; only its optimiser object is
 swapped for the pass. The optimiser itself is not what the check proves (docs/check-metrics.md).
 
@@ -100,18 +103,23 @@ def smooth_optimizer(model, lr: float, clipped_norm: float) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr * num_params ** 0.5 / clipped_norm if clipped_norm > 0 else lr)
 
 
+def _clipped_norm(model, max_norm: float) -> float:
+    """The float64 norm of the gathered gradient after clipping at ``max_norm`` (collective)."""
+    norm = grad_norm(gather_full_grads(model))
+    return norm * clip_coefficient(norm, max_norm)
+
+
 def _step_by_hand(model, optimizers: dict, prefix: str, lr: float, max_norm: float, counts: Counts) -> float:
     """Clip by the float64 norm of the gathered gradient and step ``optimizers[prefix]`` (made by
-    :func:`smooth_optimizer` at the first step with a gradient); the norm (collective). No step and norm 0 when the
-    mini-batch has no counted token (the same on every rank: ``counts`` are the whole mini-batch's)."""
+    :func:`smooth_optimizer` before the first step, :func:`reference_update`); the norm (collective). No step and
+    norm 0 when the mini-batch has no counted token (the same on every rank: ``counts`` are the whole
+    mini-batch's)."""
     if counts.num_tokens == 0:
         zero_grads(model)
         return 0.0
     norm = grad_norm(gather_full_grads(model))
     coef = clip_coefficient(norm, max_norm)
     reshard_all(model)  # parameters() must yield the sharded tensors the optimiser steps
-    if prefix not in optimizers:
-        optimizers[prefix] = smooth_optimizer(model, lr, norm * coef)
     optimizer = optimizers[prefix]
     with torch.no_grad():
         for param in trainable_parameters(model):
@@ -151,6 +159,23 @@ def reference_update(session: CheckSession, shape: UpdateShape, optimizers: dict
     models = [("actor/", tr.models.policy, cfg.trainer.lr, cfg.trainer.grad_clip)]
     if tr.models.critic is not None:
         models.append(("critic/", tr.models.critic, cfg.trainer.critic_lr, cfg.trainer.critic_grad_clip))
+    def backward(prefix, model, sub, behaviour, counted, policy, counts):
+        zero_grads(model)
+        if prefix == "actor/":
+            return reference_policy(model, sub, tr.policy_settings, counts, counted=counted, behaviour=behaviour,
+                                    correction=batch.correction, policy_masks=policy)
+        return reference_critic(model, sub, tr.value_settings, counts, counted=counted)
+
+    for prefix, model, lr, max_norm in models:  # the SGD's scale: the largest clipped norm at the starting weights
+        scale = 0.0
+        for sub, behaviour, (counted, policy) in splits:
+            counts = Counts.of(counted, tr.loss_scale_factor)
+            if counts.num_tokens:
+                backward(prefix, model, sub, behaviour, counted, policy, counts)
+                scale = max(scale, _clipped_norm(model, max_norm))
+        zero_grads(model)
+        reshard_all(model)  # parameters() must yield the sharded tensors the optimiser steps
+        optimizers[prefix] = smooth_optimizer(model, lr, scale)
     metrics = {prefix: [] for prefix, *_ in models}
     norms = {prefix: [] for prefix, *_ in models}
     loss_scales: dict[str, list[float]] = {}
@@ -161,13 +186,7 @@ def reference_update(session: CheckSession, shape: UpdateShape, optimizers: dict
             tokens.append(counts.num_tokens)
             counts_seen.append(counts)
             for prefix, model, lr, max_norm in models:
-                zero_grads(model)
-                if prefix == "actor/":
-                    _, found, scales = reference_policy(model, sub, tr.policy_settings, counts, counted=counted,
-                                                        behaviour=behaviour, correction=batch.correction,
-                                                        policy_masks=policy)
-                else:
-                    _, found, scales = reference_critic(model, sub, tr.value_settings, counts, counted=counted)
+                _, found, scales = backward(prefix, model, sub, behaviour, counted, policy, counts)
                 metrics[prefix].append(found)
                 for name in LOSSES:
                     if name in scales:

@@ -203,10 +203,11 @@ def test_the_sampled_evaluation_of_a_multi_turn_run_runs_the_turns(tmp_path):
     assert all(r["eval/pass@4"] >= r["eval/pass@1"] > 0 for r in evaluated)
 
 
-def test_a_multi_turn_run_with_a_reward_model_trains_on_its_scores_of_the_conversations(tmp_path):
+@pytest.mark.parametrize("engine", ["generate", "continuous"])
+def test_a_multi_turn_run_with_a_reward_model_trains_on_its_scores_of_the_conversations(tmp_path, engine):
     """reward.models score multi-turn trajectories (they were refused): the reward model reads each sample's whole
     conversation (the prompt's message, the assistant turns, the tool messages) through its own chat template, and
-    the logged scores are the ones transformers gives each conversation alone."""
+    the logged scores are the ones transformers gives each conversation alone; with either rollout engine."""
     import torch
 
     from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, reward_input_ids
@@ -218,7 +219,7 @@ def test_a_multi_turn_run_with_a_reward_model_trains_on_its_scores_of_the_conver
     result = run_cli("train", *common(tmp_path), "rollout.tools=[tools.py:add]", "rollout.max_new_tokens=100",
                      "rollout.max_turns=2", "rollout.n=2", "reward.functions=[rewards.py:ran_a_tool]",
                      f"reward.models=[{reward_model}]", "trainer.steps=2", "logging.samples_every=1",
-                     "trainer.run_name=scored", cwd=tmp_path)
+                     f"rollout.engine={engine}", "trainer.run_name=scored", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run = tmp_path / "runs" / "scored"
     metrics = rows(run)

@@ -34,7 +34,6 @@ def test_single_turn_resumes_exactly_and_two_ranks_equal_one(tmp_path):
     assert all(r["reward/mean"] == r["reward/mean"] for r in reference)
 
 
-@pytest.mark.slow
 def test_multi_turn_resumes_exactly_and_two_ranks_equal_one(tmp_path):
     write_inputs(tmp_path)
     evaluation = ("trainer.eval_every=2", "trainer.eval_n=2")

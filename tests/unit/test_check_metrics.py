@@ -426,6 +426,29 @@ def test_update_pass_runs_several_mini_batches_and_epochs_and_leaves_the_weights
     assert all(torch.equal(before[k], v) for k, v in _full_weights(ppo).items())  # restored for the next check
 
 
+def test_update_pass_scales_its_sgd_by_the_largest_mini_batch_not_a_first_one_of_pure_rounding(monkeypatch):
+    """The continuous engine's batch for this row has a first mini-batch whose advantages are all 0 with the policy
+    equal to the reference: its gradient is rounding (~1e-16). The SGD's learning rate was lr * sqrt(P) / that norm
+    (~1e16): the second mini-batch's step overflowed the weights (update/actor/grad_norm 1e95, kl 5 against 0.04)."""
+    from fsdptrain.check import update_pass
+
+    norms = []
+    step = update_pass._step_by_hand
+
+    def recorded(model, optimizers, prefix, lr, max_norm, counts):
+        norms.append(step(model, optimizers, prefix, lr, max_norm, counts))
+        return norms[-1]
+
+    monkeypatch.setattr(update_pass, "_step_by_hand", recorded)
+    session = _session("algorithm=grpo", "algorithm.policy_loss=gmpo",
+                       "algorithm.adv_estimator=reinforce_plus_plus_baseline", "loss.agg_mode=seq-mean-token-mean",
+                       "algorithm.use_kl_loss=true", "algorithm.kl_estimator=k3+", "rollout.engine=continuous")
+    report = run_checks(session, off_policy=False, experience=False)
+    assert norms[0] < 1e-12 < 0.1 < norms[1]  # the batch still has the case: a first mini-batch of rounding
+    assert report.ok, "\n".join(report.failures)
+    assert max(norms) < 10  # no step blew the weights up
+
+
 def test_catches_a_normaliser_over_the_whole_step_instead_of_the_mini_batch(ppo, monkeypatch):
     plant_normaliser_over_the_whole_step(monkeypatch.setattr)
     failures = _failing(run_checks(ppo, off_policy=False, experience=False))
