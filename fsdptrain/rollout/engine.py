@@ -38,6 +38,7 @@ after temperature, before top-p (the distribution the training forward scores at
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 from collections import deque
@@ -45,13 +46,21 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Union
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from fsdptrain.model.attention_switch import generation_attention
 
 CACHE_BLOCK = 16
 """Cache columns allocated at a time on the CPU: a row's cache grows by one copy per block of tokens, and holds
 less than a block of unused columns."""
 BUCKETED_CACHE_BLOCK = 64
 """The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
+PREFILL_CHUNK_VALUES = 1 << 18
+"""A prefill onto shared prefixes copies each row's prefix keys and values for its attention, this many values
+(rows x (prefix + own columns) x kv heads x head_dim) at a time, one layer at a time."""
 SAMPLE_CHUNK_VALUES = 1 << 20
 """Uniforms drawn and used together, rows x vocabulary (8 MiB of float64): a 49152-entry vocabulary is sampled 21
 rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
@@ -60,13 +69,21 @@ rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
 @dataclass
 class KeptCache:
     """One row's keys and values, one ``(keys, values)`` pair of shape [heads, length, head_dim] per layer, for every
-    token of its conversation but the last sampled one (which the next turn prefills)."""
+    token of its conversation but the last sampled one (which the next turn prefills). ``prefix``: the shared cache
+    of its group's prompt, which comes before ``layers`` and is held once for all the group's rows."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    prefix: Optional["KeptCache"] = None
 
     @property
     def length(self) -> int:
+        """The row's own positions (its shared prefix not counted)."""
         return self.layers[0][0].shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Every position the cache covers, the shared prefix included: the next token's position id."""
+        return self.length + (self.prefix.num_tokens if self.prefix is not None else 0)
 
 
 @dataclass
@@ -114,7 +131,8 @@ OnFinish = Callable[[Finished], Union[None, Request, "concurrent.futures.Future"
 class _Row:
     request: Request
     generator: Optional[torch.Generator]
-    length: int = 0  # real tokens in the cache
+    length: int = 0  # real tokens in the cache, the shared prefix included
+    prefix: Optional[KeptCache] = None  # the group's shared prompt cache, outside the batch's buffers
     last: int = 0  # the token the next decode forward feeds
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -136,11 +154,15 @@ class ContinuousEngine:
         self.bucketed = self.device.type == "cuda" if bucketed is None else bucketed
         self.block = BUCKETED_CACHE_BLOCK if self.bucketed else CACHE_BLOCK
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        # a group's prompt cache held once (attention over [shared prefix ; own tokens]) where the model's attention
+        # goes through transformers' AttentionInterface; otherwise each row holds its own copy of it
+        self.share_prefixes = isinstance(model, PreTrainedModel) and model._can_set_attn_implementation()
         self.stats = EngineStats()
         self._rows: list[_Row] = []
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
         self._mask: Optional[torch.Tensor] = None  # [rows, width]: every row ends at the last column
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
+        self._stack: Optional[_PrefixStack] = None  # the live rows' shared prefixes, one copy each
 
     @property
     def device(self) -> torch.device:
@@ -151,11 +173,16 @@ class ContinuousEngine:
         """Decode ``requests`` and every request ``on_finish`` adds; the finished ones in the order they left."""
         was_training = self.model.training
         self.model.eval()
+        attention = contextlib.nullcontext()
+        if self.share_prefixes:
+            _register_shared_prefix_attention()
+            attention = generation_attention(self.model, SHARED_PREFIX_ATTENTION)
         try:
-            return self._loop(deque(requests), on_finish)
+            with attention:
+                return self._loop(deque(requests), on_finish)
         finally:
             self.model.train(was_training)
-            self._rows, self._layers, self._mask, self._prefixes = [], [], None, {}
+            self._rows, self._layers, self._mask, self._prefixes, self._stack = [], [], None, {}, None
 
     def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Finished]:
         done: list[Finished] = []
@@ -227,14 +254,17 @@ class ContinuousEngine:
         for r in entering:
             prefix = tuple(r.new_ids[:-1]) if r.kept is None else None
             if prefix in self._prefixes:
-                r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, self._prefixes[prefix], r.keep)
+                kept = self._prefixes[prefix]
+                if self.share_prefixes:  # no own positions yet: the rows point at the one shared cache
+                    kept = KeptCache([(k[:, :0], v[:, :0]) for k, v in kept.layers], prefix=kept)
+                r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, kept, r.keep)
             out.append(r)
         self._prefixes = {p: c for p, c in self._prefixes.items() if p in later}
         return out
 
     def _forward_prefixes(self, prefixes: list[tuple[int, ...]]) -> list[KeptCache]:
         ids, mask = _left_pad([list(p) for p in prefixes], self.pad_id, self.device)
-        layers, _ = self._forward(ids, mask, _positions(mask), None, 0)
+        layers, _ = self._forward(ids, mask, _positions(mask), None, 0, prefixes=[None] * len(prefixes))
         self.stats.num_prefill_forwards += 1
         return [_row_cache(layers, mask, r) for r in range(len(prefixes))]
 
@@ -244,6 +274,8 @@ class ContinuousEngine:
         copied into the batch."""
         device = self.device
         kept_len = [r.kept.length if r.kept else 0 for r in entering]
+        prefixes = [r.kept.prefix if r.kept else None for r in entering]
+        prefix_len = [p.num_tokens if p is not None else 0 for p in prefixes]
         ids, new_mask = _left_pad([r.new_ids for r in entering], self.pad_id, device)
         width = max(kept_len)
         layers, cache_mask = None, torch.zeros(len(entering), 0, dtype=torch.long, device=device)
@@ -253,9 +285,11 @@ class ContinuousEngine:
         for r in entering:
             r.kept = None
         mask = torch.cat([cache_mask, new_mask], dim=1)
-        layers, logits = self._forward(ids, mask, _positions(mask)[:, width:], layers, width)
+        positions = _positions(mask)[:, width:] + torch.tensor(prefix_len, device=device)[:, None]
+        layers, logits = self._forward(ids, mask, positions, layers, width, prefixes=prefixes)
         self.stats.num_prefill_forwards += 1
-        rows = [_Row(r, _generator(r.seed, device), length=k + len(r.new_ids)) for r, k in zip(entering, kept_len)]
+        rows = [_Row(r, _generator(r.seed, device), length=p + k + len(r.new_ids), prefix=prefix)
+                for r, k, p, prefix in zip(entering, kept_len, prefix_len, prefixes)]
         mask = _right_align(layers, mask, self.block)
         self._join(rows, layers, mask)
         self._sample(rows, logits)
@@ -302,7 +336,9 @@ class ContinuousEngine:
             full_mask[:num_rows, :width + 1] = mask
             full_mask[num_rows:, width] = 1
         layers, self._layers = self._layers, []
-        self._layers, logits = self._forward(ids, full_mask, positions, layers, width, expose=self.bucketed)
+        prefixes = [r.prefix for r in self._rows] + [None] * padding
+        self._layers, logits = self._forward(ids, full_mask, positions, layers, width, expose=self.bucketed,
+                                             prefixes=prefixes)
         logits = logits[:num_rows]
         self._mask = mask
         self.stats.num_decode_forwards += 1
@@ -332,7 +368,7 @@ class ContinuousEngine:
         if not gone:
             return []
         out = [Finished(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
-                        kept=_row_cache(self._layers, self._mask, i) if r.request.keep else None)
+                        kept=_row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
         num_rows = len(self._rows) - len(gone)
         if num_rows == 0:
@@ -357,22 +393,42 @@ class ContinuousEngine:
         self._rows, self._mask = rows[:num_rows], mask[:, cut:]
         return out
 
-    def _forward(self, ids, mask, positions, layers, length: int, expose: bool = False):
+    def _forward(self, ids, mask, positions, layers, length: int, *, prefixes: list[Optional[KeptCache]],
+                 expose: bool = False):
         """One forward of ``ids`` onto the cache ``layers`` (used up to column ``length``; None: an empty cache;
-        ``expose``: attention over every column of the buffers, ``mask`` as wide); the updated buffers (per layer a
-        [keys, values] list) and the last position's logits."""
+        ``expose``: attention over every column of the buffers, ``mask`` as wide), each row also attending to its
+        shared prefix (``prefixes``, one per row, None: none); the updated buffers (per layer a [keys, values] list)
+        and the last position's logits."""
+        extra, shared = {}, None
+        if any(p is not None for p in prefixes):
+            self._stack = self._stack_with(prefixes)
+            shared = _SharedPrefixes(self._stack, prefixes)
+            extra["shared_prefixes"] = shared
         if layers:
             cache = Cache(layers=[_BufferLayer(k, v, length, self.block, expose) for k, v in layers])
             layers.clear()  # the cache's layers hold the only references, so a buffer that grows frees its old one
         else:
             cache = Cache(layer_class_to_replicate=lambda: _BufferLayer(block=self.block))
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.cache_name: cache})
+                         logits_to_keep=1, **{self.cache_name: cache}, **extra)
         layers = [list(layer.buffers) for layer in getattr(out, self.cache_name).layers]
+        if shared is not None and shared.num_calls != len(layers):
+            raise RuntimeError(f"{type(self.model).__name__}'s attention saw the shared prefixes in {shared.num_calls} "
+                               f"of {len(layers)} layers: it does not pass the forward's keyword arguments on")
         rows, width = mask.shape
         self.stats.max_live_rows = max(self.stats.max_live_rows, rows)
-        self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width)
+        held = self._stack.num_positions if self._stack is not None else 0
+        self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width + held)
         return layers, out.logits[:, -1, :]
+
+    def _stack_with(self, prefixes: list[Optional[KeptCache]]) -> "_PrefixStack":
+        """The prefix stack holding ``prefixes`` (and the live rows' own): the current one when it holds them and
+        nothing else, else rebuilt (the old one freed first)."""
+        wanted = {id(p): p for p in prefixes + [r.prefix for r in self._rows] if p is not None}
+        if self._stack is not None and self._stack.ids == set(wanted):
+            return self._stack
+        self._stack = None
+        return _PrefixStack(list(wanted.values()))
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
         tokens, logprobs = sample_rows(logits, [r.generator for r in rows], temperature=self.temperature,
@@ -429,6 +485,141 @@ class _BufferLayer(DynamicLayer):
         if self.expose:
             return self.buffers[0].shape[2], 0
         return super().get_mask_sizes(query_length)
+
+
+SHARED_PREFIX_ATTENTION = "fsdptrain_shared_prefix"
+"""The attention the engine runs the model on: sdpa, except in a forward given ``shared_prefixes``."""
+
+
+def _register_shared_prefix_attention() -> None:
+    if SHARED_PREFIX_ATTENTION not in AttentionInterface():
+        AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
+        AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                            shared_prefixes: Optional["_SharedPrefixes"] = None, **kwargs):
+    """transformers' attention interface: sdpa over the cache's keys, or (``shared_prefixes`` given) one softmax
+    over each row's shared prefix and its own keys."""
+    if shared_prefixes is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return shared_prefixes.attend(module.layer_idx, query, key, value, attention_mask,
+                                  query.shape[-1] ** -0.5 if scaling is None else scaling), None
+
+
+class _PrefixStack:
+    """Distinct shared prefixes, one copy each: per layer keys and values [prefixes, heads, width, dim], prefix g
+    in columns [0, its length) (``valid``)."""
+
+    def __init__(self, prefixes: list[KeptCache]):
+        self.ids = {id(p) for p in prefixes}
+        self.index = {id(p): g for g, p in enumerate(prefixes)}
+        width = max(p.length for p in prefixes)
+        ref = prefixes[0].layers[0][0]
+        self.layers = []
+        for layer in range(len(prefixes[0].layers)):
+            pair = []
+            for part in range(2):
+                stacked = ref.new_zeros(len(prefixes), ref.shape[0], width, ref.shape[2])
+                for g, p in enumerate(prefixes):
+                    stacked[g, :, :p.length] = p.layers[layer][part]
+                pair.append(stacked)
+            self.layers.append(pair)
+        lengths = torch.tensor([p.length for p in prefixes], device=ref.device)
+        self.valid = torch.arange(width, device=ref.device) < lengths[:, None]
+        self.num_positions = len(prefixes) * width
+
+
+class _SharedPrefixes:
+    """One forward's rows and their prefixes in the stack. Attention for row r, head h (``attend``): one softmax
+    over [its prefix's keys ; its own keys], computed as the prefix part, a matmul per prefix over that prefix's rows
+    (gathered into [prefixes, heads, rows of the largest group x queries, dim]: the prefix is read once per forward,
+    never copied per row), and the own part, a batched matmul over the rows' own keys. Rows without a prefix take
+    the own part only."""
+
+    def __init__(self, stack: _PrefixStack, prefixes: list[Optional[KeptCache]]):
+        self.stack, self.num_calls = stack, 0
+        groups = [stack.index[id(p)] if p is not None else -1 for p in prefixes]
+        device = stack.valid.device
+        members: dict[int, int] = {}
+        slots, rows = [], []
+        for row, g in enumerate(groups):
+            if g >= 0:
+                slots.append((g, members.get(g, 0)))
+                members[g] = members.get(g, 0) + 1
+                rows.append(row)
+        self.num_groups, self.per_group = stack.valid.shape[0], max(members.values())
+        self.slot = torch.tensor([g * self.per_group + j for g, j in slots], device=device)
+        self.rows = None if len(rows) == len(groups) else torch.tensor(rows, device=device)
+        self.valid = stack.valid[torch.tensor([groups[r] for r in rows], device=device)]  # [rows with one, width]
+        self.groups = torch.tensor(groups, device=device)
+
+    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, kv heads, n, c] -> [prefixes, kv heads, per_group x n, c] (the slots of absent rows zero)."""
+        _, heads, n, c = x.shape
+        out = x.new_zeros(self.num_groups * self.per_group, heads, n, c)
+        out[self.slot] = x
+        return out.view(self.num_groups, self.per_group, heads, n, c).transpose(1, 2).reshape(
+            self.num_groups, heads, self.per_group * n, c)
+
+    def _ungrouped(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        heads, c = y.shape[1], y.shape[-1]
+        return y.view(self.num_groups, heads, self.per_group, n, c).transpose(1, 2).reshape(
+            self.num_groups * self.per_group, heads, n, c)[self.slot]
+
+    def attend(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
+        """``query`` [rows, heads, q, dim], the rows' own ``key``/``value`` [rows, kv heads, own, dim], ``mask``
+        over the own keys (transformers' bool [rows, 1, q, own], or None: every key visible, causal when q == own).
+        Returns [rows, q, heads, dim] as transformers' attention functions do."""
+        self.num_calls += 1
+        num_rows, heads, q_len, dim = query.shape
+        kv_heads, own = key.shape[1], key.shape[2]
+        rep = heads // kv_heads
+        if mask is None:  # transformers leaves it out when every key is visible (causal when q == own)
+            mask = torch.ones(q_len, own, dtype=torch.bool, device=query.device).tril(own - q_len)[None, None]
+        if q_len > 1:
+            return self._attend_gathered(layer, query, key, value, mask.bool(), scaling)
+        q = query.reshape(num_rows, kv_heads, rep * q_len, dim) * scaling  # query head h reads kv head h // rep
+        scores_own = (q @ key.transpose(-1, -2)).masked_fill(~mask.bool(), float("-inf"))  # q_len 1: [rows, 1, 1, own]
+        keys, values = self.stack.layers[layer]
+        with_prefix = q if self.rows is None else q[self.rows]
+        scores_prefix = self._ungrouped(self._grouped(with_prefix) @ keys.transpose(-1, -2), rep * q_len)
+        scores_prefix = scores_prefix.masked_fill(~self.valid[:, None, None, :], float("-inf"))
+        width = keys.shape[2]
+        if self.rows is not None:
+            full = scores_prefix.new_full((num_rows, kv_heads, rep * q_len, width), float("-inf"))
+            full[self.rows] = scores_prefix
+            scores_prefix = full
+        probs = torch.softmax(torch.cat([scores_prefix, scores_own], dim=-1), dim=-1)
+        out = probs[..., width:] @ value
+        probs_prefix = probs[..., :width] if self.rows is None else probs[self.rows, ..., :width]
+        from_prefix = self._ungrouped(self._grouped(probs_prefix) @ values, rep * q_len)
+        if self.rows is None:
+            out = out + from_prefix
+        else:
+            out[self.rows] += from_prefix
+        return out.view(num_rows, heads, q_len, dim).transpose(1, 2).contiguous()
+
+    def _attend_gathered(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
+        """A prefill (several queries a row, rare): sdpa over [prefix ; own keys] with each row's prefix copied
+        to it, a chunk of rows at a time (``PREFILL_CHUNK_VALUES``), so the copies stay small and transient."""
+        keys, values = self.stack.layers[layer]
+        num_rows, kv_heads, own, dim = key.shape
+        prefix = self.groups >= 0
+        visible = self.stack.valid[self.groups.clamp(min=0)] & prefix[:, None]  # [rows, width]
+        chunk = max(1, PREFILL_CHUNK_VALUES // ((keys.shape[2] + own) * kv_heads * dim))
+        mask = mask.expand(num_rows, 1, *mask.shape[2:])
+        out = []
+        for start in range(0, num_rows, chunk):
+            rows = slice(start, start + chunk)
+            group = self.groups[rows].clamp(min=0)
+            k = torch.cat([keys[group], key[rows]], dim=2)
+            v = torch.cat([values[group], value[rows]], dim=2)
+            m = torch.cat([visible[rows, None, None, :].expand(-1, 1, mask.shape[2], -1), mask[rows]], dim=-1)
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                query[rows], k, v, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != kv_heads))
+        return torch.cat(out).transpose(1, 2).contiguous()
 
 
 def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tuple[int, int]:
@@ -558,11 +749,12 @@ def _consecutive(rows: list[int]) -> bool:
     return rows[-1] - rows[0] == len(rows) - 1
 
 
-def _row_cache(layers, mask: torch.Tensor, row: int) -> KeptCache:
-    """A copy of ``row``'s real positions (the last ``mask[row].sum()`` columns of ``mask``'s width)."""
+def _row_cache(layers, mask: torch.Tensor, row: int, prefix: Optional[KeptCache] = None) -> KeptCache:
+    """A copy of ``row``'s real positions (the last ``mask[row].sum()`` columns of ``mask``'s width), after
+    ``prefix``."""
     width, length = mask.shape[1], int(mask[row].sum())
     return KeptCache([tuple(t[row, :, width - length:width].clone(memory_format=torch.contiguous_format)
-                            for t in pair) for pair in layers])
+                            for t in pair) for pair in layers], prefix=prefix)
 
 
 def _right_align(layers: list[list[torch.Tensor]], mask: torch.Tensor, block: int) -> torch.Tensor:
