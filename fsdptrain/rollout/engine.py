@@ -24,9 +24,9 @@ new tokens -- the last sampled token, the tool message and the template's separa
   rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
   but the last token, from one forward per distinct prompt;
-- **callbacks**: ``on_finish(finished)`` is called as each row leaves and may return the trajectory's next
-  :class:`Request`, a ``concurrent.futures.Future`` of one (a tool running in a pool while the other rows decode;
-  polled at every step) or None.
+- **callbacks**: ``on_finish(finished)`` is called once per step with the rows that left at it and returns their
+  follow-ups: requests, or ``concurrent.futures.Future`` objects each of a request, a list of them or None (tools
+  running on a thread while the other rows decode; polled at every step).
 
 Sampling is row-seeded (:class:`fsdptrain.model.generate.RowSeededSampling`, the same Gumbel-max draw from the same
 per-request ``torch.Generator``): a row's tokens depend on its prompt, its seed and the weights only, never on which
@@ -43,7 +43,7 @@ import dataclasses
 import inspect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Union
+from typing import Callable, Hashable, Iterable, Optional, Union
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
@@ -124,7 +124,7 @@ class EngineStats:
     max_cache_positions: int = 0
 
 
-OnFinish = Callable[[Finished], Union[None, Request, "concurrent.futures.Future"]]
+OnFinish = Callable[[list[Finished]], Iterable[Union[Request, "concurrent.futures.Future"]]]
 
 
 @dataclass
@@ -189,23 +189,22 @@ class ContinuousEngine:
         pending: list[concurrent.futures.Future] = []
 
         def leave() -> None:
-            for finished in self._leave():
-                if on_finish is None:
-                    done.append(finished)
-                    continue
-                # the kept cache goes to on_finish only: `done` holding it would keep every turn's cache alive
-                done.append(dataclasses.replace(finished, kept=None))
-                follow = on_finish(finished)
-                if isinstance(follow, concurrent.futures.Future):
-                    pending.append(follow)
-                elif follow is not None:
-                    waiting.append(follow)
+            finished = self._leave()
+            if not finished:
+                return
+            if on_finish is None:
+                done.extend(finished)
+                return
+            # the kept caches go to on_finish only: `done` holding them would keep every turn's cache alive
+            done.extend(dataclasses.replace(f, kept=None) for f in finished)
+            for follow in on_finish(finished):
+                (pending if isinstance(follow, concurrent.futures.Future) else waiting).append(follow)
 
         while waiting or pending or self._rows:
             for future in [f for f in pending if f.done()]:
                 pending.remove(future)
-                if (request := future.result()) is not None:
-                    waiting.append(request)
+                result = future.result()
+                waiting.extend(r for r in (result if isinstance(result, list) else [result]) if r is not None)
             if not waiting and not self._rows:
                 concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 continue
@@ -409,7 +408,10 @@ class ContinuousEngine:
             layers.clear()  # the cache's layers hold the only references, so a buffer that grows frees its old one
         else:
             cache = Cache(layer_class_to_replicate=lambda: _BufferLayer(block=self.block))
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        model_mask = mask
+        if ids.shape[1] == 1 and not expose:  # a decode step's mask is the padding mask: built here, not per forward
+            model_mask = mask.bool()[:, None, None, :]  # by transformers' mask functions (a quarter of a tiny step)
+        out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self.cache_name: cache}, **extra)
         layers = [list(layer.buffers) for layer in getattr(out, self.cache_name).layers]
         if shared is not None and shared.num_calls != len(layers):
@@ -509,8 +511,8 @@ def shared_prefix_attention(module, query, key, value, attention_mask, dropout: 
 
 
 class _PrefixStack:
-    """Distinct shared prefixes, one copy each: per layer keys and values [prefixes, heads, width, dim], prefix g
-    in columns [0, its length) (``valid``)."""
+    """Distinct shared prefixes, one copy each: per layer keys and values [kv heads, prefixes, width, dim] (the
+    layout the decode step's matmul batches over), prefix g in columns [0, its length) (``valid``)."""
 
     def __init__(self, prefixes: list[KeptCache]):
         self.ids = {id(p) for p in prefixes}
@@ -521,9 +523,9 @@ class _PrefixStack:
         for layer in range(len(prefixes[0].layers)):
             pair = []
             for part in range(2):
-                stacked = ref.new_zeros(len(prefixes), ref.shape[0], width, ref.shape[2])
+                stacked = ref.new_zeros(ref.shape[0], len(prefixes), width, ref.shape[2])
                 for g, p in enumerate(prefixes):
-                    stacked[g, :, :p.length] = p.layers[layer][part]
+                    stacked[:, g, :p.length] = p.layers[layer][part]
                 pair.append(stacked)
             self.layers.append(pair)
         lengths = torch.tensor([p.length for p in prefixes], device=ref.device)
@@ -532,41 +534,39 @@ class _PrefixStack:
 
 
 class _SharedPrefixes:
-    """One forward's rows and their prefixes in the stack. Attention for row r, head h (``attend``): one softmax
-    over [its prefix's keys ; its own keys], computed as the prefix part, a matmul per prefix over that prefix's rows
-    (gathered into [prefixes, heads, rows of the largest group x queries, dim]: the prefix is read once per forward,
-    never copied per row), and the own part, a batched matmul over the rows' own keys. Rows without a prefix take
-    the own part only."""
+    """One forward's rows and their prefixes in the stack. Attention for a row (``attend``): one softmax over
+    [its prefix's keys ; its own keys]. The prefix part is one matmul batched over (kv head, prefix), each prefix's
+    rows gathered into its slots [kv heads, prefixes, slots x queries, dim]: the prefix is read once per forward and
+    never copied per row. The own part is a batched matmul over the rows' own keys. A row without a prefix takes a
+    slot of prefix 0 with every prefix column masked, so its prefix part is exactly zero."""
 
     def __init__(self, stack: _PrefixStack, prefixes: list[Optional[KeptCache]]):
         self.stack, self.num_calls = stack, 0
         groups = [stack.index[id(p)] if p is not None else -1 for p in prefixes]
-        device = stack.valid.device
         members: dict[int, int] = {}
-        slots, rows = [], []
-        for row, g in enumerate(groups):
-            if g >= 0:
-                slots.append((g, members.get(g, 0)))
-                members[g] = members.get(g, 0) + 1
-                rows.append(row)
+        slot_of_row = []
+        for g in groups:
+            g = max(g, 0)
+            slot_of_row.append((g, members.get(g, 0)))
+            members[g] = members.get(g, 0) + 1
         self.num_groups, self.per_group = stack.valid.shape[0], max(members.values())
-        self.slot = torch.tensor([g * self.per_group + j for g, j in slots], device=device)
-        self.rows = None if len(rows) == len(groups) else torch.tensor(rows, device=device)
-        self.valid = stack.valid[torch.tensor([groups[r] for r in rows], device=device)]  # [rows with one, width]
+        slots = [g * self.per_group + j for g, j in slot_of_row]
+        row_of_slot = [0] * (self.num_groups * self.per_group)  # an empty slot reads row 0: its result is never read
+        for row, slot in enumerate(slots):
+            row_of_slot[slot] = row
+        device = stack.valid.device
+        self.slot, self.row_of_slot = torch.tensor(slots, device=device), torch.tensor(row_of_slot, device=device)
         self.groups = torch.tensor(groups, device=device)
+        self.visible = stack.valid[self.groups.clamp(min=0)] & (self.groups >= 0)[:, None]  # [rows, width]
+        self._bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (own mask, its additive bias)
 
-    def _grouped(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, kv heads, n, c] -> [prefixes, kv heads, per_group x n, c] (the slots of absent rows zero)."""
-        _, heads, n, c = x.shape
-        out = x.new_zeros(self.num_groups * self.per_group, heads, n, c)
-        out[self.slot] = x
-        return out.view(self.num_groups, self.per_group, heads, n, c).transpose(1, 2).reshape(
-            self.num_groups, heads, self.per_group * n, c)
-
-    def _ungrouped(self, y: torch.Tensor, n: int) -> torch.Tensor:
-        heads, c = y.shape[1], y.shape[-1]
-        return y.view(self.num_groups, heads, self.per_group, n, c).transpose(1, 2).reshape(
-            self.num_groups * self.per_group, heads, n, c)[self.slot]
+    def _bias_for(self, mask: torch.Tensor, dtype) -> torch.Tensor:
+        """[rows, 1, 1, width + own]: 0 where a row sees the key, -inf elsewhere (the same for every layer)."""
+        if self._bias is None or self._bias[0] is not mask:
+            visible = torch.cat([self.visible[:, None, None, :], mask.expand(len(self.visible), 1, 1, -1)], dim=-1)
+            bias = torch.zeros(visible.shape, dtype=dtype, device=mask.device).masked_fill_(~visible, float("-inf"))
+            self._bias = (mask, bias)
+        return self._bias[1]
 
     def attend(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
         """``query`` [rows, heads, q, dim], the rows' own ``key``/``value`` [rows, kv heads, own, dim], ``mask``
@@ -575,48 +575,39 @@ class _SharedPrefixes:
         self.num_calls += 1
         num_rows, heads, q_len, dim = query.shape
         kv_heads, own = key.shape[1], key.shape[2]
-        rep = heads // kv_heads
         if mask is None:  # transformers leaves it out when every key is visible (causal when q == own)
             mask = torch.ones(q_len, own, dtype=torch.bool, device=query.device).tril(own - q_len)[None, None]
         if q_len > 1:
             return self._attend_gathered(layer, query, key, value, mask.bool(), scaling)
-        q = query.reshape(num_rows, kv_heads, rep * q_len, dim) * scaling  # query head h reads kv head h // rep
-        scores_own = (q @ key.transpose(-1, -2)).masked_fill(~mask.bool(), float("-inf"))  # q_len 1: [rows, 1, 1, own]
+        n = heads // kv_heads  # query head h reads kv head h // n
         keys, values = self.stack.layers[layer]
-        with_prefix = q if self.rows is None else q[self.rows]
-        scores_prefix = self._ungrouped(self._grouped(with_prefix) @ keys.transpose(-1, -2), rep * q_len)
-        scores_prefix = scores_prefix.masked_fill(~self.valid[:, None, None, :], float("-inf"))
-        width = keys.shape[2]
-        if self.rows is not None:
-            full = scores_prefix.new_full((num_rows, kv_heads, rep * q_len, width), float("-inf"))
-            full[self.rows] = scores_prefix
-            scores_prefix = full
-        probs = torch.softmax(torch.cat([scores_prefix, scores_own], dim=-1), dim=-1)
+        width, grouped = keys.shape[2], (kv_heads, self.num_groups, self.per_group * n, dim)
+        q = query.reshape(num_rows, kv_heads, n, dim) * scaling
+        in_slots = q.transpose(0, 1).index_select(1, self.row_of_slot).view(grouped)
+        scores_prefix = (in_slots @ keys.transpose(-1, -2)).view(kv_heads, -1, n, width).index_select(1, self.slot)
+        scores = torch.cat([scores_prefix.transpose(0, 1), q @ key.transpose(-1, -2)], dim=-1)
+        probs = torch.softmax(scores + self._bias_for(mask.bool(), scores.dtype), dim=-1)
         out = probs[..., width:] @ value
-        probs_prefix = probs[..., :width] if self.rows is None else probs[self.rows, ..., :width]
-        from_prefix = self._ungrouped(self._grouped(probs_prefix) @ values, rep * q_len)
-        if self.rows is None:
-            out = out + from_prefix
-        else:
-            out[self.rows] += from_prefix
-        return out.view(num_rows, heads, q_len, dim).transpose(1, 2).contiguous()
+        probs_in_slots = probs[..., :width].transpose(0, 1).index_select(1, self.row_of_slot).view(
+            kv_heads, self.num_groups, self.per_group * n, width)
+        from_prefix = (probs_in_slots @ values).view(kv_heads, -1, n, dim).index_select(1, self.slot)
+        out = out + from_prefix.transpose(0, 1)
+        return out.view(num_rows, heads, 1, dim).transpose(1, 2).contiguous()
 
     def _attend_gathered(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
         """A prefill (several queries a row, rare): sdpa over [prefix ; own keys] with each row's prefix copied
         to it, a chunk of rows at a time (``PREFILL_CHUNK_VALUES``), so the copies stay small and transient."""
         keys, values = self.stack.layers[layer]
         num_rows, kv_heads, own, dim = key.shape
-        prefix = self.groups >= 0
-        visible = self.stack.valid[self.groups.clamp(min=0)] & prefix[:, None]  # [rows, width]
         chunk = max(1, PREFILL_CHUNK_VALUES // ((keys.shape[2] + own) * kv_heads * dim))
         mask = mask.expand(num_rows, 1, *mask.shape[2:])
         out = []
         for start in range(0, num_rows, chunk):
             rows = slice(start, start + chunk)
             group = self.groups[rows].clamp(min=0)
-            k = torch.cat([keys[group], key[rows]], dim=2)
-            v = torch.cat([values[group], value[rows]], dim=2)
-            m = torch.cat([visible[rows, None, None, :].expand(-1, 1, mask.shape[2], -1), mask[rows]], dim=-1)
+            k = torch.cat([keys[:, group].transpose(0, 1), key[rows]], dim=2)
+            v = torch.cat([values[:, group].transpose(0, 1), value[rows]], dim=2)
+            m = torch.cat([self.visible[rows, None, None, :].expand(-1, 1, mask.shape[2], -1), mask[rows]], dim=-1)
             out.append(torch.nn.functional.scaled_dot_product_attention(
                 query[rows], k, v, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != kv_heads))
         return torch.cat(out).transpose(1, 2).contiguous()

@@ -133,11 +133,14 @@ def test_tools_run_while_other_rows_decode(setup):
     ids = _ids(tokenizer, PROMPTS)
     tool_ids = tokenizer("tool says 5", add_special_tokens=False)["input_ids"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        def on_finish(f):
+        def follow(f):
             turn, i = f.key
             if turn == 1:
                 return None
             return pool.submit(lambda: Request((1, i), f.new_ids[-1:] + tool_ids, 5, seed=7 + i, kept=f.kept))
+
+        def on_finish(finished):
+            return [future for future in map(follow, finished) if future is not None]
         engine = _engine(model, tokenizer, eos=NEVER)
         out = _by_key(engine.run([Request((0, i), ids[i], 3 + i, seed=i, keep=True) for i in range(4)], on_finish))
     for i in range(4):
