@@ -61,6 +61,10 @@ BUCKETED_CACHE_BLOCK = 64
 PREFILL_CHUNK_VALUES = 1 << 18
 """A prefill onto shared prefixes copies each row's prefix keys and values for its attention, this many values
 (rows x (prefix + own columns) x kv heads x head_dim) at a time, one layer at a time."""
+NOISE_STEPS = 16
+NOISE_ROW_VALUES = 1 << 14
+"""A row's sampling noise is drawn up to ``NOISE_STEPS`` tokens at a time, at most ``NOISE_ROW_VALUES`` values (64
+KiB of float32 a row: 16 tokens of a 1024-entry vocabulary; one token at a time from 16384 entries up)."""
 SAMPLE_CHUNK_VALUES = 1 << 20
 """Uniforms drawn and used together, rows x vocabulary (8 MiB of float64): a 49152-entry vocabulary is sampled 21
 rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
@@ -130,7 +134,7 @@ OnFinish = Callable[[list[Finished]], Iterable[Union[Request, "concurrent.future
 @dataclass
 class _Row:
     request: Request
-    generator: Optional[torch.Generator]
+    noise: Optional["RowNoise"] = None  # the row's sampling noise (seeded rows), made at its first token
     length: int = 0  # real tokens in the cache, the shared prefix included
     prefix: Optional[KeptCache] = None  # the group's shared prompt cache, outside the batch's buffers
     last: int = 0  # the token the next decode forward feeds
@@ -287,7 +291,7 @@ class ContinuousEngine:
         positions = _positions(mask)[:, width:] + torch.tensor(prefix_len, device=device)[:, None]
         layers, logits = self._forward(ids, mask, positions, layers, width, prefixes=prefixes)
         self.stats.num_prefill_forwards += 1
-        rows = [_Row(r, _generator(r.seed, device), length=p + k + len(r.new_ids), prefix=prefix)
+        rows = [_Row(r, length=p + k + len(r.new_ids), prefix=prefix)
                 for r, k, p, prefix in zip(entering, kept_len, prefix_len, prefixes)]
         mask = _right_align(layers, mask, self.block)
         self._join(rows, layers, mask)
@@ -433,7 +437,12 @@ class ContinuousEngine:
         return _PrefixStack(list(wanted.values()))
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample_rows(logits, [r.generator for r in rows], temperature=self.temperature,
+        vocab = logits.shape[-1]
+        for r in rows:
+            if r.noise is None and r.request.seed is not None:  # a chunk: NOISE_STEPS tokens, NOISE_ROW_VALUES values
+                steps = min(NOISE_STEPS, r.request.max_new_tokens, NOISE_ROW_VALUES // vocab)
+                r.noise = RowNoise(r.request.seed, vocab, steps, logits.device)
+        tokens, logprobs = sample_rows(logits, [r.noise for r in rows], temperature=self.temperature,
                                        top_p=self.top_p)
         for r, token, logprob in zip(rows, tokens, logprobs):
             r.ids.append(token)
@@ -624,34 +633,57 @@ def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tu
     return rows, _round_up(width, block)
 
 
-def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]], *, temperature: float,
+class RowNoise:
+    """One row's Gumbel noise ``-log(-log(u))`` (float32, as the draw adds it) of its generator's float64
+    uniforms, one vocabulary's worth per token, drawn ``steps`` tokens at a time: torch's CPU and CUDA generators give
+    the same stream drawn in one piece or token by token (a unit test checks it), so a row's tokens are those of one
+    draw per token, for one ``torch.rand`` call and two logarithms per chunk instead of per token."""
+
+    def __init__(self, seed: int, vocab: int, steps: int, device: torch.device):
+        self.generator = torch.Generator(device=device).manual_seed(int(seed))
+        self.vocab, self.steps, self.device = vocab, max(1, steps), device
+        self.chunk: Optional[torch.Tensor] = None
+        self.at = 0
+
+    def next(self) -> torch.Tensor:
+        if self.chunk is None or self.at == self.chunk.shape[0]:
+            u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
+            u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
+            self.chunk, self.at = (-torch.log(-torch.log(u))).float(), 0
+        self.at += 1
+        return self.chunk[self.at - 1]
+
+
+def sample_rows(logits: torch.Tensor, noises: list[Optional[RowNoise]], *, temperature: float,
                 top_p: float) -> tuple[list[int], list[float]]:
     """Each row's next token and its behaviour log-prob (``log_softmax(logits / temperature)`` at the token).
 
-    A row with a generator draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
-    uniform per vocabulary entry from its generator; with ``top_p`` < 1 the draw is over the nucleus, as
-    transformers' ``TopPLogitsWarper`` cuts it); a row without one takes the argmax of its logits (greedy, its
-    log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` uniforms (each row's draw is
-    its own, so the chunking changes no token); only the uniforms are drawn row by row."""
+    A row with noise draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
+    uniform per vocabulary entry from its generator, :class:`RowNoise`; with ``top_p`` < 1 the draw is over the
+    nucleus, as transformers' ``TopPLogitsWarper`` cuts it); a row without takes the argmax of its logits (greedy, its
+    log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` values (each row's draw is
+    its own, so the chunking changes no token); only the noise is gathered row by row."""
     scores = logits.float()
+    if None not in noises and len(noises) * scores.shape[-1] <= SAMPLE_CHUNK_VALUES:  # the usual step: one chunk
+        logp = torch.log_softmax(scores / temperature, dim=-1)
+        drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
+        chosen = (drawn + torch.stack([noise.next() for noise in noises])).argmax(-1)
+        return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
     tokens = scores.argmax(-1)
     values = torch.empty(scores.shape[0], dtype=scores.dtype, device=scores.device)
-    greedy = [r for r, g in enumerate(generators) if g is None]
+    greedy = [r for r, g in enumerate(noises) if g is None]
     if greedy:
         index = torch.tensor(greedy, device=scores.device)
         picked = tokens.index_select(0, index)[:, None]
         values[index] = torch.log_softmax(scores.index_select(0, index), -1).gather(1, picked)[:, 0]
-    seeded = [r for r, g in enumerate(generators) if g is not None]
-    tiny = torch.finfo(torch.float64).tiny
+    seeded = [r for r, g in enumerate(noises) if g is not None]
     chunk = max(1, SAMPLE_CHUNK_VALUES // scores.shape[-1])
     for start in range(0, len(seeded), chunk):
         rows = seeded[start:start + chunk]
         index = torch.tensor(rows, device=scores.device)
         logp = torch.log_softmax(scores.index_select(0, index) / temperature, dim=-1)
         drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
-        u = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=scores.device,
-                                    dtype=torch.float64) for r in rows]).clamp(tiny, 1.0 - 1e-16)
-        chosen = (drawn + (-torch.log(-torch.log(u))).to(drawn.dtype)).argmax(-1)
+        chosen = (drawn + torch.stack([noises[r].next() for r in rows])).argmax(-1)
         tokens[index] = chosen
         values[index] = logp.gather(1, chosen[:, None])[:, 0]
     return tokens.tolist(), values.tolist()
@@ -669,10 +701,6 @@ def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _ended(row: _Row, eos_id: int) -> bool:
     return bool(row.ids) and (row.ids[-1] == eos_id or len(row.ids) >= row.request.max_new_tokens)
-
-
-def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Generator]:
-    return None if seed is None else torch.Generator(device=device).manual_seed(int(seed))
 
 
 def _round_up(n: int, block: int) -> int:

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout.engine import ContinuousEngine, Request, decode_shape
+from fsdptrain.rollout.engine import ContinuousEngine, Request, RowNoise, decode_shape
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
@@ -147,6 +147,19 @@ def test_tools_run_while_other_rows_decode(setup):
         conversation = ids[i] + out[(0, i)][0] + tool_ids
         again = _by_key(_engine(model, tokenizer, eos=NEVER).run([Request(0, conversation, 5, seed=7 + i)]))[0]
         assert out[(1, i)][0] == again[0]
+
+
+def test_noise_drawn_in_chunks_is_the_noise_of_one_draw_per_token():
+    """RowNoise draws several tokens' uniforms at once; each token's noise must be what drawing its vocabulary's
+    uniforms alone, token after token from the same generator, gives (RowSeededSampling's draw), bit for bit."""
+    vocab, seed = 37, 123
+    generator = torch.Generator().manual_seed(seed)
+    tiny = torch.finfo(torch.float64).tiny
+    one_by_one = [(-torch.log(-torch.log(torch.rand(vocab, generator=generator, dtype=torch.float64)
+                                          .clamp(tiny, 1.0 - 1e-16)))).float() for _ in range(20)]
+    for steps in (1, 3, 16):
+        noise = RowNoise(seed, vocab, steps, torch.device("cpu"))
+        assert all(torch.equal(noise.next(), want) for want in one_by_one)
 
 
 def test_bad_bounds_are_refused():
