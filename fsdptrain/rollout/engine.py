@@ -18,18 +18,23 @@ new tokens -- the last sampled token, the tool message and the template's separa
   slot (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads
   cut (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing,
   rows entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or
-  values twice. Its memory is live rows x (the longest live row + less than a block), never batch x (prompt +
-  max_new_tokens). A request's kept cache is dropped as soon as it is copied into the batch;
+  values twice. Its memory is live rows x (the longest live row's own tokens + less than a block) plus each live
+  group's shared prompt once, never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it is copied into the batch;
 - **shapes**: exact on the CPU; on CUDA (``bucketed``) each decode forward runs at :func:`decode_shape`'s bucket of
   rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
-  but the last token, from one forward per distinct prompt;
+  but the last token, from one forward per distinct prompt. That cache is held once per group, not per row
+  (:class:`_PrefixStack`): the batch's buffers hold each row's own tokens only, a kept cache points at its group's
+  prefix, and the engine runs the model on its own attention function (``SHARED_PREFIX_ATTENTION``, registered
+  with transformers' AttentionInterface; sdpa in any forward without prefixes) that takes one softmax over
+  [prefix ; own keys] (:class:`_SharedPrefixes`). Models whose attention is not plain (sliding windows,
+  soft-capping, sinks) or not dispatched through the interface keep a copy of the prefix in every row;
 - **callbacks**: ``on_finish(finished)`` is called once per step with the rows that left at it and returns their
   follow-ups: requests, or ``concurrent.futures.Future`` objects each of a request, a list of them or None (tools
   running on a thread while the other rows decode; polled at every step).
 
 Sampling is row-seeded (:class:`fsdptrain.model.generate.RowSeededSampling`, the same Gumbel-max draw from the same
-per-request ``torch.Generator``): a row's tokens depend on its prompt, its seed and the weights only, never on which
+per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens depend on its prompt, its seed and the weights only, never on which
 rows share its batch, how many, when it entered, or on which rank. ``seed`` None decodes greedily. The behaviour
 log-prob of each sampled token is ``log_softmax(logits / temperature)`` of the generating forward at that token:
 after temperature, before top-p (the distribution the training forward scores at ``rollout.temperature``).
@@ -158,9 +163,7 @@ class ContinuousEngine:
         self.bucketed = self.device.type == "cuda" if bucketed is None else bucketed
         self.block = BUCKETED_CACHE_BLOCK if self.bucketed else CACHE_BLOCK
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        # a group's prompt cache held once (attention over [shared prefix ; own tokens]) where the model's attention
-        # goes through transformers' AttentionInterface; otherwise each row holds its own copy of it
-        self.share_prefixes = isinstance(model, PreTrainedModel) and model._can_set_attn_implementation()
+        self.share_prefixes = _can_share_prefixes(model)
         self.stats = EngineStats()
         self._rows: list[_Row] = []
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
@@ -375,7 +378,7 @@ class ContinuousEngine:
                for i, r in ((i, self._rows[i]) for i in gone)]
         num_rows = len(self._rows) - len(gone)
         if num_rows == 0:
-            self._rows, self._layers, self._mask = [], [], None
+            self._rows, self._layers, self._mask, self._stack = [], [], None, None
             return out
         holes = [i for i in gone if i < num_rows]
         leaving = set(gone)
@@ -496,6 +499,19 @@ class _BufferLayer(DynamicLayer):
         if self.expose:
             return self.buffers[0].shape[2], 0
         return super().get_mask_sizes(query_length)
+
+
+def _can_share_prefixes(model) -> bool:
+    """Whether a group's prompt cache can be held once (attention over [shared prefix ; own tokens]): the model's
+    attention goes through transformers' AttentionInterface and is plain softmax attention over every earlier
+    position (no sliding-window layer, no logit soft-capping, no attention sinks). Otherwise each row holds its own
+    copy of its group's prompt cache, as before."""
+    if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
+        return False
+    config = model.config.get_text_config()
+    plain = all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
+    return (plain and getattr(config, "attn_logit_softcapping", None) is None
+            and not any(hasattr(m, "sinks") for m in model.modules()))
 
 
 SHARED_PREFIX_ATTENTION = "fsdptrain_shared_prefix"
