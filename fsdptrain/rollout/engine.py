@@ -63,7 +63,7 @@ CACHE_BLOCK = 16
 less than a block of unused columns."""
 BUCKETED_CACHE_BLOCK = 64
 """The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
-PREFILL_CHUNK_VALUES = 1 << 18
+PREFILL_CHUNK_VALUES = 1 << 16
 """A prefill onto shared prefixes copies each row's prefix keys and values for its attention, this many values
 (rows x (prefix + own columns) x kv heads x head_dim) at a time, one layer at a time."""
 NOISE_STEPS = 16
