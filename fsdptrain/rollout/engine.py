@@ -12,14 +12,15 @@ new tokens -- the last sampled token, the tool message and the template's separa
   arrival order, while the live batch holds fewer than
   ``max_live_rows`` rows and fewer than ``max_live_tokens`` cache positions (rows x width of the padded batch); an
   empty batch always admits one request, so no request waits forever;
-- **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity,
-  dim] whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes
-  its column in place, no per-step copy of the cache). When rows leave, a live row from above moves into each freed
-  slot (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads
-  cut (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing,
-  rows entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or
-  values twice. Its memory is live rows x (the longest live row's own tokens + less than a block) plus each live
-  group's shared prompt once, never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it is copied into the batch;
+- **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity, dim]
+  whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes its
+  column in place, no per-step copy of the cache). When rows leave, a live row from above moves into each freed slot
+  (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads cut
+  (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing, rows
+  entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or values
+  twice. Its memory is live rows x (the longest live row's own tokens + less than a block) plus each live group's
+  shared prompt once, never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it is
+  copied into the batch;
 - **shapes**: exact on the CPU; on CUDA (``bucketed``) each decode forward runs at :func:`decode_shape`'s bucket of
   rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
@@ -34,10 +35,11 @@ new tokens -- the last sampled token, the tool message and the template's separa
   running on a thread while the other rows decode; polled at every step).
 
 Sampling is row-seeded (:class:`fsdptrain.model.generate.RowSeededSampling`, the same Gumbel-max draw from the same
-per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens depend on its prompt, its seed and the weights only, never on which
-rows share its batch, how many, when it entered, or on which rank. ``seed`` None decodes greedily. The behaviour
-log-prob of each sampled token is ``log_softmax(logits / temperature)`` of the generating forward at that token:
-after temperature, before top-p (the distribution the training forward scores at ``rollout.temperature``).
+per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens
+depend on its prompt, its seed and the weights only, never on which rows share its batch, how many, when it entered,
+or on which rank. ``seed`` None decodes greedily. The behaviour log-prob of each sampled token is
+``log_softmax(logits / temperature)`` of the generating forward at that token: after temperature, before top-p (the
+distribution the training forward scores at ``rollout.temperature``).
 """
 
 from __future__ import annotations
