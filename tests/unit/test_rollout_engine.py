@@ -126,6 +126,30 @@ def test_a_shared_prompt_is_prefilled_once_and_changes_no_token(setup):
     assert {k: v[0] for k, v in interleaved.items()} == {k: v[0] for k, v in alone.items()}
 
 
+def test_a_groups_prompt_is_held_once_and_gives_the_tokens_of_a_copy_per_row(setup):
+    """The shared-prompt attention (one softmax over [the group's prompt ; the row's own keys]) against the engine
+    holding a copy of the prompt in every row: the same ids, log-probs within 1e-5, with a row of a prompt no other
+    row shares (no prefix) in the same batch; the cache holds each prompt once."""
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    requests = lambda: [Request((g, s), ids[g], 6, seed=10 * g + s)  # noqa: E731
+                        for g, samples in ((0, 4), (1, 4), (2, 1)) for s in range(samples)]
+    shared_engine = _engine(model, tokenizer, eos=NEVER)
+    shared = _by_key(shared_engine.run(requests()))
+    copies_engine = _engine(model, tokenizer, eos=NEVER)
+    copies_engine.share_prefixes = False
+    copies = _by_key(copies_engine.run(requests()))
+    assert shared_engine.share_prefixes and shared.keys() == copies.keys()
+    for key in shared:
+        assert shared[key][0] == copies[key][0]
+        torch.testing.assert_close(torch.tensor(shared[key][1]), torch.tensor(copies[key][1]), rtol=0, atol=1e-5)
+    # at the last decode step: 9 rows x their own columns (prompt 2 whole; the others their last prompt token, then
+    # the 5 tokens fed back) + the 2 shared prompts once each, as wide as the longer one (all but its last token)
+    own = max(len(ids[2]), 1) + 5
+    assert shared_engine.stats.max_cache_positions == 9 * own + 2 * (max(len(ids[0]), len(ids[1])) - 1)
+    assert copies_engine.stats.max_cache_positions == 9 * (max(len(i) for i in ids[:3]) + 5)
+
+
 def test_tools_run_while_other_rows_decode(setup):
     """on_finish hands back a Future (a tool in a thread pool); the trajectory re-enters with the tool's tokens on
     its kept cache when the future is done, and its tokens are those of the same turns run one after the other."""
