@@ -177,6 +177,10 @@ _DATA_ROLES = frozenset({"system", "user", "tool"})
 """The roles whose contents :class:`ChatTurns` tokenizes as data (what the user, a tool or an environment wrote)."""
 
 
+SEGMENT_MEMO_SIZE = 4096
+"""How many distinct tool-message segments a :class:`ChatTurns` remembers (then it starts again)."""
+
+
 class ChatTurns:
     """A tokenizer's chat template as the turn loop uses it: the prompt's ids, the ids that follow an assistant turn
     with tool messages, and parsing a turn's calls. Built once at start-up; the constructor checks the template
@@ -208,6 +212,7 @@ class ChatTurns:
         self._opening_ids = opening_ids
         self._check_prefix_preserving()
         self._longest_token = max(map(len, tokenizer.get_vocab()), default=1)
+        self._segments: dict[str, list[int]] = {}
 
     def max_chars(self, num_tokens: int) -> int:
         """How many characters of a text surely hold its first ``num_tokens`` tokens (with 8 to spare past the
@@ -253,7 +258,18 @@ class ChatTurns:
 
     def tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         """The ids that follow an assistant turn's EOS when ``tool_messages`` answer it: the template's separator
-        after the EOS, the tool messages, and the next generation prompt."""
+        after the EOS, the tool messages, and the next generation prompt. Remembered for the last
+        ``SEGMENT_MEMO_SIZE`` distinct tool messages: the samples of a group often make the same call and get the same
+        result, and rendering the template (twice, with the tools' schemas) costs a millisecond or more where the
+        rest of a turn's bookkeeping costs microseconds."""
+        key = json.dumps(list(tool_messages), sort_keys=True, default=repr)
+        if (ids := self._segments.get(key)) is None:
+            if len(self._segments) >= SEGMENT_MEMO_SIZE:
+                self._segments.clear()
+            ids = self._segments[key] = self._tool_segment_ids(tool_messages)
+        return list(ids)
+
+    def _tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         full = self.render([*self._opening, *tool_messages], generation_prompt=True)
         if full[:len(self._opening_ids)] != self._opening_ids:
             raise ConfigError("the tokenizer's chat template is not prefix-preserving for tool messages (rendering them "

@@ -65,19 +65,28 @@ def run_turns_continuous(engine: ContinuousEngine, chat: ChatTurns, prompts: Seq
 
     tool_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tools")
 
-    def after_tools(finished: Finished, calls: list[tuple[str, dict]]) -> Optional[Request]:
-        t = trajectories[finished.key]
-        results = call_tools([(finished.key, name, arguments) for name, arguments in calls])
-        before = len(t.response_ids)
-        append_tool_results(chat, t, calls, results, caps)
-        return None if t.done else request(finished.key, finished.new_ids[-1:] + t.response_ids[before:],
-                                           finished)
+    def after_tools(calling: list[tuple[Finished, list[tuple[str, dict]]]]) -> list[Request]:
+        """One step's tool calls, run together as ``run_turns`` runs a turn's; the trajectories' next turns."""
+        results = iter(call_tools([(f.key, name, arguments) for f, calls in calling for name, arguments in calls]))
+        follow = []
+        for finished, calls in calling:
+            t = trajectories[finished.key]
+            before = len(t.response_ids)
+            append_tool_results(chat, t, calls, [next(results) for _ in calls], caps)
+            if not t.done:
+                follow.append(request(finished.key, finished.new_ids[-1:] + t.response_ids[before:], finished))
+        return follow
 
-    def on_finish(finished: Finished):
-        t = trajectories[finished.key]
-        calls = finish_turn(chat, t, finished.new_ids, finished.ended, budget=len(finished.new_ids),
-                            last_turn=t.num_turns == caps.max_turns - 1)
-        return tool_thread.submit(after_tools, finished, calls) if calls else None
+    def on_finish(finished_rows: list[Finished]) -> list:
+        calling = []
+        for finished in finished_rows:
+            t = trajectories[finished.key]
+            calls = finish_turn(chat, t, finished.new_ids, finished.ended, budget=len(finished.new_ids),
+                                last_turn=t.num_turns == caps.max_turns - 1)
+            if calls:
+                calling.append((finished, calls))
+        # one task per step, not per row: each hand-over to the tool thread costs the decode loop a GIL switch
+        return [tool_thread.submit(after_tools, calling)] if calling else []
 
     # Not a `with` block: leaving on an exception (a stop signal's grace ran out, a ToolError) must not wait for a
     # tool call that may never return (fsdptrain/run/signals.py); the process leaves through os._exit anyway.

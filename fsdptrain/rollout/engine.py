@@ -12,46 +12,66 @@ new tokens -- the last sampled token, the tool message and the template's separa
   arrival order, while the live batch holds fewer than
   ``max_live_rows`` rows and fewer than ``max_live_tokens`` cache positions (rows x width of the padded batch); an
   empty batch always admits one request, so no request waits forever;
-- **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity,
-  dim] whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes
-  its column in place, no per-step copy of the cache). When rows leave, a live row from above moves into each freed
-  slot (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads
-  cut (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing,
-  rows entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or
-  values twice. Its memory is live rows x (the longest live row + less than a block), never batch x (prompt +
-  max_new_tokens). A request's kept cache is dropped as soon as it is copied into the batch;
+- **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity, dim]
+  whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes its
+  column in place, no per-step copy of the cache). When rows leave, a live row from above moves into each freed slot
+  (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads cut
+  (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing, rows
+  entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or values
+  twice. Its memory is live rows x (the longest live row's own tokens + less than a block) plus each live group's
+  shared prompt once, never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it is
+  copied into the batch;
 - **shapes**: exact on the CPU; on CUDA (``bucketed``) each decode forward runs at :func:`decode_shape`'s bucket of
   rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
-  but the last token, from one forward per distinct prompt;
-- **callbacks**: ``on_finish(finished)`` is called as each row leaves and may return the trajectory's next
-  :class:`Request`, a ``concurrent.futures.Future`` of one (a tool running in a pool while the other rows decode;
-  polled at every step) or None.
+  but the last token, from one forward per distinct prompt. That cache is held once per group, not per row
+  (:class:`_PrefixStack`): the batch's buffers hold each row's own tokens only, a kept cache points at its group's
+  prefix, and the engine runs the model on its own attention function (``SHARED_PREFIX_ATTENTION``, registered
+  with transformers' AttentionInterface; sdpa in any forward without prefixes) that takes one softmax over
+  [prefix ; own keys] (:class:`_SharedPrefixes`). Models whose attention is not plain (sliding windows,
+  soft-capping, sinks) or not dispatched through the interface keep a copy of the prefix in every row;
+- **callbacks**: ``on_finish(finished)`` is called once per step with the rows that left at it and returns their
+  follow-ups: requests, or ``concurrent.futures.Future`` objects each of a request, a list of them or None (tools
+  running on a thread while the other rows decode; polled at every step).
 
 Sampling is row-seeded (:class:`fsdptrain.model.generate.RowSeededSampling`, the same Gumbel-max draw from the same
-per-request ``torch.Generator``): a row's tokens depend on its prompt, its seed and the weights only, never on which
-rows share its batch, how many, when it entered, or on which rank. ``seed`` None decodes greedily. The behaviour
-log-prob of each sampled token is ``log_softmax(logits / temperature)`` of the generating forward at that token:
-after temperature, before top-p (the distribution the training forward scores at ``rollout.temperature``).
+per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens
+depend on its prompt, its seed and the weights only, never on which rows share its batch, how many, when it entered,
+or on which rank. ``seed`` None decodes greedily. The behaviour log-prob of each sampled token is
+``log_softmax(logits / temperature)`` of the generating forward at that token: after temperature, before top-p (the
+distribution the training forward scores at ``rollout.temperature``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import inspect
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional, Union
+from typing import Callable, Hashable, Iterable, Optional, Union
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from fsdptrain.model.attention_switch import generation_attention
 
 CACHE_BLOCK = 16
 """Cache columns allocated at a time on the CPU: a row's cache grows by one copy per block of tokens, and holds
 less than a block of unused columns."""
 BUCKETED_CACHE_BLOCK = 64
 """The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
+PREFILL_CHUNK_VALUES = 1 << 16
+"""A prefill onto shared prefixes copies each row's prefix keys and values for its attention, this many values
+(rows x (prefix + own columns) x kv heads x head_dim) at a time, one layer at a time."""
+NOISE_STEPS = 16
+NOISE_ROW_VALUES = 1 << 14
+"""A row's sampling noise is drawn up to ``NOISE_STEPS`` tokens at a time, at most ``NOISE_ROW_VALUES`` values (64
+KiB of float32 a row: 16 tokens of a 1024-entry vocabulary; one token at a time from 16384 entries up)."""
 SAMPLE_CHUNK_VALUES = 1 << 20
 """Uniforms drawn and used together, rows x vocabulary (8 MiB of float64): a 49152-entry vocabulary is sampled 21
 rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
@@ -60,13 +80,21 @@ rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
 @dataclass
 class KeptCache:
     """One row's keys and values, one ``(keys, values)`` pair of shape [heads, length, head_dim] per layer, for every
-    token of its conversation but the last sampled one (which the next turn prefills)."""
+    token of its conversation but the last sampled one (which the next turn prefills). ``prefix``: the shared cache
+    of its group's prompt, which comes before ``layers`` and is held once for all the group's rows."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    prefix: Optional["KeptCache"] = None
 
     @property
     def length(self) -> int:
+        """The row's own positions (its shared prefix not counted)."""
         return self.layers[0][0].shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Every position the cache covers, the shared prefix included: the next token's position id."""
+        return self.length + (self.prefix.num_tokens if self.prefix is not None else 0)
 
 
 @dataclass
@@ -107,14 +135,15 @@ class EngineStats:
     max_cache_positions: int = 0
 
 
-OnFinish = Callable[[Finished], Union[None, Request, "concurrent.futures.Future"]]
+OnFinish = Callable[[list[Finished]], Iterable[Union[Request, "concurrent.futures.Future"]]]
 
 
 @dataclass
 class _Row:
     request: Request
-    generator: Optional[torch.Generator]
-    length: int = 0  # real tokens in the cache
+    noise: Optional["RowNoise"] = None  # the row's sampling noise (seeded rows), made at its first token
+    length: int = 0  # real tokens in the cache, the shared prefix included
+    prefix: Optional[KeptCache] = None  # the group's shared prompt cache, outside the batch's buffers
     last: int = 0  # the token the next decode forward feeds
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -136,11 +165,13 @@ class ContinuousEngine:
         self.bucketed = self.device.type == "cuda" if bucketed is None else bucketed
         self.block = BUCKETED_CACHE_BLOCK if self.bucketed else CACHE_BLOCK
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        self.share_prefixes = _can_share_prefixes(model)
         self.stats = EngineStats()
         self._rows: list[_Row] = []
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
         self._mask: Optional[torch.Tensor] = None  # [rows, width]: every row ends at the last column
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
+        self._stack: Optional[_PrefixStack] = None  # the live rows' shared prefixes, one copy each
 
     @property
     def device(self) -> torch.device:
@@ -151,34 +182,38 @@ class ContinuousEngine:
         """Decode ``requests`` and every request ``on_finish`` adds; the finished ones in the order they left."""
         was_training = self.model.training
         self.model.eval()
+        attention = contextlib.nullcontext()
+        if self.share_prefixes:
+            _register_shared_prefix_attention()
+            attention = generation_attention(self.model, SHARED_PREFIX_ATTENTION)
         try:
-            return self._loop(deque(requests), on_finish)
+            with attention:
+                return self._loop(deque(requests), on_finish)
         finally:
             self.model.train(was_training)
-            self._rows, self._layers, self._mask, self._prefixes = [], [], None, {}
+            self._rows, self._layers, self._mask, self._prefixes, self._stack = [], [], None, {}, None
 
     def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Finished]:
         done: list[Finished] = []
         pending: list[concurrent.futures.Future] = []
 
         def leave() -> None:
-            for finished in self._leave():
-                if on_finish is None:
-                    done.append(finished)
-                    continue
-                # the kept cache goes to on_finish only: `done` holding it would keep every turn's cache alive
-                done.append(dataclasses.replace(finished, kept=None))
-                follow = on_finish(finished)
-                if isinstance(follow, concurrent.futures.Future):
-                    pending.append(follow)
-                elif follow is not None:
-                    waiting.append(follow)
+            finished = self._leave()
+            if not finished:
+                return
+            if on_finish is None:
+                done.extend(finished)
+                return
+            # the kept caches go to on_finish only: `done` holding them would keep every turn's cache alive
+            done.extend(dataclasses.replace(f, kept=None) for f in finished)
+            for follow in on_finish(finished):
+                (pending if isinstance(follow, concurrent.futures.Future) else waiting).append(follow)
 
         while waiting or pending or self._rows:
             for future in [f for f in pending if f.done()]:
                 pending.remove(future)
-                if (request := future.result()) is not None:
-                    waiting.append(request)
+                result = future.result()
+                waiting.extend(r for r in (result if isinstance(result, list) else [result]) if r is not None)
             if not waiting and not self._rows:
                 concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 continue
@@ -227,14 +262,17 @@ class ContinuousEngine:
         for r in entering:
             prefix = tuple(r.new_ids[:-1]) if r.kept is None else None
             if prefix in self._prefixes:
-                r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, self._prefixes[prefix], r.keep)
+                kept = self._prefixes[prefix]
+                if self.share_prefixes:  # no own positions yet: the rows point at the one shared cache
+                    kept = KeptCache([(k[:, :0], v[:, :0]) for k, v in kept.layers], prefix=kept)
+                r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, kept, r.keep)
             out.append(r)
         self._prefixes = {p: c for p, c in self._prefixes.items() if p in later}
         return out
 
     def _forward_prefixes(self, prefixes: list[tuple[int, ...]]) -> list[KeptCache]:
         ids, mask = _left_pad([list(p) for p in prefixes], self.pad_id, self.device)
-        layers, _ = self._forward(ids, mask, _positions(mask), None, 0)
+        layers, _ = self._forward(ids, mask, _positions(mask), None, 0, prefixes=[None] * len(prefixes))
         self.stats.num_prefill_forwards += 1
         return [_row_cache(layers, mask, r) for r in range(len(prefixes))]
 
@@ -244,6 +282,8 @@ class ContinuousEngine:
         copied into the batch."""
         device = self.device
         kept_len = [r.kept.length if r.kept else 0 for r in entering]
+        prefixes = [r.kept.prefix if r.kept else None for r in entering]
+        prefix_len = [p.num_tokens if p is not None else 0 for p in prefixes]
         ids, new_mask = _left_pad([r.new_ids for r in entering], self.pad_id, device)
         width = max(kept_len)
         layers, cache_mask = None, torch.zeros(len(entering), 0, dtype=torch.long, device=device)
@@ -253,9 +293,11 @@ class ContinuousEngine:
         for r in entering:
             r.kept = None
         mask = torch.cat([cache_mask, new_mask], dim=1)
-        layers, logits = self._forward(ids, mask, _positions(mask)[:, width:], layers, width)
+        positions = _positions(mask)[:, width:] + torch.tensor(prefix_len, device=device)[:, None]
+        layers, logits = self._forward(ids, mask, positions, layers, width, prefixes=prefixes)
         self.stats.num_prefill_forwards += 1
-        rows = [_Row(r, _generator(r.seed, device), length=k + len(r.new_ids)) for r, k in zip(entering, kept_len)]
+        rows = [_Row(r, length=p + k + len(r.new_ids), prefix=prefix)
+                for r, k, p, prefix in zip(entering, kept_len, prefix_len, prefixes)]
         mask = _right_align(layers, mask, self.block)
         self._join(rows, layers, mask)
         self._sample(rows, logits)
@@ -302,7 +344,9 @@ class ContinuousEngine:
             full_mask[:num_rows, :width + 1] = mask
             full_mask[num_rows:, width] = 1
         layers, self._layers = self._layers, []
-        self._layers, logits = self._forward(ids, full_mask, positions, layers, width, expose=self.bucketed)
+        prefixes = [r.prefix for r in self._rows] + [None] * padding
+        self._layers, logits = self._forward(ids, full_mask, positions, layers, width, expose=self.bucketed,
+                                             prefixes=prefixes)
         logits = logits[:num_rows]
         self._mask = mask
         self.stats.num_decode_forwards += 1
@@ -332,11 +376,11 @@ class ContinuousEngine:
         if not gone:
             return []
         out = [Finished(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
-                        kept=_row_cache(self._layers, self._mask, i) if r.request.keep else None)
+                        kept=_row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
         num_rows = len(self._rows) - len(gone)
         if num_rows == 0:
-            self._rows, self._layers, self._mask = [], [], None
+            self._rows, self._layers, self._mask, self._stack = [], [], None, None
             return out
         holes = [i for i in gone if i < num_rows]
         leaving = set(gone)
@@ -357,25 +401,53 @@ class ContinuousEngine:
         self._rows, self._mask = rows[:num_rows], mask[:, cut:]
         return out
 
-    def _forward(self, ids, mask, positions, layers, length: int, expose: bool = False):
+    def _forward(self, ids, mask, positions, layers, length: int, *, prefixes: list[Optional[KeptCache]],
+                 expose: bool = False):
         """One forward of ``ids`` onto the cache ``layers`` (used up to column ``length``; None: an empty cache;
-        ``expose``: attention over every column of the buffers, ``mask`` as wide); the updated buffers (per layer a
-        [keys, values] list) and the last position's logits."""
+        ``expose``: attention over every column of the buffers, ``mask`` as wide), each row also attending to its
+        shared prefix (``prefixes``, one per row, None: none); the updated buffers (per layer a [keys, values] list)
+        and the last position's logits."""
+        extra, shared = {}, None
+        if any(p is not None for p in prefixes):
+            self._stack = self._stack_with(prefixes)
+            shared = _SharedPrefixes(self._stack, prefixes)
+            extra["shared_prefixes"] = shared
         if layers:
             cache = Cache(layers=[_BufferLayer(k, v, length, self.block, expose) for k, v in layers])
             layers.clear()  # the cache's layers hold the only references, so a buffer that grows frees its old one
         else:
             cache = Cache(layer_class_to_replicate=lambda: _BufferLayer(block=self.block))
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.cache_name: cache})
+        model_mask = mask
+        if ids.shape[1] == 1 and not expose:  # a decode step's mask is the padding mask: built here, not per forward
+            model_mask = mask.bool()[:, None, None, :]  # by transformers' mask functions (a quarter of a tiny step)
+        out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self.cache_name: cache}, **extra)
         layers = [list(layer.buffers) for layer in getattr(out, self.cache_name).layers]
+        if shared is not None and shared.num_calls != len(layers):
+            raise RuntimeError(f"{type(self.model).__name__}'s attention saw the shared prefixes in {shared.num_calls} "
+                               f"of {len(layers)} layers: it does not pass the forward's keyword arguments on")
         rows, width = mask.shape
         self.stats.max_live_rows = max(self.stats.max_live_rows, rows)
-        self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width)
+        held = self._stack.num_positions if self._stack is not None else 0
+        self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width + held)
         return layers, out.logits[:, -1, :]
 
+    def _stack_with(self, prefixes: list[Optional[KeptCache]]) -> "_PrefixStack":
+        """The prefix stack holding ``prefixes`` (and the live rows' own): the current one when it holds them and
+        nothing else, else rebuilt (the old one freed first)."""
+        wanted = {id(p): p for p in prefixes + [r.prefix for r in self._rows] if p is not None}
+        if self._stack is not None and self._stack.ids == set(wanted):
+            return self._stack
+        self._stack = None
+        return _PrefixStack(list(wanted.values()))
+
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample_rows(logits, [r.generator for r in rows], temperature=self.temperature,
+        vocab = logits.shape[-1]
+        for r in rows:
+            if r.noise is None and r.request.seed is not None:  # a chunk: NOISE_STEPS tokens, NOISE_ROW_VALUES values
+                steps = min(NOISE_STEPS, r.request.max_new_tokens, NOISE_ROW_VALUES // vocab)
+                r.noise = RowNoise(r.request.seed, vocab, steps, logits.device)
+        tokens, logprobs = sample_rows(logits, [r.noise for r in rows], temperature=self.temperature,
                                        top_p=self.top_p)
         for r, token, logprob in zip(rows, tokens, logprobs):
             r.ids.append(token)
@@ -431,6 +503,143 @@ class _BufferLayer(DynamicLayer):
         return super().get_mask_sizes(query_length)
 
 
+def _can_share_prefixes(model) -> bool:
+    """Whether a group's prompt cache can be held once (attention over [shared prefix ; own tokens]): the model's
+    attention goes through transformers' AttentionInterface and is plain softmax attention over every earlier
+    position (no sliding-window layer, no logit soft-capping, no attention sinks). Otherwise each row holds its own
+    copy of its group's prompt cache, as before."""
+    if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
+        return False
+    config = model.config.get_text_config()
+    plain = all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
+    return (plain and getattr(config, "attn_logit_softcapping", None) is None
+            and not any(hasattr(m, "sinks") for m in model.modules()))
+
+
+SHARED_PREFIX_ATTENTION = "fsdptrain_shared_prefix"
+"""The attention the engine runs the model on: sdpa, except in a forward given ``shared_prefixes``."""
+
+
+def _register_shared_prefix_attention() -> None:
+    if SHARED_PREFIX_ATTENTION not in AttentionInterface():
+        AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
+        AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                            shared_prefixes: Optional["_SharedPrefixes"] = None, **kwargs):
+    """transformers' attention interface: sdpa over the cache's keys, or (``shared_prefixes`` given) one softmax
+    over each row's shared prefix and its own keys."""
+    if shared_prefixes is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return shared_prefixes.attend(module.layer_idx, query, key, value, attention_mask,
+                                  query.shape[-1] ** -0.5 if scaling is None else scaling), None
+
+
+class _PrefixStack:
+    """Distinct shared prefixes, one copy each: per layer keys and values [kv heads, prefixes, width, dim] (the
+    layout the decode step's matmul batches over), prefix g in columns [0, its length) (``valid``)."""
+
+    def __init__(self, prefixes: list[KeptCache]):
+        self.ids = {id(p) for p in prefixes}
+        self.index = {id(p): g for g, p in enumerate(prefixes)}
+        width = max(p.length for p in prefixes)
+        ref = prefixes[0].layers[0][0]
+        self.layers = []
+        for layer in range(len(prefixes[0].layers)):
+            pair = []
+            for part in range(2):
+                stacked = ref.new_zeros(ref.shape[0], len(prefixes), width, ref.shape[2])
+                for g, p in enumerate(prefixes):
+                    stacked[:, g, :p.length] = p.layers[layer][part]
+                pair.append(stacked)
+            self.layers.append(pair)
+        lengths = torch.tensor([p.length for p in prefixes], device=ref.device)
+        self.valid = torch.arange(width, device=ref.device) < lengths[:, None]
+        self.num_positions = len(prefixes) * width
+
+
+class _SharedPrefixes:
+    """One forward's rows and their prefixes in the stack. Attention for a row (``attend``): one softmax over
+    [its prefix's keys ; its own keys]. The prefix part is one matmul batched over (kv head, prefix), each prefix's
+    rows gathered into its slots [kv heads, prefixes, slots x queries, dim]: the prefix is read once per forward and
+    never copied per row. The own part is a batched matmul over the rows' own keys. A row without a prefix takes a
+    slot of prefix 0 with every prefix column masked, so its prefix part is exactly zero."""
+
+    def __init__(self, stack: _PrefixStack, prefixes: list[Optional[KeptCache]]):
+        self.stack, self.num_calls = stack, 0
+        groups = [stack.index[id(p)] if p is not None else -1 for p in prefixes]
+        members: dict[int, int] = {}
+        slot_of_row = []
+        for g in groups:
+            g = max(g, 0)
+            slot_of_row.append((g, members.get(g, 0)))
+            members[g] = members.get(g, 0) + 1
+        self.num_groups, self.per_group = stack.valid.shape[0], max(members.values())
+        slots = [g * self.per_group + j for g, j in slot_of_row]
+        row_of_slot = [0] * (self.num_groups * self.per_group)  # an empty slot reads row 0: its result is never read
+        for row, slot in enumerate(slots):
+            row_of_slot[slot] = row
+        device = stack.valid.device
+        self.slot, self.row_of_slot = torch.tensor(slots, device=device), torch.tensor(row_of_slot, device=device)
+        self.groups = torch.tensor(groups, device=device)
+        self.visible = stack.valid[self.groups.clamp(min=0)] & (self.groups >= 0)[:, None]  # [rows, width]
+        self._bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (own mask, its additive bias)
+
+    def _bias_for(self, mask: torch.Tensor, dtype) -> torch.Tensor:
+        """[rows, 1, 1, width + own]: 0 where a row sees the key, -inf elsewhere (the same for every layer)."""
+        if self._bias is None or self._bias[0] is not mask:
+            visible = torch.cat([self.visible[:, None, None, :], mask.expand(len(self.visible), 1, 1, -1)], dim=-1)
+            bias = torch.zeros(visible.shape, dtype=dtype, device=mask.device).masked_fill_(~visible, float("-inf"))
+            self._bias = (mask, bias)
+        return self._bias[1]
+
+    def attend(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
+        """``query`` [rows, heads, q, dim], the rows' own ``key``/``value`` [rows, kv heads, own, dim], ``mask``
+        over the own keys (transformers' bool [rows, 1, q, own], or None: every key visible, causal when q == own).
+        Returns [rows, q, heads, dim] as transformers' attention functions do."""
+        self.num_calls += 1
+        num_rows, heads, q_len, dim = query.shape
+        kv_heads, own = key.shape[1], key.shape[2]
+        if mask is None:  # transformers leaves it out when every key is visible (causal when q == own)
+            mask = torch.ones(q_len, own, dtype=torch.bool, device=query.device).tril(own - q_len)[None, None]
+        if q_len > 1:
+            return self._attend_gathered(layer, query, key, value, mask.bool(), scaling)
+        n = heads // kv_heads  # query head h reads kv head h // n
+        keys, values = self.stack.layers[layer]
+        width, grouped = keys.shape[2], (kv_heads, self.num_groups, self.per_group * n, dim)
+        q = query.reshape(num_rows, kv_heads, n, dim) * scaling
+        in_slots = q.transpose(0, 1).index_select(1, self.row_of_slot).view(grouped)
+        scores_prefix = (in_slots @ keys.transpose(-1, -2)).view(kv_heads, -1, n, width).index_select(1, self.slot)
+        scores = torch.cat([scores_prefix.transpose(0, 1), q @ key.transpose(-1, -2)], dim=-1)
+        probs = torch.softmax(scores + self._bias_for(mask.bool(), scores.dtype), dim=-1)
+        out = probs[..., width:] @ value
+        probs_in_slots = probs[..., :width].transpose(0, 1).index_select(1, self.row_of_slot).view(
+            kv_heads, self.num_groups, self.per_group * n, width)
+        from_prefix = (probs_in_slots @ values).view(kv_heads, -1, n, dim).index_select(1, self.slot)
+        out = out + from_prefix.transpose(0, 1)
+        return out.view(num_rows, heads, 1, dim).transpose(1, 2).contiguous()
+
+    def _attend_gathered(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
+        """A prefill (several queries a row, rare): sdpa over [prefix ; own keys] with each row's prefix copied
+        to it, a chunk of rows at a time (``PREFILL_CHUNK_VALUES``), so the copies stay small and transient."""
+        keys, values = self.stack.layers[layer]
+        num_rows, kv_heads, own, dim = key.shape
+        chunk = max(1, PREFILL_CHUNK_VALUES // ((keys.shape[2] + own) * kv_heads * dim))
+        mask = mask.expand(num_rows, 1, *mask.shape[2:])
+        out = []
+        for start in range(0, num_rows, chunk):
+            rows = slice(start, start + chunk)
+            group = self.groups[rows].clamp(min=0)
+            k = torch.cat([keys[:, group].transpose(0, 1), key[rows]], dim=2)
+            v = torch.cat([values[:, group].transpose(0, 1), value[rows]], dim=2)
+            m = torch.cat([self.visible[rows, None, None, :].expand(-1, 1, mask.shape[2], -1), mask[rows]], dim=-1)
+            out.append(torch.nn.functional.scaled_dot_product_attention(
+                query[rows], k, v, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != kv_heads))
+        return torch.cat(out).transpose(1, 2).contiguous()
+
+
 def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tuple[int, int]:
     """The (rows, cache columns) a decode forward of ``num_rows`` live rows over ``width`` cache columns (the new
     token's included) runs at. On the CPU (not ``bucketed``) exactly those. Bucketed (CUDA), so that a captured CUDA
@@ -442,34 +651,57 @@ def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tu
     return rows, _round_up(width, block)
 
 
-def sample_rows(logits: torch.Tensor, generators: list[Optional[torch.Generator]], *, temperature: float,
+class RowNoise:
+    """One row's Gumbel noise ``-log(-log(u))`` (float32, as the draw adds it) of its generator's float64
+    uniforms, one vocabulary's worth per token, drawn ``steps`` tokens at a time: torch's CPU and CUDA generators give
+    the same stream drawn in one piece or token by token (a unit test checks it), so a row's tokens are those of one
+    draw per token, for one ``torch.rand`` call and two logarithms per chunk instead of per token."""
+
+    def __init__(self, seed: int, vocab: int, steps: int, device: torch.device):
+        self.generator = torch.Generator(device=device).manual_seed(int(seed))
+        self.vocab, self.steps, self.device = vocab, max(1, steps), device
+        self.chunk: Optional[torch.Tensor] = None
+        self.at = 0
+
+    def next(self) -> torch.Tensor:
+        if self.chunk is None or self.at == self.chunk.shape[0]:
+            u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
+            u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
+            self.chunk, self.at = (-torch.log(-torch.log(u))).float(), 0
+        self.at += 1
+        return self.chunk[self.at - 1]
+
+
+def sample_rows(logits: torch.Tensor, noises: list[Optional[RowNoise]], *, temperature: float,
                 top_p: float) -> tuple[list[int], list[float]]:
     """Each row's next token and its behaviour log-prob (``log_softmax(logits / temperature)`` at the token).
 
-    A row with a generator draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
-    uniform per vocabulary entry from its generator; with ``top_p`` < 1 the draw is over the nucleus, as
-    transformers' ``TopPLogitsWarper`` cuts it); a row without one takes the argmax of its logits (greedy, its
-    log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` uniforms (each row's draw is
-    its own, so the chunking changes no token); only the uniforms are drawn row by row."""
+    A row with noise draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
+    uniform per vocabulary entry from its generator, :class:`RowNoise`; with ``top_p`` < 1 the draw is over the
+    nucleus, as transformers' ``TopPLogitsWarper`` cuts it); a row without takes the argmax of its logits (greedy, its
+    log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` values (each row's draw is
+    its own, so the chunking changes no token); only the noise is gathered row by row."""
     scores = logits.float()
+    if None not in noises and len(noises) * scores.shape[-1] <= SAMPLE_CHUNK_VALUES:  # the usual step: one chunk
+        logp = torch.log_softmax(scores / temperature, dim=-1)
+        drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
+        chosen = (drawn + torch.stack([noise.next() for noise in noises])).argmax(-1)
+        return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
     tokens = scores.argmax(-1)
     values = torch.empty(scores.shape[0], dtype=scores.dtype, device=scores.device)
-    greedy = [r for r, g in enumerate(generators) if g is None]
+    greedy = [r for r, g in enumerate(noises) if g is None]
     if greedy:
         index = torch.tensor(greedy, device=scores.device)
         picked = tokens.index_select(0, index)[:, None]
         values[index] = torch.log_softmax(scores.index_select(0, index), -1).gather(1, picked)[:, 0]
-    seeded = [r for r, g in enumerate(generators) if g is not None]
-    tiny = torch.finfo(torch.float64).tiny
+    seeded = [r for r, g in enumerate(noises) if g is not None]
     chunk = max(1, SAMPLE_CHUNK_VALUES // scores.shape[-1])
     for start in range(0, len(seeded), chunk):
         rows = seeded[start:start + chunk]
         index = torch.tensor(rows, device=scores.device)
         logp = torch.log_softmax(scores.index_select(0, index) / temperature, dim=-1)
         drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
-        u = torch.stack([torch.rand(scores.shape[-1], generator=generators[r], device=scores.device,
-                                    dtype=torch.float64) for r in rows]).clamp(tiny, 1.0 - 1e-16)
-        chosen = (drawn + (-torch.log(-torch.log(u))).to(drawn.dtype)).argmax(-1)
+        chosen = (drawn + torch.stack([noises[r].next() for r in rows])).argmax(-1)
         tokens[index] = chosen
         values[index] = logp.gather(1, chosen[:, None])[:, 0]
     return tokens.tolist(), values.tolist()
@@ -487,10 +719,6 @@ def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _ended(row: _Row, eos_id: int) -> bool:
     return bool(row.ids) and (row.ids[-1] == eos_id or len(row.ids) >= row.request.max_new_tokens)
-
-
-def _generator(seed: Optional[int], device: torch.device) -> Optional[torch.Generator]:
-    return None if seed is None else torch.Generator(device=device).manual_seed(int(seed))
 
 
 def _round_up(n: int, block: int) -> int:
@@ -558,11 +786,12 @@ def _consecutive(rows: list[int]) -> bool:
     return rows[-1] - rows[0] == len(rows) - 1
 
 
-def _row_cache(layers, mask: torch.Tensor, row: int) -> KeptCache:
-    """A copy of ``row``'s real positions (the last ``mask[row].sum()`` columns of ``mask``'s width)."""
+def _row_cache(layers, mask: torch.Tensor, row: int, prefix: Optional[KeptCache] = None) -> KeptCache:
+    """A copy of ``row``'s real positions (the last ``mask[row].sum()`` columns of ``mask``'s width), after
+    ``prefix``."""
     width, length = mask.shape[1], int(mask[row].sum())
     return KeptCache([tuple(t[row, :, width - length:width].clone(memory_format=torch.contiguous_format)
-                            for t in pair) for pair in layers])
+                            for t in pair) for pair in layers], prefix=prefix)
 
 
 def _right_align(layers: list[list[torch.Tensor]], mask: torch.Tensor, block: int) -> torch.Tensor:

@@ -185,6 +185,24 @@ def test_a_tokenizer_with_a_response_template_parses_calls_with_parse_response()
     assert chat.parse(ids('<tool_call>{"name": "add"}'), prefix_ids=prefix).malformed
 
 
+def test_a_tool_segment_is_rendered_once_per_distinct_messages_and_equals_a_fresh_rendering(monkeypatch):
+    """tool_segment_ids remembers segments (a group's samples repeat calls): the second identical request renders
+    nothing, a different one renders, and each returns the ids a fresh ChatTurns renders, in a list of its own."""
+    tok = chatml_tokenizer()
+    chat = ChatTurns(tok, [t.schema for t in TOOLS])
+    renders = []
+    render = ChatTurns._tool_segment_ids
+    monkeypatch.setattr(ChatTurns, "_tool_segment_ids", lambda self, m: renders.append(m) or render(self, m))
+    five = [{"role": "tool", "name": "add", "content": "5"}]
+    six = [{"role": "tool", "name": "add", "content": "6"}]
+    first, again, other = chat.tool_segment_ids(five), chat.tool_segment_ids(list(five)), chat.tool_segment_ids(six)
+    assert len(renders) == 2
+    fresh = ChatTurns(tok, [t.schema for t in TOOLS])
+    assert first == again == render(fresh, five) and other == render(fresh, six) and first != other
+    first.append(0)
+    assert chat.tool_segment_ids(five) == again
+
+
 def test_templates_that_render_no_tools_or_rewrite_history_are_refused():
     with pytest.raises(ConfigError, match="renders no tools"):
         ChatTurns(chatml_tokenizer(CHATML_NO_TOOLS), [])

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout.engine import ContinuousEngine, Request, decode_shape
+from fsdptrain.rollout.engine import ContinuousEngine, Request, RowNoise, decode_shape
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
@@ -126,6 +126,30 @@ def test_a_shared_prompt_is_prefilled_once_and_changes_no_token(setup):
     assert {k: v[0] for k, v in interleaved.items()} == {k: v[0] for k, v in alone.items()}
 
 
+def test_a_groups_prompt_is_held_once_and_gives_the_tokens_of_a_copy_per_row(setup):
+    """The shared-prompt attention (one softmax over [the group's prompt ; the row's own keys]) against the engine
+    holding a copy of the prompt in every row: the same ids, log-probs within 1e-5, with a row of a prompt no other
+    row shares (no prefix) in the same batch; the cache holds each prompt once."""
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS)
+    requests = lambda: [Request((g, s), ids[g], 6, seed=10 * g + s)  # noqa: E731
+                        for g, samples in ((0, 4), (1, 4), (2, 1)) for s in range(samples)]
+    shared_engine = _engine(model, tokenizer, eos=NEVER)
+    shared = _by_key(shared_engine.run(requests()))
+    copies_engine = _engine(model, tokenizer, eos=NEVER)
+    copies_engine.share_prefixes = False
+    copies = _by_key(copies_engine.run(requests()))
+    assert shared_engine.share_prefixes and shared.keys() == copies.keys()
+    for key in shared:
+        assert shared[key][0] == copies[key][0]
+        torch.testing.assert_close(torch.tensor(shared[key][1]), torch.tensor(copies[key][1]), rtol=0, atol=1e-5)
+    # at the last decode step: 9 rows x their own columns (prompt 2 whole; the others their last prompt token, then
+    # the 5 tokens fed back) + the 2 shared prompts once each, as wide as the longer one (all but its last token)
+    own = max(len(ids[2]), 1) + 5
+    assert shared_engine.stats.max_cache_positions == 9 * own + 2 * (max(len(ids[0]), len(ids[1])) - 1)
+    assert copies_engine.stats.max_cache_positions == 9 * (max(len(i) for i in ids[:3]) + 5)
+
+
 def test_tools_run_while_other_rows_decode(setup):
     """on_finish hands back a Future (a tool in a thread pool); the trajectory re-enters with the tool's tokens on
     its kept cache when the future is done, and its tokens are those of the same turns run one after the other."""
@@ -133,17 +157,33 @@ def test_tools_run_while_other_rows_decode(setup):
     ids = _ids(tokenizer, PROMPTS)
     tool_ids = tokenizer("tool says 5", add_special_tokens=False)["input_ids"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        def on_finish(f):
+        def follow(f):
             turn, i = f.key
             if turn == 1:
                 return None
             return pool.submit(lambda: Request((1, i), f.new_ids[-1:] + tool_ids, 5, seed=7 + i, kept=f.kept))
+
+        def on_finish(finished):
+            return [future for future in map(follow, finished) if future is not None]
         engine = _engine(model, tokenizer, eos=NEVER)
         out = _by_key(engine.run([Request((0, i), ids[i], 3 + i, seed=i, keep=True) for i in range(4)], on_finish))
     for i in range(4):
         conversation = ids[i] + out[(0, i)][0] + tool_ids
         again = _by_key(_engine(model, tokenizer, eos=NEVER).run([Request(0, conversation, 5, seed=7 + i)]))[0]
         assert out[(1, i)][0] == again[0]
+
+
+def test_noise_drawn_in_chunks_is_the_noise_of_one_draw_per_token():
+    """RowNoise draws several tokens' uniforms at once; each token's noise must be what drawing its vocabulary's
+    uniforms alone, token after token from the same generator, gives (RowSeededSampling's draw), bit for bit."""
+    vocab, seed = 37, 123
+    generator = torch.Generator().manual_seed(seed)
+    tiny = torch.finfo(torch.float64).tiny
+    one_by_one = [(-torch.log(-torch.log(torch.rand(vocab, generator=generator, dtype=torch.float64)
+                                          .clamp(tiny, 1.0 - 1e-16)))).float() for _ in range(20)]
+    for steps in (1, 3, 16):
+        noise = RowNoise(seed, vocab, steps, torch.device("cpu"))
+        assert all(torch.equal(noise.next(), want) for want in one_by_one)
 
 
 def test_bad_bounds_are_refused():
