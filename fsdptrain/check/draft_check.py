@@ -24,7 +24,7 @@ from torch import Tensor
 
 from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss, reference_draft_outputs, sequence_draft_mask
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.distributed.fsdp import gather_full_grads
+from fsdptrain.distributed.fsdp import held_grads
 from fsdptrain.model.drafter import build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import ACCEPT_WINDOW, soft_cross_entropy_from_logits
@@ -149,7 +149,7 @@ def reference_drafter(drafter, batch: MiniBatch, settings: DraftPartSettings, lo
         metrics[PREFIX + "accept_prob"] = accept / num_tokens
     if lengths:
         metrics[f"{PREFIX}expected_accept_len@{ACCEPT_WINDOW}"] = sum(lengths) / len(lengths)
-    return total, metrics, gather_full_grads(drafter)
+    return total, metrics, held_grads(drafter)
 
 
 def _prod(values) -> float:

@@ -36,23 +36,26 @@ time), and the loss it reports is what that function summed: the scalars backwar
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from fsdptrain.check.compare import worst_of
 from fsdptrain.data.packing import PackPlan, PaddedBatch, pad_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group
-from fsdptrain.distributed.fsdp import gather_full_grads, zero_grads
+from fsdptrain.distributed.fsdp import held_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.build import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
-from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize
+from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize, merge_all
 from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
@@ -60,6 +63,8 @@ from fsdptrain.train import step
 from fsdptrain.train.step import MiniBatch
 
 Grads = dict[str, Tensor]
+"""A model's gradient by parameter name, as this rank holds it (``held_grads``: FSDP2's sharded ``DTensor``s, never
+gathered). Its statistics below are collective and count every entry once."""
 
 
 @dataclass(frozen=True)
@@ -117,14 +122,33 @@ def _padded_forward(model, batch: PaddedBatch, device) -> Tensor:
                      use_cache=False).logits
 
 
+def _row_logprobs_entropy(logits_LV: Tensor, labels_L: Tensor, temperature: float,
+                          dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    scaled_LV = logits_LV.to(dtype) / temperature
+    return (torch.log_softmax(scaled_LV, dim=-1).gather(-1, labels_L[:, None])[:, 0],
+            entropy_from_logits(scaled_LV))
+
+
+def padded_logprobs_entropy(logits_BLV: Tensor, labels_BL: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """Log-probs of ``labels_BL`` and entropy from the full logits with a plain log-softmax, each row under
+    activation checkpointing: the same numbers and gradient, but only the logits are kept for backward, not the
+    several `[B, L, V]` intermediates of the softmaxes (in float64 on a 49k vocabulary, gigabytes per batch). In
+    float32 or wider (float64 under check-metrics' float64 mode, decided here: the recomputation in backward runs
+    outside that mode)."""
+    dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
+    rows = [checkpoint(_row_logprobs_entropy, row_LV, labels_L, temperature, dtype, use_reentrant=False)
+            for row_LV, labels_L in zip(logits_BLV.unbind(0), labels_BL)]
+    return torch.stack([lp for lp, _ in rows]), torch.stack([entropy for _, entropy in rows])
+
+
 def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormalizers,
                        settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
     """The policy loss of the whole batch as one right-padded `[B, L]` forward (full logits, plain log-softmax)."""
     device = next(model.parameters()).device
     batch = pad_sequences(prompts, responses, response_masks=[t.response_mask for t in targets])
-    scaled_BLV = _padded_forward(model, batch, device).float() / settings.temperature
     labels_BL = torch.where(batch.label_mask, batch.labels, torch.zeros_like(batch.labels)).to(device)
-    logprobs_BL = torch.log_softmax(scaled_BLV, dim=-1).gather(-1, labels_BL[..., None])[..., 0]
+    logprobs_BL, entropy_BL = padded_logprobs_entropy(_padded_forward(model, batch, device), labels_BL,
+                                                      settings.temperature)
     use_kl = settings.use_reference
     return policy_loss(
         logprobs_BL, _padded([t.old_logprobs for t in targets], batch, device),
@@ -133,7 +157,7 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
         clip_ratio_c=settings.clip_ratio_c, seq_level_ratio=settings.seq_level_ratio,
         ref_logprobs=_padded([t.ref_logprobs for t in targets], batch, device) if use_kl else None,
         kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator, kl_clamp=settings.kl_clamp,
-        entropy=entropy_from_logits(scaled_BLV), entropy_coef=settings.entropy_coef, pg_loss_fn=settings.pg_loss_fn,
+        entropy=entropy_BL, entropy_coef=settings.entropy_coef, pg_loss_fn=settings.pg_loss_fn,
         dro_beta=settings.dro_beta,
         rollout_is_weights=(_padded([t.is_weights for t in targets], batch, device) if settings.use_is_weights
                             else None),
@@ -175,12 +199,20 @@ def _sub_batch(batch: MiniBatch, indices: list[int]) -> MiniBatch:
 
 
 def per_sequence(part: Part, ctx: Context) -> Run:
+    """``part.per_sequence_loss`` (a sum over sequences, each with the batch's global normalisers) one sequence at a
+    time, backward after each: the same sum and gradient, with one sequence's activations alive at a time instead of
+    the whole batch's (the metrics merged as the function merges them)."""
     _fresh(part)
     b = ctx.full
-    loss, metrics = part.per_sequence_loss(part.model, b.prompts, b.responses, b.targets, norms=ctx.norms,
-                                           settings=part.settings)
-    loss.backward()
-    return Run(float(loss.detach()), metrics, gather_full_grads(part.model))
+    total, collected = 0.0, []
+    for i in range(b.num_seqs):
+        loss, metrics = part.per_sequence_loss(part.model, [b.prompts[i]], [b.responses[i]], [b.targets[i]],
+                                               norms=ctx.norms, settings=part.settings)
+        if loss.requires_grad:
+            loss.backward()
+        total += float(loss.detach())
+        collected.append(metrics)
+    return Run(total, merge_all(collected), held_grads(part.model))
 
 
 def padded(part: Part, ctx: Context) -> Run:
@@ -189,7 +221,7 @@ def padded(part: Part, ctx: Context) -> Run:
     loss, metrics = part.padded_loss(part.model, b.prompts, b.responses, b.targets, norms=ctx.norms,
                                      settings=part.settings)
     loss.backward()
-    return Run(float(loss.detach()), metrics, gather_full_grads(part.model))
+    return Run(float(loss.detach()), metrics, held_grads(part.model))
 
 
 def packed_with_budget(token_budget: Optional[int] = None) -> Callable[[Part, Context], Run]:
@@ -199,7 +231,7 @@ def packed_with_budget(token_budget: Optional[int] = None) -> Callable[[Part, Co
         _fresh(part)
         budgeted = ctx if token_budget is None else dataclasses.replace(ctx, token_budget=token_budget)
         loss, metrics = run_packs(part, ctx.full, None, ctx.norms, budgeted)
-        return Run(loss, metrics, gather_full_grads(part.model))
+        return Run(loss, metrics, held_grads(part.model))
 
     return run
 
@@ -208,7 +240,7 @@ def forced_packs(plan: PackPlan) -> Callable[[Part, Context], Run]:
     def run(part: Part, ctx: Context) -> Run:
         _fresh(part)
         loss, metrics = run_packs(part, ctx.full, plan, ctx.norms, ctx)
-        return Run(loss, metrics, gather_full_grads(part.model))
+        return Run(loss, metrics, held_grads(part.model))
 
     return run
 
@@ -230,7 +262,7 @@ def simulated_dp(part: Part, ctx: Context) -> Run:
         for param in trainable_parameters(part.model):
             if param.grad is not None:
                 param.grad.div_(num_shards)
-    return Run(sum(losses) / num_shards, reduce_like_ranks(shard_metrics), gather_full_grads(part.model))
+    return Run(sum(losses) / num_shards, reduce_like_ranks(shard_metrics), held_grads(part.model))
 
 
 def reduce_like_ranks(per_rank: list[Metrics]) -> Metrics:
@@ -254,7 +286,7 @@ def real_ranks(part: Part, ctx: Context, *, share_prompts: bool = False) -> Run:
                                     loss_scale_factor=ctx.norms.loss_scale_factor)
     loss, metrics = run_packs(part, ctx.local, None, norms, ctx, share_prompts=share_prompts)
     total = world.all_reduce_sum(torch.tensor([loss], dtype=torch.float64))
-    return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), gather_full_grads(part.model))
+    return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), held_grads(part.model))
 
 
 def context_parallel(cp: int) -> Callable[[Part, Context], Run]:
@@ -274,7 +306,7 @@ def context_parallel(cp: int) -> Callable[[Part, Context], Run]:
         mine = accumulated.loss if group.rank == 0 else 0.0
         total = world.all_reduce_sum(torch.tensor([mine], dtype=torch.float64))
         return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(accumulated.metrics),
-                   gather_full_grads(part.model))
+                   held_grads(part.model))
 
     return run
 
@@ -356,31 +388,61 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
 def trainer_clip(part: Part, pre_clip: Grads, max_norm: float) -> tuple[float, float]:
     """The trainer's own clip-and-norm path (``clip_grad_norm_`` as the train step calls it, looked up on its module)
     on the gradient the layout left in the (sharded) model: the norm it returns, which ``*/grad_norm`` logs, and the
-    coefficient it applied, measured as the gathered clipped norm over the gathered ``pre_clip`` norm. Collective."""
-    before = grad_norm(pre_clip)  # first: on one process the gathered gradient may be the model's own tensor
+    coefficient it applied, measured as the clipped norm over the ``pre_clip`` norm. Collective."""
+    before = grad_norm(pre_clip)  # first: the held gradient is the model's own tensor, which the clip scales
     logged = float(step.clip_grad_norm_(trainable_parameters(part.model), max_norm))
-    after = grad_norm(gather_full_grads(part.model))
+    after = grad_norm(held_grads(part.model))
     return logged, (after / before if before > 0 else 1.0)
 
 
+def _held(grad: Tensor) -> tuple[Tensor, int]:
+    """This rank's entries of ``grad`` and how many ranks hold each of them: a ``DTensor`` is split over its mesh's
+    sharded dimensions and copied over the others (HSDP's replicas); a plain tensor is whole on every rank."""
+    if isinstance(grad, DTensor):
+        shards = math.prod(grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_shard())
+        return grad.to_local(), world.world_size() // shards
+    return grad, world.world_size()
+
+
+def _abs_max(values: Tensor) -> float:
+    return float(values.abs().max()) if values.numel() else 0.0
+
+
+def _max_over_ranks(worst: float) -> float:
+    """The largest of every rank's ``worst``, NaN when any is NaN (collective)."""
+    both = torch.tensor([math.inf if math.isnan(worst) else worst, float(math.isnan(worst))], dtype=torch.float64)
+    largest, any_nan = world.all_reduce_max(both).tolist()
+    return math.nan if any_nan else largest
+
+
 def grad_norm(grads: Grads) -> float:
-    return float(sum(float(g.double().square().sum()) for g in grads.values()) ** 0.5)
+    """The L2 norm over every entry, in float64: each rank's shards summed, every entry once (collective)."""
+    local = 0.0
+    for grad in grads.values():
+        values, copies = _held(grad)
+        local += float(values.double().square().sum()) / copies
+    return float(world.all_reduce_sum(torch.tensor([local], dtype=torch.float64))[0]) ** 0.5
 
 
 def grad_max_diff(grads: Grads, reference: Grads) -> float:
-    """The largest absolute difference over every gradient entry (a parameter missing on one side counts whole)."""
+    """The largest absolute difference over every gradient entry (a parameter missing on one side counts whole);
+    shard against shard, collective."""
     worst = 0.0
-    for name in set(grads) | set(reference):
+    for name in sorted(set(grads) | set(reference)):
         got, want = grads.get(name), reference.get(name)
         if got is None or want is None:
-            worst = worst_of(worst, float((got if got is not None else want).abs().max()))
+            worst = worst_of(worst, _abs_max(_held(got if got is not None else want)[0]))
             continue
-        worst = worst_of(worst, float((got.double() - want.double()).abs().max()))
-    return worst
+        worst = worst_of(worst, _abs_max(_held(got)[0].double() - _held(want)[0].double()))
+    return _max_over_ranks(worst)
 
 
 def grad_max_abs(grads: Grads) -> float:
-    return max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    """The largest absolute gradient entry (collective)."""
+    worst = 0.0
+    for grad in grads.values():
+        worst = worst_of(worst, _abs_max(_held(grad)[0]))
+    return _max_over_ranks(worst)
 
 
 def token_mean_grad_norm(part: Part, ctx: Context) -> Optional[float]:
@@ -389,5 +451,5 @@ def token_mean_grad_norm(part: Part, ctx: Context) -> Optional[float]:
     _fresh(part)
     run_packs(dataclasses.replace(part, settings=settings), ctx.full,
               plan_packs(ctx.full.lengths(), sum(ctx.full.lengths())), ctx.norms, ctx)
-    return grad_norm(gather_full_grads(part.model))
+    return grad_norm(held_grads(part.model))
 

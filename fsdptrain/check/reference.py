@@ -260,16 +260,16 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
         if settings.use_reference:
             kl = kl_direct(logp, target.ref_logprobs.to(logp)[at], settings.kl_estimator, settings.kl_clamp)
             loss = loss + settings.kl_coef * seq_share(kl, mode, counts)
-            parts["kl"].append(kl)
+            parts["kl"].append(kl.detach())
         if settings.entropy_coef != 0.0:
             loss = loss - settings.entropy_coef * seq_share(entropy, mode, counts)
         loss.backward()
         total += float(loss.detach())
-        parts["pg"].append(pg)
-        parts["entropy"].append(entropy)
+        parts["pg"].append(pg.detach())  # detached: an entropy outside the loss would keep its [R, V] graph alive
+        parts["entropy"].append(entropy.detach())
         if not other:
             for key, value in (("ratio", ratio), ("clip", clip), ("lower", lower), ("ppo_kl", old - logp)):
-                parts[key].append(value)
+                parts[key].append(value.detach())
     metrics = {
         "pg_loss": float(sum(seq_share(p.detach(), mode, counts) for p in parts["pg"])),
         **_stats(_cat(parts["entropy"]), "entropy"),
@@ -373,7 +373,7 @@ def reference_critic(model, batch: MiniBatch, settings: ValueLossSettings, count
         loss.backward()
         total += float(loss.detach())
         for key, value in (("err", err), ("clip", clip), ("values", values), ("returns", returns)):
-            parts[key].append(value)
+            parts[key].append(value.detach())
     values_A, returns_A = _cat(parts["values"]), _cat(parts["returns"])
     metrics = {
         "vf_loss": total,

@@ -75,7 +75,7 @@ from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report, wr
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import gather_full_grads, reset_after_error, zero_grads
+from fsdptrain.distributed.fsdp import held_grads, reset_after_error, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.rl.metrics import comparable, finalize
@@ -130,7 +130,7 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
             loss, metrics, loss_scales = reference_critic(part.model, session.batch.full, part.settings, counts,
                                                           counted=session.batch.counted_masks())
         scales.update({part.prefix + k: v for k, v in loss_scales.items()})
-        grads[part.prefix] = gather_full_grads(part.model)
+        grads[part.prefix] = held_grads(part.model)
         values[part.prefix + "loss"] = loss
         values[part.prefix + "grad_norm"] = norm = grad_norm(grads[part.prefix])
         values[part.prefix + "clip_coef"] = clip_coefficient(norm, CLIP_PROBE * norm)

@@ -35,7 +35,7 @@ from fsdptrain.check.report import CheckReport, GradScale, add_columns, row_cell
 from fsdptrain.config import validate_world
 from fsdptrain.data.packing import pad_sequences
 from fsdptrain.distributed import world
-from fsdptrain.distributed.fsdp import gather_full_grads, reset_after_error, zero_grads
+from fsdptrain.distributed.fsdp import held_grads, reset_after_error, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import grad_scale_report
@@ -137,7 +137,7 @@ def run_sft_checks(cfg: DictConfig, policy, batch: MiniBatch, mesh, device) -> C
     zero_grads(policy)
     loss, values = reference_sft(policy, batch, mode, lsf)
     loss.backward()
-    ref_grads = gather_full_grads(policy)
+    ref_grads = held_grads(policy)
     values[PREFIX + "backward_loss"] = values[PREFIX + "loss"]
     values[PREFIX + "grad_norm"] = norm = grad_norm(ref_grads)
     values[PREFIX + "clip_coef"] = min(1.0, CLIP_PROBE * norm / (norm + 1e-6)) if norm > 0 else 1.0

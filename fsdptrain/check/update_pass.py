@@ -9,7 +9,7 @@ number it logs with a reference that splits the step by hand:
 
 - mini-batch m holds the prompt groups g with ``g // (P / M) == m`` (P groups, M mini-batches);
 - per epoch and mini-batch, for the policy then the critic: the one-sequence-at-a-time reference loss with that
-  mini-batch's own counts N_m and S_m (:mod:`fsdptrain.check.reference`), backward, the global norm of the gathered
+  mini-batch's own counts N_m and S_m (:mod:`fsdptrain.check.reference`), backward, the global norm of the whole
   gradient in float64, every gradient entry scaled by min(1, clip / (norm + 1e-6)), then a plain SGD step; a
   mini-batch with no counted token (rollout rejection dropped them all) takes no step and has norm 0
   (docs/loss.md, "A mini-batch with no counted token");
@@ -46,7 +46,7 @@ from fsdptrain.check.batch import CheckBatch, CheckSession, UpdateShape
 from fsdptrain.check.compare import Outcome
 from fsdptrain.check.layouts import clip_coefficient, grad_norm
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy
-from fsdptrain.distributed.fsdp import gather_full_grads, reshard_all, zero_grads
+from fsdptrain.distributed.fsdp import held_grads, reshard_all, zero_grads
 from fsdptrain.model.build import trainable_parameters
 from fsdptrain.rl.metrics import comparable, finalize
 from fsdptrain.train.step import MiniBatch
@@ -104,20 +104,20 @@ def smooth_optimizer(model, lr: float, clipped_norm: float) -> torch.optim.SGD:
 
 
 def _clipped_norm(model, max_norm: float) -> float:
-    """The float64 norm of the gathered gradient after clipping at ``max_norm`` (collective)."""
-    norm = grad_norm(gather_full_grads(model))
+    """The float64 norm of the whole gradient (over the held shards) after clipping at ``max_norm`` (collective)."""
+    norm = grad_norm(held_grads(model))
     return norm * clip_coefficient(norm, max_norm)
 
 
 def _step_by_hand(model, optimizers: dict, prefix: str, lr: float, max_norm: float, counts: Counts) -> float:
-    """Clip by the float64 norm of the gathered gradient and step ``optimizers[prefix]`` (made by
-    :func:`smooth_optimizer` before the first step, :func:`reference_update`); the norm (collective). No step and
+    """Clip by the float64 norm of the whole gradient (over the held shards) and step ``optimizers[prefix]`` (made
+    by :func:`smooth_optimizer` before the first step, :func:`reference_update`); the norm (collective). No step and
     norm 0 when the mini-batch has no counted token (the same on every rank: ``counts`` are the whole
     mini-batch's)."""
     if counts.num_tokens == 0:
         zero_grads(model)
         return 0.0
-    norm = grad_norm(gather_full_grads(model))
+    norm = grad_norm(held_grads(model))
     coef = clip_coefficient(norm, max_norm)
     reshard_all(model)  # parameters() must yield the sharded tensors the optimiser steps
     optimizer = optimizers[prefix]

@@ -395,6 +395,17 @@ def gather_full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+def held_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as this rank holds it, never gathered: the sharded ``DTensor`` of an FSDP2 model
+    (the whole tensor on one process or for an unsharded module), keyed like :func:`gather_full_grads`. Not a copy:
+    the entries stay valid once the model's gradients are set to None (a new backward makes new tensors), not across
+    an in-place change such as a clip. What check-metrics compares gradients by, with collective statistics
+    (fsdptrain/check/layouts.py): a gathered float64 gradient costs the whole model's size on every rank."""
+    trainable = {id(param) for param in trainable_parameters(model)}
+    return {clean_name(name): param.grad.detach() for name, param in model.named_parameters()
+            if id(param) in trainable and param.grad is not None}
+
+
 def zero_grads(model: nn.Module) -> None:
     """Set every gradient of ``model`` to None, the sharded ones of an FSDP2 model included.
 

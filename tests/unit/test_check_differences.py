@@ -35,3 +35,30 @@ def test_a_nan_token_is_a_nan_difference():
     worst, scale = max_difference([[0.5, math.nan, 0.25]], [[0.5, 0.75, 0.25]])
     assert math.isnan(worst) and scale == 0.75
     assert max_difference([[0.5, 0.7]], [[0.5, 0.75]])[0] == pytest.approx(0.05, abs=1e-15)
+
+
+def test_padded_log_probs_row_by_row_equal_the_whole_batch_log_softmax_and_its_gradient():
+    """The padded layout's log-probs and entropy (each row recomputed in backward, fsdptrain/check/layouts.py) are
+    the plain log-softmax and entropy of the whole [B, L, V] logits, value and gradient."""
+    from fsdptrain.check.layouts import padded_logprobs_entropy
+    from fsdptrain.check.precision import Float64Mode
+    from fsdptrain.rl.policy import entropy_from_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    weights = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    results = []
+    for rowwise in (True, False):
+        x = logits.clone().requires_grad_(True)
+        with Float64Mode():  # as check-metrics runs it: the layout's .float() stays float64
+            if rowwise:
+                logprobs, entropy = padded_logprobs_entropy(x, labels, 0.7)
+            else:
+                scaled = x / 0.7
+                logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, labels[..., None])[..., 0]
+                entropy = entropy_from_logits(scaled)
+            ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), x.grad))
+    for got, want in zip(*results):
+        assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-14, atol=1e-14)
