@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from transformers import (
     PretrainedConfig,
     PreTrainedModel,
@@ -83,21 +84,41 @@ def _attention_as_of(configs: list[PretrainedConfig], implementations: list[Any]
             config._attn_implementation_internal = implementation
 
 
+@contextlib.contextmanager
+def _function_modes_as_of(modes: list[TorchFunctionMode]) -> Iterator[None]:
+    """Enter each of ``modes`` that is not active now, outermost first (the recorded stack of a forward)."""
+    active = {id(mode) for mode in _get_current_function_mode_stack()}
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            if id(mode) not in active:
+                stack.enter_context(mode)
+        yield
+
+
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Wrap each decoder layer in a non-reentrant activation checkpoint: its activations are recomputed in backward.
 
-    The recomputation runs under the attention implementation the layer's forward ran under. The implementation is
-    model state that a context manager switches for the duration of a forward (``generation_attention``,
-    ``packed_attention`` in fsdptrain/model/attention_switch.py); a backward that runs after the block has exited
-    would otherwise recompute on another backend than the forward's: a padded batch's mask reaches a packed backend
-    (which refuses it), or a packed row reaches sdpa (which attends across its sequences: silently wrong gradients).
+    The recomputation runs under the attention implementation and the torch function modes the layer's forward ran
+    under. The implementation is model state that a context manager switches for the duration of a forward
+    (``generation_attention``, ``packed_attention`` in fsdptrain/model/attention_switch.py); a backward that runs
+    after the block has exited would otherwise recompute on another backend than the forward's: a padded batch's mask
+    reaches a packed backend (which refuses it), or a packed row reaches sdpa (which attends across its sequences:
+    silently wrong gradients). A function mode (check-metrics' float64 mode, fsdptrain/check/precision.py) is not
+    active where torch recomputes, so a layer would recompute in another dtype than its forward and torch refuses it.
     """
     configs = _attention_configs(model)
 
     def forward_and_recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        # called by torch.utils.checkpoint when the layer's forward runs: record the implementations then
+        # called by torch.utils.checkpoint when the layer's forward runs: record the implementations and modes then
         recorded = [config._attn_implementation_internal for config in configs]
-        return contextlib.nullcontext(), _attention_as_of(configs, recorded)
+        modes = list(_get_current_function_mode_stack())
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            with _attention_as_of(configs, recorded), _function_modes_as_of(modes):
+                yield
+
+        return contextlib.nullcontext(), recompute()
 
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):

@@ -159,7 +159,7 @@ def test_drafter_rows_pass_in_every_layout(cli, tmp_path, nproc):
     assert report["ok"] is True
     on_policy = [name for name in report["layouts_run"]
                  if not name.startswith("off-policy: ") and " x epochs=" not in name]  # not the update pass
-    assert len(on_policy) >= 8
+    assert len(on_policy) >= (8 if nproc == "1" else 7)  # `simulated dp` runs on one rank only
     for layout in on_policy:
         for name in DRAFTER_ROWS:
             entry = report["layouts"][layout][name]

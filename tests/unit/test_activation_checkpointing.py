@@ -63,3 +63,23 @@ def test_backward_outside_the_attention_switch_recomputes_on_the_forwards_backen
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
     assert checkpointed.config._attn_implementation == resting  # the recomputation restored it
+
+
+def test_recomputation_runs_under_the_forwards_function_modes():
+    # check-metrics' float64 mode is a torch function mode (float32 requests become float64): a layer recomputed
+    # outside it would compute its RMSNorm in float32 and torch would refuse the recomputation's metadata
+    from fsdptrain.check.precision import Float64Mode
+
+    plain, checkpointed = _models("sdpa")
+    for model in (plain, checkpointed):
+        model.double()
+    losses = []
+    for model in (plain, checkpointed):
+        with Float64Mode():
+            losses.append(_packed_loss(model))
+    for loss in losses:
+        loss.backward()  # outside the mode, as the check's backward may run
+    want, got = _grads(plain), _grads(checkpointed)
+    assert all(g.dtype == torch.float64 for g in got.values())
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-14, msg=name)
