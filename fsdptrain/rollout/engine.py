@@ -65,6 +65,10 @@ CACHE_BLOCK = 16
 less than a block of unused columns."""
 BUCKETED_CACHE_BLOCK = 64
 """The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
+SHARED_PREFIX_MIN_TOKENS = 16
+"""A group's prompt is held once only from this many cached tokens (a cache block) up: a shorter one is copied into
+each of its rows, whose few columns cost less than the shared-prefix attention's fixed cost per forward (the default
+tiny task's 3-token prefixes: 12.3 ms a 64-row rollout shared, 10.1 ms copied, one thread; docs/rollout.md)."""
 PREFILL_CHUNK_VALUES = 1 << 16
 """A prefill onto shared prefixes copies each row's prefix keys and values for its attention, this many values
 (rows x (prefix + own columns) x kv heads x head_dim) at a time, one layer at a time."""
@@ -151,10 +155,12 @@ class _Row:
 
 class ContinuousEngine:
     """See the module docstring. ``model`` is a causal LM taking ``position_ids`` and a transformers cache.
-    ``bucketed`` (default: on CUDA) runs each decode forward at :func:`decode_shape`'s bucketed shape."""
+    ``bucketed`` (default: on CUDA) runs each decode forward at :func:`decode_shape`'s bucketed shape.
+    ``min_shared_prefix``: the shortest shared prompt cache (tokens) held once per group rather than copied per row."""
 
     def __init__(self, model, *, eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
-                 max_live_rows: int = 64, max_live_tokens: int = 1 << 20, bucketed: Optional[bool] = None):
+                 max_live_rows: int = 64, max_live_tokens: int = 1 << 20, bucketed: Optional[bool] = None,
+                 min_shared_prefix: int = SHARED_PREFIX_MIN_TOKENS):
         if max_live_rows < 1 or max_live_tokens < 1:
             raise ValueError(f"max_live_rows={max_live_rows}, max_live_tokens={max_live_tokens}: both must be >= 1")
         if not 0.0 < top_p <= 1.0 or temperature <= 0.0:
@@ -166,6 +172,7 @@ class ContinuousEngine:
         self.block = BUCKETED_CACHE_BLOCK if self.bucketed else CACHE_BLOCK
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.share_prefixes = _can_share_prefixes(model)
+        self.min_shared_prefix = min_shared_prefix
         self.stats = EngineStats()
         self._rows: list[_Row] = []
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
@@ -263,7 +270,7 @@ class ContinuousEngine:
             prefix = tuple(r.new_ids[:-1]) if r.kept is None else None
             if prefix in self._prefixes:
                 kept = self._prefixes[prefix]
-                if self.share_prefixes:  # no own positions yet: the rows point at the one shared cache
+                if self.share_prefixes and len(prefix) >= self.min_shared_prefix:  # the rows point at the one cache
                     kept = KeptCache([(k[:, :0], v[:, :0]) for k, v in kept.layers], prefix=kept)
                 r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, kept, r.keep)
             out.append(r)

@@ -134,9 +134,9 @@ def test_a_groups_prompt_is_held_once_and_gives_the_tokens_of_a_copy_per_row(set
     ids = _ids(tokenizer, PROMPTS)
     requests = lambda: [Request((g, s), ids[g], 6, seed=10 * g + s)  # noqa: E731
                         for g, samples in ((0, 4), (1, 4), (2, 1)) for s in range(samples)]
-    shared_engine = _engine(model, tokenizer, eos=NEVER)
+    shared_engine = _engine(model, tokenizer, eos=NEVER, min_shared_prefix=1)  # these prompts are a few tokens
     shared = _by_key(shared_engine.run(requests()))
-    copies_engine = _engine(model, tokenizer, eos=NEVER)
+    copies_engine = _engine(model, tokenizer, eos=NEVER, min_shared_prefix=1)
     copies_engine.share_prefixes = False
     copies = _by_key(copies_engine.run(requests()))
     assert shared_engine.share_prefixes and shared.keys() == copies.keys()
@@ -250,3 +250,20 @@ def test_bucketed_decoding_gives_the_exact_shapes_tokens(setup):
     for i in range(4):
         assert bucketed[i][0] == exact[i][0]
         torch.testing.assert_close(torch.tensor(bucketed[i][1]), torch.tensor(exact[i][1]), rtol=0, atol=1e-5)
+
+
+def test_a_prompt_shorter_than_the_shared_minimum_is_copied_per_row(setup):
+    """A group's prompt below ``min_shared_prefix`` cached tokens is copied into each row (its columns cost less than
+    the shared attention's fixed cost), at or above it held once: the cache positions say which, the ids are equal."""
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS[:2])
+    requests = lambda: [Request((g, s), ids[g], 4, seed=10 * g + s) for g in range(2) for s in range(3)]  # noqa: E731
+    longest = max(len(i) for i in ids) - 1  # the cached prefix: all but each prompt's last token
+    runs = {}
+    for minimum in (longest + 1, longest):
+        engine = _engine(model, tokenizer, eos=NEVER, min_shared_prefix=minimum)
+        runs[minimum] = (_by_key(engine.run(requests())), engine.stats.max_cache_positions)
+    (copied, copied_positions), (held, held_positions) = runs[longest + 1], runs[longest]
+    assert {k: v[0] for k, v in copied.items()} == {k: v[0] for k, v in held.items()}
+    assert copied_positions == 6 * (longest + 1 + 3)  # every row: the whole prompt + the 3 tokens fed back
+    assert held_positions < copied_positions
