@@ -173,6 +173,7 @@ class ContinuousEngine:
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.share_prefixes = _can_share_prefixes(model)
         self.min_shared_prefix = min_shared_prefix
+        self._sharing = False  # this run holds long prompts once (``run``)
         self.stats = EngineStats()
         self._rows: list[_Row] = []
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
@@ -190,7 +191,11 @@ class ContinuousEngine:
         was_training = self.model.training
         self.model.eval()
         attention = contextlib.nullcontext()
-        if self.share_prefixes:
+        # the shared-prefix attention only where a prompt is long enough to be held once: its dispatch costs every
+        # forward (the follow-ups on_finish adds continue these requests' prompts)
+        self._sharing = self.share_prefixes and any(
+            r.kept is None and len(r.new_ids) - 1 >= self.min_shared_prefix for r in requests)
+        if self._sharing:
             _register_shared_prefix_attention()
             attention = generation_attention(self.model, SHARED_PREFIX_ATTENTION)
         try:
@@ -270,7 +275,7 @@ class ContinuousEngine:
             prefix = tuple(r.new_ids[:-1]) if r.kept is None else None
             if prefix in self._prefixes:
                 kept = self._prefixes[prefix]
-                if self.share_prefixes and len(prefix) >= self.min_shared_prefix:  # the rows point at the one cache
+                if self._sharing and len(prefix) >= self.min_shared_prefix:  # the rows point at the one cache
                     kept = KeptCache([(k[:, :0], v[:, :0]) for k, v in kept.layers], prefix=kept)
                 r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, kept, r.keep)
             out.append(r)
