@@ -4,14 +4,11 @@ model holds float32 buffers; broadcast into the other ranks' float64 buffers as 
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import build_policy, non_persistent_buffers
+from tests.dist.workers.report import report_and_exit, start_worker
 
 CONFIG = {"model_type": "llama", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -19,11 +16,7 @@ CONFIG = {"model_type": "llama", "vocab_size": 40, "hidden_size": 32, "intermedi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
+    out_dir, info = start_worker()
     mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
     policy = build_policy(path=None, config=CONFIG, seed=3, mesh=mesh, param_dtype=torch.float64,
                           reduce_dtype=torch.float64)
@@ -36,9 +29,7 @@ def main() -> None:
         from_rank0 = value.clone()
         torch.distributed.broadcast(from_rank0, src=0)
         record[f"{name}/largest_difference_to_rank0"] = float((value - from_rank0).abs().max())
-    (args.out / f"rank{info.rank}.json").write_text(json.dumps(record))
-    world.destroy_distributed()
-    world.exit_process(0)
+    report_and_exit(out_dir, info.rank, record, 0)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,14 @@ ranks) and an HSDP mesh (every shard on both ranks), and a NaN in one rank's sha
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-from pathlib import Path
 
 import torch
 
 from fsdptrain.check.layouts import grad_max_abs, grad_max_diff, grad_norm
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, held_grads, zero_grads
+from tests.dist.workers.report import report_and_exit, start_worker
 
 CONFIG = {"model_type": "llama", "vocab_size": 41, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -52,19 +50,13 @@ def record_for(mesh, ids: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
+    out_dir, info = start_worker()
     ids = torch.arange(0, 11)[None] % CONFIG["vocab_size"]  # the same batch on both ranks
     record = {}
     for name, replicate, shard in (("fsdp", 1, None), ("hsdp", 2, 1)):
         mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type="cpu")
         record.update({f"{name}/{k}": v for k, v in record_for(mesh, ids).items()})
-    (args.out / f"rank{info.rank}.json").write_text(json.dumps(record))
-    world.destroy_distributed()
-    world.exit_process(0)
+    report_and_exit(out_dir, info.rank, record, 0)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,12 @@ Each rank writes whether the root was left unsharded, and how the two re-run gra
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 from torch.distributed.tensor import DTensor
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, zero_grads
+from tests.dist.workers.report import report_and_exit, start_worker
 
 CONFIG = {"model_type": "llama", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -29,11 +26,7 @@ def largest_difference(got: dict, want: dict) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
+    out_dir, info = start_worker()
     mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
     policy = build_policy(path=None, config=CONFIG, seed=3, mesh=mesh)
     ids = torch.arange(info.rank, info.rank + 9)[None] % CONFIG["vocab_size"]
@@ -45,9 +38,7 @@ def main() -> None:
         record[f"{name}/root_left_unsharded"] = any(not isinstance(p, DTensor) for p in policy.parameters())
         zero(policy)
         record[f"{name}/largest_difference"] = largest_difference(backward(policy, ids), first)
-    (args.out / f"rank{info.rank}.json").write_text(json.dumps(record))
-    world.destroy_distributed()
-    world.exit_process(0)
+    report_and_exit(out_dir, info.rank, record, 0)
 
 
 if __name__ == "__main__":
