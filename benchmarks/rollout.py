@@ -19,6 +19,14 @@ the generation log-probs recorded, as fsdptrain/rollout/single_turn.py asks), mu
 (fsdptrain/rollout/multi_turn.py). ``continuous`` runs every row of the workload through one
 :class:`fsdptrain.rollout.engine.ContinuousEngine` loop.
 
+**Equal work.** A ratio over different work is not a ratio of engine speed: an engine that draws longer samples
+generates more tokens and runs more forwards. In ``tools`` both engines sample every trajectory's turn from the same
+row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.model.generate.RowSeededSampling`, one call per
+group and turn as the sampler makes them), so they generate the same trajectories; every pair checks it, id for id,
+and the run stops if they part. ``real`` and ``tiny`` run ``generate`` as the single-turn sampler does (one seeded
+stream for the whole batch, torch's multinomial): other draws, other lengths. Their rows report in how many pairs the
+tokens were the same (none, as a rule); compare their tokens/s there, or their time per token.
+
 **Paired, interleaved repeats.** Each workload runs in its own child process, which loads the model once, warms both
 engines up (lazy imports, first-call set-up; ``tiny`` also runs whole untimed pairs), then times ``--pairs`` pairs,
 the order alternating (generate then continuous, continuous then generate, ...). One process rather than a process
@@ -63,6 +71,10 @@ PAIRS = {"real": 1, "tools": 21, "tiny": 101}
 """Timed pairs per workload unless ``--pairs`` says otherwise (real: ~3 min a pair)."""
 WARMUP_PAIRS = {"real": 0, "tools": 1, "tiny": 5}
 """Whole untimed pairs after the small warm-up calls."""
+SAME_TOKENS = {"tools"}
+"""Workloads whose two engines sample from the same row seeds, so must give the same trajectories (checked in every
+pair). ``real`` and ``tiny`` run ``generate`` as the single-turn sampler does, one seeded stream for the batch: other
+draws, other lengths (reported as ``same tokens``)."""
 
 
 class ForwardCounter:
@@ -121,7 +133,8 @@ def load_tiny(args):
 
 
 def single_turn(args):
-    """``(model, {engine: go(small)})``: ``go(False)`` generates the workload, ``go(True)`` a small warm-up."""
+    """``(model, {engine: go(small)})``: ``go(False)`` generates the workload, ``go(True)`` a small warm-up; each
+    returns per row (trajectory) its policy tokens and its response ids."""
     import torch
 
     from fsdptrain.model.generate import generate_responses
@@ -132,19 +145,19 @@ def single_turn(args):
     model.eval()
     ids = [p for p in prompts for _ in range(n)]
 
-    def generate(small: bool) -> list[int]:
+    def generate(small: bool) -> list[tuple[int, tuple[int, ...]]]:
         out = generate_responses(model, tokenizer, ids[:2] if small else ids, max_new_tokens=2 if small else max_new,
                                  temperature=1.0, top_p=1.0, do_sample=True, generator_seed=SEED,
                                  device=torch.device("cpu"), share_prompt_prefill=n > 1, record_logprobs=True)
-        return [len(r) for _, r, *_ in out]
+        return [(len(r), tuple(r)) for _, r, *_ in out]
 
-    def continuous(small: bool) -> list[int]:
+    def continuous(small: bool) -> list[tuple[int, tuple[int, ...]]]:
         rows = ids[:2] if small else ids
         eng = ContinuousEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                temperature=1.0, max_live_rows=args.max_live_rows)
         out = generate_continuous(eng, rows, [SEED + i for i in range(len(rows))],
                                   max_new_tokens=2 if small else max_new)
-        return [len(r) for _, r, _, _ in out]
+        return [(len(r), tuple(r)) for _, r, _, _ in out]
 
     return model, {"generate": generate, "continuous": continuous}
 
@@ -174,24 +187,31 @@ def multi_turn(args):
     caps = TurnCaps(max_turns=3, max_new_tokens=160, max_tool_response_tokens=64)
     small_caps = TurnCaps(max_turns=2, max_new_tokens=8, max_tool_response_tokens=8)
 
-    def generate(small: bool) -> list[int]:
+    def row_seed(sample: int, turn: int) -> int:
+        return SEED + 1000 * sample + turn
+
+    def policy_tokens(trajectories) -> list[tuple[int, tuple[int, ...]]]:
+        return [(sum(t.response_mask), tuple(t.response_ids)) for t in trajectories]
+
+    def generate(small: bool) -> list[tuple[int, tuple[int, ...]]]:
         out = []
         for group, p in enumerate(prompts[:1] if small else prompts):
             def step(inputs, max_new_tokens, turn, samples, group=group):
+                # the continuous side's row seeds (row_seed below): both engines draw the same tokens
                 res = generate_responses(model, tok, inputs, max_new_tokens=max_new_tokens, temperature=1.0,
-                                         top_p=1.0, do_sample=True, generator_seed=SEED + 31 * group + turn,
+                                         top_p=1.0, do_sample=False, generator_seed=0,
+                                         row_seeds=[row_seed(8 * group + s, turn) for s in samples],
                                          device=torch.device("cpu"), synced_gpus=False)
                 return [(r, not truncated) for _, r, truncated in res]
             out += run_turns(chat, [p] * 8, generate=step, call_tools=call_tools, caps=small_caps if small else caps)
-        return [sum(t.response_mask) for t in out]
+        return policy_tokens(out)
 
-    def continuous(small: bool) -> list[int]:
+    def continuous(small: bool) -> list[tuple[int, tuple[int, ...]]]:
         eng = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0,
                                max_live_rows=args.max_live_rows)
-        out = run_turns_continuous(eng, chat, [p for p in (prompts[:1] if small else prompts) for _ in range(8)],
-                                   seed=lambda s, turn: SEED + 1000 * s + turn, call_tools=call_tools,
-                                   caps=small_caps if small else caps)
-        return [sum(t.response_mask) for t in out]
+        return policy_tokens(run_turns_continuous(
+            eng, chat, [p for p in (prompts[:1] if small else prompts) for _ in range(8)], seed=row_seed,
+            call_tools=call_tools, caps=small_caps if small else caps))
 
     return model, {"generate": generate, "continuous": continuous}
 
@@ -201,14 +221,15 @@ def measure(go, forwards: ForwardCounter) -> dict:
     base = rss_gib()
     peak_measure = _reset_peak_rss()
     wall, cpu = time.perf_counter(), cpu_s()
-    lengths = go(False)
+    rows = go(False)
     wall, cpu = time.perf_counter() - wall, cpu_s() - cpu
     peak = _peak_rss_kib(peak_measure) / 2**20 - base
+    lengths = [n for n, _ in rows]
     tokens = sum(lengths)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "tokens_per_s": tokens / wall,
             "forwards": forwards.forwards, "decode_forwards": forwards.decode_forwards,
             "decode_row_steps": forwards.decode_row_steps, "peak_gib": peak, "peak_measure": peak_measure,
-            "max_len": max(lengths), "mean_len": tokens / len(lengths)}
+            "max_len": max(lengths), "mean_len": tokens / len(lengths), "ids": [ids for _, ids in rows]}
 
 
 def logprob_gap() -> None:
@@ -250,7 +271,12 @@ def child(args) -> None:
     pairs = []
     for i in range(args.pairs):
         order = ENGINES if i % 2 == 0 else ENGINES[::-1]
-        pairs.append({engine: measure(go[engine], forwards) for engine in order})
+        pair = {engine: measure(go[engine], forwards) for engine in order}
+        pair["same_tokens"] = pair["generate"].pop("ids") == pair["continuous"].pop("ids")
+        if args.workload in SAME_TOKENS and not pair["same_tokens"]:
+            sys.exit(f"{args.workload}: the engines generated different tokens from the same row seeds (pair {i}): "
+                     "a ratio over different work is not a ratio of engine speed")
+        pairs.append(pair)
     print(json.dumps(pairs))
 
 
@@ -281,6 +307,7 @@ def summarize(pairs: list[dict]) -> dict:
         out["engines"][engine] = {**at_median, "cpu_s": statistics.median([r["cpu_s"] for r in runs]),
                                   "peak_gib": statistics.median([r["peak_gib"] for r in runs]),
                                   "tokens_vary": len({r["tokens"] for r in runs}) > 1}
+    out["same_tokens"] = sum(p["same_tokens"] for p in pairs)
     out["wall_ratio"] = ratio_stats([p["continuous"]["wall_s"] / p["generate"]["wall_s"] for p in pairs])
     out["cpu_ratio"] = ratio_stats([p["continuous"]["cpu_s"] / p["generate"]["cpu_s"] for p in pairs])
     return out
@@ -329,18 +356,20 @@ def main() -> None:
 
 def table(results: dict) -> str:
     lines = ["| workload | engine | pairs | wall s | CPU s | tokens | tokens/s | forwards | decode forwards | "
-             "decode row-steps | peak MiB | wall / generate: median [IQR] (95% CI) | CPU / generate: median |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "decode row-steps | peak MiB | wall / generate: median [IQR] (95% CI) | CPU / generate: median | "
+             "same tokens (pairs) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for workload, res in results.items():
         for engine, r in res["engines"].items():
             w, c = res["wall_ratio"], res["cpu_ratio"]
             ratio = (f"**{w['median']:.3f}** [{w['q25']:.3f}, {w['q75']:.3f}] ({w['ci95'][0]:.3f}, {w['ci95'][1]:.3f})"
                      if engine == "continuous" else "1")
             cpu_ratio = f"**{c['median']:.3f}**" if engine == "continuous" else "1"
+            same = f"{res['same_tokens']}/{w['pairs']}" if engine == "continuous" else ""
             lines.append(f"| {workload} | {engine} | {w['pairs']} | {r['wall_s']:.4f} | {r['cpu_s']:.4f} | "
                          f"{r['tokens']}{'*' if r['tokens_vary'] else ''} | {r['tokens_per_s']:.0f} | {r['forwards']} | "
                          f"{r['decode_forwards']} | {r['decode_row_steps']} | {r['peak_gib'] * 1024:.2f} | {ratio} | "
-                         f"{cpu_ratio} |")
+                         f"{cpu_ratio} | {same} |")
     return "\n".join(lines)
 
 
