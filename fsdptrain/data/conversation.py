@@ -178,7 +178,10 @@ _DATA_ROLES = frozenset({"system", "user", "tool"})
 
 
 SEGMENT_MEMO_SIZE = 4096
-"""How many distinct tool-message segments a :class:`ChatTurns` remembers (then it starts again)."""
+"""How many distinct tool-message segments (and tool results' ids) a :class:`ChatTurns` remembers (then it starts
+again)."""
+RESULT_MEMO_CHARS = 1024
+"""The longest tool result whose ids a :class:`ChatTurns` remembers (a memo of 4096 such is at most 4 MiB of text)."""
 
 
 class ChatTurns:
@@ -213,6 +216,7 @@ class ChatTurns:
         self._check_prefix_preserving()
         self._longest_token = max(map(len, tokenizer.get_vocab()), default=1)
         self._segments: dict[str, list[int]] = {}
+        self._results: dict[str, list[int]] = {}
 
     def max_chars(self, num_tokens: int) -> int:
         """How many characters of a text surely hold its first ``num_tokens`` tokens (with 8 to spare past the
@@ -267,6 +271,19 @@ class ChatTurns:
             if len(self._segments) >= SEGMENT_MEMO_SIZE:
                 self._segments.clear()
             ids = self._segments[key] = self._tool_segment_ids(tool_messages)
+        return list(ids)
+
+    def result_ids(self, text: str) -> list[int]:
+        """:func:`data_ids` of a tool result ``text``, remembered for the last ``SEGMENT_MEMO_SIZE`` distinct results
+        up to ``RESULT_MEMO_CHARS`` characters: a group's samples often get the same result, and a call of the
+        tokenizer costs about 75 us (its Python around a one-text batch) where the rest of appending a result costs a
+        few (the tools row of benchmarks/rollout.py tokenized about 200 results a rollout)."""
+        if len(text) > RESULT_MEMO_CHARS:
+            return data_ids(self.tokenizer, text)
+        if (ids := self._results.get(text)) is None:
+            if len(self._results) >= SEGMENT_MEMO_SIZE:
+                self._results.clear()
+            ids = self._results[text] = data_ids(self.tokenizer, text)
         return list(ids)
 
     def _tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:

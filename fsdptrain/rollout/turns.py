@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from fsdptrain.data.conversation import ChatTurns, data_ids, extend_response
+from fsdptrain.data.conversation import ChatTurns, extend_response
 
 TRUNCATION_CAUSES = ("length", "max_turns", "tool_overflow")
 """Why a trajectory was truncated (``truncated/<cause>`` metrics)."""
@@ -138,7 +138,7 @@ def append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, d
     num_cut = 0
     for (name, _), result in zip(calls, results):
         content = result.content[:chat.max_chars(caps.max_tool_response_tokens)]  # a 10 MB result is not tokenized
-        content_ids = data_ids(tokenizer, content)
+        content_ids = chat.result_ids(content)
         if len(content_ids) > caps.max_tool_response_tokens or len(content) < len(result.content):
             content = tokenizer.decode(content_ids[:caps.max_tool_response_tokens], skip_special_tokens=False)
             num_cut += 1

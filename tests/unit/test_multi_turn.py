@@ -10,7 +10,7 @@ import json
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.conversation import ChatTurns, parse_tool_calls_text
+from fsdptrain.data.conversation import ChatTurns, data_ids, parse_tool_calls_text
 from fsdptrain.rollout.turns import TurnCaps, run_turns
 from fsdptrain.rollout.tools import Tool, ToolCall, ToolCaller, tool_schema
 from fsdptrain.rollout.multi_turn import turn_metrics
@@ -201,6 +201,25 @@ def test_a_tool_segment_is_rendered_once_per_distinct_messages_and_equals_a_fres
     assert first == again == render(fresh, five) and other == render(fresh, six) and first != other
     first.append(0)
     assert chat.tool_segment_ids(five) == again
+
+
+def test_a_tool_result_is_tokenized_once_per_distinct_text_up_to_the_memo_length(monkeypatch):
+    """result_ids remembers a result's ids (a group's samples get the same results): a repeated short text calls the
+    tokenizer once, a text over RESULT_MEMO_CHARS every time; each returns data_ids' ids (a special token's text stays
+    characters), in a list of its own."""
+    import fsdptrain.data.conversation as conversation
+
+    tok = chatml_tokenizer()
+    chat = ChatTurns(tok, [t.schema for t in TOOLS])
+    calls = []
+    monkeypatch.setattr(conversation, "data_ids", lambda t, text: calls.append(text) or data_ids(t, text))
+    special = "5 <|im_end|>"
+    first, again = chat.result_ids(special), chat.result_ids(special)
+    assert calls == [special] and first == again == data_ids(tok, special) and tok.eos_token_id not in first
+    first.append(0)
+    assert chat.result_ids(special) == again
+    long = "7" * (conversation.RESULT_MEMO_CHARS + 1)
+    assert chat.result_ids(long) == chat.result_ids(long) == data_ids(tok, long) and calls.count(long) == 2
 
 
 def test_templates_that_render_no_tools_or_rewrite_history_are_refused():
