@@ -48,6 +48,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Optional, Union
@@ -134,6 +135,7 @@ class EngineStats:
 
     num_decode_forwards: int = 0
     num_prefill_forwards: int = 0
+    num_prefills_in_decode: int = 0
     num_row_steps: int = 0
     max_live_rows: int = 0
     max_cache_positions: int = 0
@@ -151,6 +153,7 @@ class _Row:
     last: int = 0  # the token the next decode forward feeds
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    ended: bool = False  # it sampled EOS or reached its cap: it leaves at the next ``_leave``
 
 
 class ContinuousEngine:
@@ -160,7 +163,7 @@ class ContinuousEngine:
 
     def __init__(self, model, *, eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
                  max_live_rows: int = 64, max_live_tokens: int = 1 << 20, bucketed: Optional[bool] = None,
-                 min_shared_prefix: int = SHARED_PREFIX_MIN_TOKENS):
+                 min_shared_prefix: int = SHARED_PREFIX_MIN_TOKENS, fuse_prefills: bool = True):
         if max_live_rows < 1 or max_live_tokens < 1:
             raise ValueError(f"max_live_rows={max_live_rows}, max_live_tokens={max_live_tokens}: both must be >= 1")
         if not 0.0 < top_p <= 1.0 or temperature <= 0.0:
@@ -173,9 +176,12 @@ class ContinuousEngine:
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self.share_prefixes = _can_share_prefixes(model)
         self.min_shared_prefix = min_shared_prefix
+        self.fuse_prefills = fuse_prefills
         self._sharing = False  # this run holds long prompts once (``run``)
         self.stats = EngineStats()
         self._rows: list[_Row] = []
+        self._num_ended = 0  # rows of the batch that ended since the last ``_leave``
+        self._shared: Optional[tuple] = None  # ((stack, ids of the rows' prefixes), _SharedPrefixes, prefixes)
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
         self._mask: Optional[torch.Tensor] = None  # [rows, width]: every row ends at the last column
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
@@ -204,6 +210,7 @@ class ContinuousEngine:
         finally:
             self.model.train(was_training)
             self._rows, self._layers, self._mask, self._prefixes, self._stack = [], [], None, {}, None
+            self._num_ended, self._shared = 0, None
 
     def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Finished]:
         done: list[Finished] = []
@@ -230,17 +237,22 @@ class ContinuousEngine:
                 concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 continue
             leave()  # rows that ended at the last decode forward free their room
-            self._admit(waiting)
-            leave()  # rows whose first token ended them
+            entering = self._admit(waiting)
+            if entering and self._fuses(entering):
+                self._decode_entering(entering)
+                continue
+            if entering:
+                self._prefill(entering)
+                leave()  # rows whose first token ended them
             if self._rows:
                 self._decode()
         return done
 
     # admission -------------------------------------------------------------------------------------------------
 
-    def _admit(self, waiting: deque) -> None:
+    def _admit(self, waiting: deque) -> list[Request]:
         """Continuing trajectories first (their kept caches are memory already held), then new requests in arrival
-        order, within the bounds."""
+        order, within the bounds: taken out of ``waiting``, with their shared prompts' caches."""
         entering: list[Request] = []
         width = self._mask.shape[1] if self._mask is not None else 0
         for request in sorted(waiting, key=lambda r: r.kept is None):
@@ -257,7 +269,8 @@ class ContinuousEngine:
             remaining = [r for r in waiting if id(r) not in chosen]
             waiting.clear()
             waiting.extend(remaining)
-            self._prefill(self._with_shared_prefixes(entering, waiting))
+            return self._with_shared_prefixes(entering, waiting)
+        return []
 
     def _with_shared_prefixes(self, entering: list[Request], waiting: deque) -> list[Request]:
         """``entering`` with each repeated prompt's cache (all but its last token) computed once and given as the
@@ -367,6 +380,69 @@ class ContinuousEngine:
             r.length += 1
         self._sample(self._rows, logits)
 
+    def _fuses(self, entering: list[Request]) -> bool:
+        """Whether the entering rows' prefill joins the live rows' decode step in one forward: on the CPU's exact
+        shapes, with the engine's own attention in the model (``_sharing``) and a shared prompt among the rows."""
+        if not self.fuse_prefills or not self._rows or not self._sharing or self.bucketed:
+            return False
+        return (any(r.prefix is not None for r in self._rows)
+                or any(r.kept is not None and r.kept.prefix is not None for r in entering))
+
+    def _decode_entering(self, entering: list[Request]) -> None:
+        """One forward for a decode step and a prefill: every live row's next token and each entering row's new ids
+        (onto its kept cache) packed into one sequence [1, tokens], no padding. The entering rows' kept caches join
+        the batch first (one rebuild, as ``_join``), right-aligned so that after the forward every row ends at the
+        same column; the forward writes each token's keys and values to its row and column (``_PackedLayer``); the
+        attention (``_FusedAttention``) runs the live rows' queries as a decode step and the entering rows' as a
+        prefill. Every row samples one token: the live rows their next, the entering rows their first."""
+        device = self.device
+        live, num_live = self._rows, len(self._rows)
+        kept_len = [r.kept.length if r.kept else 0 for r in entering]
+        prefixes = [r.kept.prefix if r.kept else None for r in entering]
+        prefix_len = [p.num_tokens if p is not None else 0 for p in prefixes]
+        new_len = [len(r.new_ids) for r in entering]
+        width = self._mask.shape[1]
+        end = max(width + 1, max(k + n for k, n in zip(kept_len, new_len)))  # every row's last column + 1
+        capacity = _round_up(end + 1, self.block)
+        for layer, pair in enumerate(self._layers):
+            for part in range(2):
+                ref = pair[part]
+                joined = ref.new_zeros(num_live + len(entering), ref.shape[1], capacity, ref.shape[3])
+                joined[:num_live, :, end - 1 - width:end - 1] = ref[:num_live, :, :width]
+                for e, (r, k, n) in enumerate(zip(entering, kept_len, new_len)):
+                    if k:
+                        joined[num_live + e, :, end - n - k:end - n] = r.kept.layers[layer][part]
+                pair[part] = joined  # the old buffer freed here, one tensor at a time
+        for r in entering:
+            r.kept = None
+        ones = torch.ones(num_live, 1, dtype=self._mask.dtype, device=device)
+        self._mask = torch.cat([
+            torch.cat([_pad_left(self._mask, end - 1, 1), ones], 1),
+            _right_aligned_mask([k + n for k, n in zip(kept_len, new_len)], end, device)])
+        rows = [_Row(r, length=p + k + n, prefix=prefix)
+                for r, k, n, p, prefix in zip(entering, kept_len, new_len, prefix_len, prefixes)]
+        self._rows = live + rows
+        ids = [r.last for r in live] + [i for r in entering for i in r.new_ids]
+        positions = [r.length for r in live] + [p + k + j for p, k, n in zip(prefix_len, kept_len, new_len)
+                                                for j in range(n)]
+        row_of = list(range(num_live)) + [num_live + e for e, n in enumerate(new_len) for _ in range(n)]
+        column_of = [end - 1] * num_live + [end - n + j for n in new_len for j in range(n)]
+        last = list(range(num_live)) + list(itertools.accumulate(new_len, initial=num_live - 1))[1:]
+        attention = _FusedAttention(self._shared_for([r.prefix for r in live]),
+                                    _SharedPrefixes(self._stack, prefixes), self._mask, new_len)
+        cache = Cache(layers=[_PackedLayer(k, v, end, torch.tensor(row_of, device=device),
+                                           torch.tensor(column_of, device=device)) for k, v in self._layers])
+        self._layers = []
+        self._layers, logits = self._run_model(
+            torch.tensor([ids], device=device), attention.mask_placeholder, torch.tensor([positions], device=device),
+            cache, attention, self._mask.shape, logits_to_keep=torch.tensor(last, device=device))
+        self.stats.num_decode_forwards += 1
+        self.stats.num_prefills_in_decode += 1
+        self.stats.num_row_steps += num_live
+        for r in live:
+            r.length += 1
+        self._sample(self._rows, logits[0])
+
     def _fit(self, rows: int, columns: int) -> None:
         """Bucketed: the buffers at exactly ``rows`` rows and at least ``columns`` columns (a copy only when
         short)."""
@@ -384,9 +460,10 @@ class ContinuousEngine:
         above it (one row copied per layer, not the whole cache), the buffers are narrowed to the live rows and the
         columns every remaining row pads are cut (views: the memory is released at the next rebuild, at most
         a block of tokens later)."""
-        gone = [i for i, r in enumerate(self._rows) if _ended(r, self.eos_id)]
-        if not gone:
+        if not self._num_ended:
             return []
+        self._num_ended = 0
+        gone = [i for i, r in enumerate(self._rows) if r.ended]
         out = [Finished(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
                         kept=_row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
@@ -419,11 +496,7 @@ class ContinuousEngine:
         ``expose``: attention over every column of the buffers, ``mask`` as wide), each row also attending to its
         shared prefix (``prefixes``, one per row, None: none); the updated buffers (per layer a [keys, values] list)
         and the last position's logits."""
-        extra, shared = {}, None
-        if any(p is not None for p in prefixes):
-            self._stack = self._stack_with(prefixes)
-            shared = _SharedPrefixes(self._stack, prefixes)
-            extra["shared_prefixes"] = shared
+        shared = self._shared_for(prefixes) if any(p is not None for p in prefixes) else None
         if layers:
             cache = Cache(layers=[_BufferLayer(k, v, length, self.block, expose) for k, v in layers])
             layers.clear()  # the cache's layers hold the only references, so a buffer that grows frees its old one
@@ -432,17 +505,36 @@ class ContinuousEngine:
         model_mask = mask
         if ids.shape[1] == 1 and not expose:  # a decode step's mask is the padding mask: built here, not per forward
             model_mask = mask.bool()[:, None, None, :]  # by transformers' mask functions (a quarter of a tiny step)
-        out = self.model(input_ids=ids, attention_mask=model_mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self.cache_name: cache}, **extra)
+        layers, logits = self._run_model(ids, model_mask, positions, cache, shared, mask.shape, logits_to_keep=1)
+        return layers, logits[:, -1, :]
+
+    def _run_model(self, ids, mask, positions, cache, shared, cache_shape: tuple[int, int], *, logits_to_keep):
+        """The model's forward (``shared``: the attention's ``shared_prefixes`` argument, checked to have reached
+        every layer); the updated buffers and the kept logits. ``cache_shape``: the batch's (rows, columns)."""
+        extra = {"shared_prefixes": shared} if shared is not None else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=logits_to_keep, **{self.cache_name: cache}, **extra)
         layers = [list(layer.buffers) for layer in getattr(out, self.cache_name).layers]
         if shared is not None and shared.num_calls != len(layers):
             raise RuntimeError(f"{type(self.model).__name__}'s attention saw the shared prefixes in {shared.num_calls} "
                                f"of {len(layers)} layers: it does not pass the forward's keyword arguments on")
-        rows, width = mask.shape
+        rows, width = cache_shape
         self.stats.max_live_rows = max(self.stats.max_live_rows, rows)
         held = self._stack.num_positions if self._stack is not None else 0
         self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width + held)
-        return layers, out.logits[:, -1, :]
+        return layers, out.logits
+
+    def _shared_for(self, prefixes: list[Optional[KeptCache]]) -> "_SharedPrefixes":
+        """The forward's rows (their ``prefixes``) in the prefix stack; the decode steps between two changes of the
+        batch share one."""
+        self._stack = self._stack_with(prefixes)
+        key = (self._stack, [id(p) for p in prefixes])
+        if self._shared is None or self._shared[0] != key:
+            # the prefixes held with it, so that no id in its key is reused by another object while it is kept
+            self._shared = (key, _SharedPrefixes(self._stack, prefixes), prefixes)
+        shared = self._shared[1]
+        shared.num_calls = 0
+        return shared
 
     def _stack_with(self, prefixes: list[Optional[KeptCache]]) -> "_PrefixStack":
         """The prefix stack holding ``prefixes`` (and the live rows' own): the current one when it holds them and
@@ -465,6 +557,31 @@ class ContinuousEngine:
             r.ids.append(token)
             r.logprobs.append(logprob)
             r.last = token
+            if token == self.eos_id or len(r.ids) >= r.request.max_new_tokens:
+                r.ended = True
+                self._num_ended += 1
+
+
+class _PackedLayer(DynamicLayer):
+    """One layer of a fused decode-and-prefill forward's cache (``ContinuousEngine._decode_entering``): the
+    buffers [rows, heads, capacity, dim] and, per packed token, its row and column; ``update`` writes each token's
+    keys and values there and returns the buffers' first ``end`` columns (the cache's ``buffers`` after it)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, end: int, rows: torch.Tensor,
+                 columns: torch.Tensor):
+        super().__init__()
+        self.buffers, self.end, self.rows, self.columns = (keys, values), end, rows, columns
+        self.device, self.is_initialized, self.length = keys.device, True, end
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = self.buffers
+        keys[self.rows, :, self.columns] = key_states[0].transpose(0, 1)  # [tokens, heads, dim]
+        values[self.rows, :, self.columns] = value_states[0].transpose(0, 1)
+        self.keys, self.values = keys[:, :, :self.end], values[:, :, :self.end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
 
 
 class _BufferLayer(DynamicLayer):
@@ -652,6 +769,44 @@ class _SharedPrefixes:
         return torch.cat(out).transpose(1, 2).contiguous()
 
 
+class _FusedAttention:
+    """The attention of a fused decode-and-prefill forward: queries packed [1, heads, tokens, dim], each live row's
+    one token first, then each entering row's new tokens. The live rows' queries attend as a decode step
+    (``live``, :meth:`_SharedPrefixes.attend`), the entering rows' as a prefill (``entering``: left-padded to the
+    longest, a pad query reading its row's first real token and that token's keys, its output dropped), over the
+    batch's keys ``mask`` [rows, columns] shows (each entering row causally up to its own column). Returns [1,
+    tokens, heads, dim]."""
+
+    def __init__(self, live: "_SharedPrefixes", entering: "_SharedPrefixes", mask: torch.Tensor,
+                 new_len: list[int]):
+        self.live, self.entering, self.num_calls = live, entering, 0
+        self.num_live, self.longest = mask.shape[0] - len(new_len), max(new_len)
+        device, width, longest = mask.device, mask.shape[1], self.longest
+        starts = itertools.accumulate(new_len, initial=self.num_live)
+        self.query_index = torch.tensor([start + max(i - (longest - n), 0) for start, n in zip(starts, new_len)
+                                         for i in range(longest)], device=device)
+        self.out_index = torch.tensor([e * longest + longest - n + j for e, n in enumerate(new_len)
+                                       for j in range(n)], device=device)
+        visible = mask.bool()
+        self.live_mask = visible[:self.num_live, None, None, :]
+        last_column = torch.tensor([[width - longest + max(i, longest - n) for i in range(longest)]
+                                    for n in new_len], device=device)  # [entering, longest]
+        causal = torch.arange(width, device=device) <= last_column[:, :, None]
+        self.entering_mask = visible[self.num_live:, None, None, :] & causal[:, None]  # [entering, 1, longest, width]
+        self.mask_placeholder = visible[:1, None, None, :1]  # a 4D mask: transformers hands it on as it is
+
+    def attend(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
+        self.num_calls += 1
+        live, heads, dim = self.num_live, query.shape[1], query.shape[3]
+        packed = query[0]  # [heads, tokens, dim]
+        out_live = self.live.attend(layer, packed[:, :live].transpose(0, 1)[:, :, None], key[:live], value[:live],
+                                    self.live_mask, scaling)  # [live, 1, heads, dim]
+        entering = packed.index_select(1, self.query_index).view(heads, -1, self.longest, dim).transpose(0, 1)
+        out_entering = self.entering.attend(layer, entering, key[live:], value[live:], self.entering_mask, scaling)
+        out_entering = out_entering.reshape(-1, heads, dim).index_select(0, self.out_index)
+        return torch.cat([out_live[:, 0], out_entering])[None]
+
+
 def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tuple[int, int]:
     """The (rows, cache columns) a decode forward of ``num_rows`` live rows over ``width`` cache columns (the new
     token's included) runs at. On the CPU (not ``bucketed``) exactly those. Bucketed (CUDA), so that a captured CUDA
@@ -672,14 +827,14 @@ class RowNoise:
     def __init__(self, seed: int, vocab: int, steps: int, device: torch.device):
         self.generator = torch.Generator(device=device).manual_seed(int(seed))
         self.vocab, self.steps, self.device = vocab, max(1, steps), device
-        self.chunk: Optional[torch.Tensor] = None
+        self.chunk: list[torch.Tensor] = []  # the chunk's tokens, views made in one call (not one select a step)
         self.at = 0
 
     def next(self) -> torch.Tensor:
-        if self.chunk is None or self.at == self.chunk.shape[0]:
+        if self.at == len(self.chunk):
             u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
             u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
-            self.chunk, self.at = (-torch.log(-torch.log(u))).float(), 0
+            self.chunk, self.at = (-torch.log(-torch.log(u))).float().unbind(0), 0
         self.at += 1
         return self.chunk[self.at - 1]
 
@@ -727,10 +882,6 @@ def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     masked = logp.clone()
     masked[order[cut]] = float("-inf")
     return torch.log_softmax(masked, dim=-1)
-
-
-def _ended(row: _Row, eos_id: int) -> bool:
-    return bool(row.ids) and (row.ids[-1] == eos_id or len(row.ids) >= row.request.max_new_tokens)
 
 
 def _round_up(n: int, block: int) -> int:

@@ -150,6 +150,41 @@ def test_a_groups_prompt_is_held_once_and_gives_the_tokens_of_a_copy_per_row(set
     assert copies_engine.stats.max_cache_positions == 9 * (max(len(i) for i in ids[:3]) + 5)
 
 
+def test_a_prefill_joins_the_decode_step_and_changes_no_token(setup):
+    """A trajectory that re-enters while other rows decode (a tool message onto its kept cache) is prefilled in the
+    live rows' decode forward (one packed forward): the ids of a separate prefill forward, log-probs within 1e-5, and
+    a forward fewer per such entry, counted with a hook. Three rows of one prompt, caps 2, 5 and 9, each re-entering
+    for 3 tokens: 1 prefill of the shared prompt and 1 of the rows' last prompt token, then rows 0 and 1 re-enter
+    while row 2 decodes (fused: no forward of their own), row 2 alone (its own prefill); 8 + 2 decode forwards (row
+    2's chain)."""
+    model, tokenizer = setup
+    prompt = _ids(tokenizer, PROMPTS[3:])[0]
+    tool_ids = tokenizer("tool says 5", add_special_tokens=False)["input_ids"]
+
+    def run(fuse: bool):
+        def on_finish(finished):
+            return [Request((1, f.key[1]), f.new_ids[-1:] + tool_ids, 3, seed=20 + f.key[1], kept=f.kept)
+                    for f in finished if f.key[0] == 0]
+        engine = _engine(model, tokenizer, eos=NEVER, min_shared_prefix=1, fuse_prefills=fuse)
+        forwards = []
+        hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        try:
+            out = _by_key(engine.run([Request((0, i), prompt, cap, seed=i, keep=True)
+                                      for i, cap in enumerate((2, 5, 9))], on_finish))
+        finally:
+            hook.remove()
+        s = engine.stats
+        return out, (len(forwards), s.num_decode_forwards, s.num_prefill_forwards, s.num_prefills_in_decode)
+
+    fused, fused_counts = run(True)
+    separate, separate_counts = run(False)
+    assert fused_counts == (13, 10, 3, 2) and separate_counts == (15, 10, 5, 0)
+    assert sorted(fused) == sorted(separate) == [(t, i) for t in range(2) for i in range(3)]
+    for key in fused:
+        assert fused[key][0] == separate[key][0]
+        torch.testing.assert_close(torch.tensor(fused[key][1]), torch.tensor(separate[key][1]), rtol=0, atol=1e-5)
+
+
 def test_tools_run_while_other_rows_decode(setup):
     """on_finish hands back a Future (a tool in a thread pool); the trajectory re-enters with the tool's tokens on
     its kept cache when the future is done, and its tokens are those of the same turns run one after the other."""
