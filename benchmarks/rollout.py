@@ -36,7 +36,8 @@ one. Reported per workload: the median over pairs of the per-pair ratio continuo
 process CPU time), its interquartile range and a bootstrap 95% interval of that median (pairs resampled, 2000
 times, seeded); per engine the median wall and CPU time, the generated (policy) tokens and tokens/s at the median
 wall, the model forwards (a forward hook; prefills included), the decode forwards (one token a row; with a shared
-prompt this includes the forward of each row's last prompt token, which samples its first token) and their
+prompt this includes the forward of each row's last prompt token, which samples its first token, and the engine's
+decode steps that pack entering rows' prefills in, which sample a token a row) and their
 row-steps (rows x decode forwards: a finished row that keeps decoding costs row-steps; without that waste they
 equal the tokens), and the peak resident memory above what the process held before the run (median over pairs;
 the process is warm, so what glibc's heap already holds from an earlier run is not counted again):
@@ -89,10 +90,14 @@ class ForwardCounter:
 
     def _hook(self, _module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        kept = kwargs.get("logits_to_keep")
         self.forwards += 1
         if ids is not None and ids.shape[1] == 1:
             self.decode_forwards += 1
             self.decode_row_steps += ids.shape[0]
+        elif getattr(kept, "ndim", 0) == 1:  # positions kept: the engine's decode step with prefills packed in
+            self.decode_forwards += 1
+            self.decode_row_steps += kept.shape[0]
 
 
 def load_real(args):
