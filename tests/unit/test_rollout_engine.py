@@ -180,9 +180,29 @@ def test_a_prefill_joins_the_decode_step_and_changes_no_token(setup):
     separate, separate_counts = run(False)
     assert fused_counts == (13, 10, 3, 2) and separate_counts == (15, 10, 5, 0)
     assert sorted(fused) == sorted(separate) == [(t, i) for t in range(2) for i in range(3)]
-    for key in fused:
-        assert fused[key][0] == separate[key][0]
-        torch.testing.assert_close(torch.tensor(fused[key][1]), torch.tensor(separate[key][1]), rtol=0, atol=1e-5)
+    _assert_same_rows(fused, separate)
+
+
+def test_new_rows_entering_late_are_prefilled_in_the_decode_step_and_keep_their_tokens(setup):
+    """Rows of two groups entering as room frees (max_live_rows 2): each enters with its group's shared prompt in
+    the live rows' decode forward, and every row's tokens are those it gets alone."""
+    model, tokenizer = setup
+    ids = _ids(tokenizer, PROMPTS[:2])
+    def requests():
+        return [Request((g, s), ids[g], 3 + s, seed=10 * g + s) for g in range(2) for s in range(3)]
+    engine = _engine(model, tokenizer, eos=NEVER, min_shared_prefix=1, max_live_rows=2)
+    late = _by_key(engine.run(requests()))
+    assert engine.stats.num_prefills_in_decode > 0
+    alone = {r.key: _by_key(_engine(model, tokenizer, eos=NEVER).run([r]))[r.key] for r in requests()}
+    _assert_same_rows(late, alone)
+
+
+def _assert_same_rows(got: dict, expected: dict) -> None:
+    """The same keys and ids, log-probs within 1e-5."""
+    assert got.keys() == expected.keys()
+    for key in got:
+        assert got[key][0] == expected[key][0]
+        torch.testing.assert_close(torch.tensor(got[key][1]), torch.tensor(expected[key][1]), rtol=0, atol=1e-5)
 
 
 def test_tools_run_while_other_rows_decode(setup):
