@@ -21,6 +21,10 @@ new tokens -- the last sampled token, the tool message and the template's separa
   twice. Its memory is live rows x (the longest live row's own tokens + less than a block) plus each live group's
   shared prompt once, never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it is
   copied into the batch;
+- **a prefill inside the decode step**: rows that enter while others are live are prefilled in the live rows'
+  decode forward (one packed sequence [1, tokens]: each live row's token, then each entering row's new ids;
+  :meth:`ContinuousEngine._decode_entering`), on the CPU's exact shapes with the shared-prefix attention in use;
+  otherwise they get a prefill forward of their own;
 - **shapes**: exact on the CPU; on CUDA (``bucketed``) each decode forward runs at :func:`decode_shape`'s bucket of
   rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
@@ -130,8 +134,10 @@ class Finished:
 
 @dataclass
 class EngineStats:
-    """What one :meth:`ContinuousEngine.run` cost: decode and prefill forwards, row-steps (one per live row per
-    decode forward), the most rows live at once and the most cache positions (rows x padded width) held."""
+    """What one :meth:`ContinuousEngine.run` cost: decode and prefill forwards (forwards of their own), the decode
+    forwards that prefilled entering rows too, row-steps (one per live row per decode forward; the entering rows'
+    first token not counted), the most rows live at once and the most cache positions (rows x padded width)
+    held."""
 
     num_decode_forwards: int = 0
     num_prefill_forwards: int = 0
