@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import inspect
 import itertools
 from collections import deque
@@ -230,7 +229,7 @@ class ContinuousEngine:
                 done.extend(finished)
                 return
             # the kept caches go to on_finish only: `done` holding them would keep every turn's cache alive
-            done.extend(dataclasses.replace(f, kept=None) for f in finished)
+            done.extend(Finished(f.key, f.new_ids, f.logprobs, f.ended) for f in finished)
             for follow in on_finish(finished):
                 (pending if isinstance(follow, concurrent.futures.Future) else waiting).append(follow)
 
@@ -366,8 +365,8 @@ class ContinuousEngine:
         mask = torch.cat([self._mask, torch.ones(num_rows, 1, dtype=self._mask.dtype, device=device)], 1)
         rows, columns = decode_shape(num_rows, width + 1, bucketed=self.bucketed, block=self.block)
         padding = rows - num_rows
-        ids = torch.tensor([[r.last] for r in self._rows] + [[self.pad_id]] * padding, device=device)
-        positions = torch.tensor([[r.length] for r in self._rows] + [[0]] * padding, device=device)
+        ids = torch.tensor([r.last for r in self._rows] + [self.pad_id] * padding, device=device)[:, None]
+        positions = torch.tensor([r.length for r in self._rows] + [0] * padding, device=device)[:, None]
         full_mask = mask
         if self.bucketed:
             self._fit(rows, columns)
