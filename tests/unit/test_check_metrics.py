@@ -113,14 +113,20 @@ def _session(*overrides: str):
     return build_session(cfg, info, mesh)
 
 
+# rollout.engine=generate: the planted bugs below are asserted on the layouts where they show in generate's batch
+# (with the continuous engine's batch the per-micro-batch token-mean bug shows on other layouts, not on
+# micro-batches=2); the continuous engine's batch has its own fixture (`continuous`, at the end).
+GENERATE = "rollout.engine=generate"
+
+
 @pytest.fixture(scope="module")
 def ppo():
-    return _session("trainer.share_prompts=false")  # CI time: the shared layouts run in the slow test that needs them
+    return _session("trainer.share_prompts=false", GENERATE)  # CI time: the shared layouts run in the slow test
 
 
 @pytest.fixture(scope="module")
 def grpo():
-    return _session("algorithm=grpo", "trainer.share_prompts=false")
+    return _session("algorithm=grpo", "trainer.share_prompts=false", GENERATE)
 
 
 def _one_each(session) -> str:
