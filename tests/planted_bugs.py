@@ -155,7 +155,8 @@ def plant_micro_batch_normalised_by_its_own_tokens(set_attr=setattr) -> None:
 # raw generation output and the raw reward values (fsdptrain/check/raw_reference.py) can catch these
 
 def plant_eos_cut_off_the_response(set_attr=setattr) -> None:
-    """A response cut one token short: a finished response loses its EOS (the policy is never trained to stop)."""
+    """A response cut one token short: a finished response loses its EOS (the policy is never trained to stop).
+    Planted in both engines' cut: generate's ``split_response`` and the continuous engine's ``Finished`` records."""
     from fsdptrain.model import generate
 
     split = generate.split_response
@@ -165,6 +166,22 @@ def plant_eos_cut_off_the_response(set_attr=setattr) -> None:
         return (response if truncated else response[:-1]), truncated
 
     set_attr(generate, "split_response", without_eos)
+    _plant_finished(set_attr, lambda f: dataclasses.replace(f, new_ids=f.new_ids[:-1], logprobs=f.logprobs[:-1])
+                    if f.ended else f)
+
+
+def plant_capped_response_not_truncated(set_attr=setattr) -> None:
+    """The continuous engine reports a row that reached its cap as ended (as if on EOS): ``truncated`` is False for
+    every response, so overlong filtering and ``response_length/clip_ratio`` never see one."""
+    _plant_finished(set_attr, lambda f: dataclasses.replace(f, ended=True))
+
+
+def _plant_finished(set_attr, change) -> None:
+    """``change`` applied to each row the continuous engine hands back (``ContinuousEngine._leave``)."""
+    from fsdptrain.rollout.engine import ContinuousEngine
+
+    leave = ContinuousEngine._leave
+    set_attr(ContinuousEngine, "_leave", lambda self: [change(f) for f in leave(self)])
 
 
 def plant_eos_left_out_of_the_response_mask(set_attr=setattr) -> None:

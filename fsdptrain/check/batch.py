@@ -21,7 +21,8 @@ with :func:`make_batch`'s arguments):
   differs from the reference, which reads the mask itself (``CheckBatch.policy_masks``, ``counted``).
 
 The reference's own inputs before the layouts (:mod:`fsdptrain.check.raw_reference`): while the source makes the
-rollouts, the policy's ``generate`` calls are recorded; the reference cuts the prompts and responses out of that raw
+rollouts, the policy's ``generate`` calls and the continuous engine's runs (each request and the tokens its sampler
+drew) are recorded; the reference cuts the prompts and responses out of that raw
 output itself, takes the policy's tokens by its own rule (:func:`reference_policy`) and adds the reward functions' raw
 values up itself (:func:`reference_sequences`). Its rollout facts, the oracle's scores and its masks are those, and
 ``CheckBatch.raw_checks`` compares the product's prompts, responses and rewards with them.
@@ -46,8 +47,10 @@ from fsdptrain.check.precision import checked_precision, in_checked_precision, t
 from fsdptrain.check.progress import say
 from fsdptrain.check.raw_reference import (
     RawSequence,
+    engine_sequences,
     raw_checks,
     raw_sequences,
+    recording_engine,
     recording_generate,
     reference_rewards,
 )
@@ -286,19 +289,21 @@ class Sampled:
         """The reference's rollout facts of this rank's sequences: its own prompts, responses, truncation, rewards
         and policy tokens."""
         policy = self.policy(rollouts, [len(raw.response_ids) for raw in self.reference])
-        return [RolloutFacts(reward_of(raw, r), len(raw.prompt_ids), len(raw.response_ids), raw.truncated, sum(m))
+        # a response ending neither at EOS nor at the cap (truncated None) already fails the raw check: no EOS
+        return [RolloutFacts(reward_of(raw, r), len(raw.prompt_ids), len(raw.response_ids), raw.truncated is not False,
+                             sum(m))
                 for raw, r, m in zip(self.reference, rollouts, policy)]
 
 
 def _sample(trainer: Trainer, *, mask_holes: bool) -> Sampled:
-    """This rank's rollouts of the first step with ``generate`` recorded (collective), and the reference's own
-    sequences (:func:`reference_sequences`)."""
+    """This rank's rollouts of the first step with ``generate`` and the continuous engine recorded (collective), and
+    the reference's own sequences (:func:`reference_sequences`)."""
     info = trainer.info
-    with recording_generate(trainer.models.policy) as calls:
+    with recording_generate(trainer.models.policy) as calls, recording_engine() as runs:
         rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
                                            device=trainer.device)
     product = [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, float(r.reward)) for r in rollouts]
-    reference, recut = reference_sequences(trainer, rollouts, calls)
+    reference, recut = reference_sequences(trainer, rollouts, calls, runs)
     fixture = mask_holes and all(r.response_mask is None for r in rollouts)
     return Sampled(with_tool_segments(rollouts) if fixture else rollouts, product, reference, recut, fixture,
                    writes_every_token(trainer.cfg))
@@ -382,8 +387,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
                       raw_checks=found_raw, raw_notes=[] if sampled.recut else [NOT_RECUT])
 
 
-NOT_RECUT = ("the responses are the sampler's own (the multi-turn sampler, rollout.engine=continuous or offline "
-             "rollouts): the reference did not cut them from the raw generation output")
+NOT_RECUT = ("the responses are the sampler's own (the multi-turn sampler or offline rollouts): "
+             "the reference did not cut them from the raw generation output")
 
 
 def writes_every_token(cfg: DictConfig) -> bool:
@@ -392,9 +397,10 @@ def writes_every_token(cfg: DictConfig) -> bool:
     return cfg.data.source != "jsonl" and cfg.rollout.tools is None and cfg.rollout.environment is None
 
 
-def reference_sequences(trainer: Trainer, rollouts: list[Rollout], calls) -> tuple[list, bool]:
+def reference_sequences(trainer: Trainer, rollouts: list[Rollout], calls, runs) -> tuple[list, bool]:
     """This rank's sequences as the reference makes them (:mod:`fsdptrain.check.raw_reference`), and whether it cut
-    the responses itself: from the recorded ``generate`` call of a single-turn sampler; otherwise the product's
+    the responses itself: from the recorded ``generate`` call (``calls``) or continuous engine run (``runs``) of a
+    single-turn sampler; otherwise the product's
     prompts and responses. The rewards come from the functions' raw values and the configured weights whenever the
     source scored the rollouts (an environment's ``get_reward`` with the weight the sampler gave it; the reward
     models' scaled total as the source made it); None for offline rollouts."""
@@ -407,8 +413,11 @@ def reference_sequences(trainer: Trainer, rollouts: list[Rollout], calls) -> tup
         weights += [f.weight for f in source.functions[len(specs):]]
         models = source.last_model_scores.total_N.tolist() if trainer.models.reward_models else None
         rewards = reference_rewards(scores.raw, [f.name for f in source.functions], weights, models, len(rollouts))
-    recut = (raw_sequences(calls, rewards, len(rollouts), eos_id=trainer.tokenizer.eos_token_id,
-                           max_new_tokens=cfg.rollout.max_new_tokens) if writes_every_token(cfg) else None)
+    recut = None
+    if writes_every_token(cfg):
+        cut, recorded = (engine_sequences, runs) if cfg.rollout.engine == "continuous" else (raw_sequences, calls)
+        recut = cut(recorded, rewards, len(rollouts), eos_id=trainer.tokenizer.eos_token_id,
+                    max_new_tokens=cfg.rollout.max_new_tokens)
     if recut is not None:
         return recut, True
     return [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, None if rewards is None else rewards[k])

@@ -1,22 +1,26 @@
 """check-metrics, part 0: the reference's own inputs, from the raw generation output and the raw reward values.
 
-Before any layout, the product cuts each response out of what ``generate`` returned, decides which of its tokens the
+Before any layout, the product cuts each response out of what ``generate`` returned (``rollout.engine=generate``) or
+out of the tokens the continuous engine sampled (``rollout.engine=continuous``), decides which of its tokens the
 policy wrote, and adds the reward functions' values up into one reward. Every layout is then fed the same result, so a
 bug in those stages cannot show as a difference between layouts; the reference therefore redoes them itself, from
 their definitions, starting from what the model and the user's functions returned (docs/check-metrics.md, "What the
 reference recomputes before the layouts"):
 
-- prompt: the row's ids where ``generate``'s attention mask is 1 (its left padding dropped);
-- response: the new tokens ``generate`` returned for the row, up to and including the first EOS; a row with no EOS
-  among them is truncated, and its response is all of them (at most ``rollout.max_new_tokens``);
+- prompt: the row's ids where ``generate``'s attention mask is 1 (its left padding dropped); with the continuous
+  engine, the ids of the row's request as the sampler handed it to ``ContinuousEngine.run``;
+- response: the new tokens ``generate`` returned for the row (the continuous engine: the tokens
+  ``fsdptrain.rollout.engine.sample_rows`` drew for the request, in order), up to and including the first EOS; a row
+  with no EOS among them is truncated, and its response is all of them (at most ``rollout.max_new_tokens``);
 - the policy's tokens: every response token of a single-turn sample, its EOS included (the check's multi-turn
   fixture mask where the check gave one);
 - reward: ``sum_f w_f * v_f`` over the functions whose raw value ``v_f`` is a number (None is left out; 0.0 when no
   function applies), ``w_f`` the configured ``reward.weights`` (1.0 each when null), plus the reward models' scaled
   total.
 
-Nothing here calls the product's ``split_response``, sampler, ``RewardRunner`` or reward combination. Shared, because
-they are the inputs and not a stage: the model's ``generate`` (which tokens were drawn), the tokenizer (the EOS id, the
+Nothing here calls the product's ``split_response``, sampler, the engine's ``Finished`` records, ``RewardRunner`` or
+reward combination. Shared, because they are the inputs and not a stage: the model's ``generate`` or the engine's
+``sample_rows`` (which tokens were drawn), the tokenizer (the EOS id, the
 prompt's ids), the user's reward functions (their values) and the reward models' scaled scores.
 """
 
@@ -24,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Optional, Sequence
 
 import torch
 
@@ -49,7 +53,8 @@ class RawSequence:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    truncated: bool
+    truncated: Optional[bool]
+    """None: the engine's tokens end with neither EOS nor the cap, a cut no response can match."""
     reward: Optional[float]
 
 
@@ -78,6 +83,57 @@ def recording_generate(model: torch.nn.Module) -> Iterator[list[Optional[RawCall
         del model.generate
 
 
+@dataclass
+class EngineRun:
+    """One ``ContinuousEngine.run`` as the engine sampled it: the requests' keys and ids as the caller handed them
+    (None for a request onto a kept cache), every token ``sample_rows`` drew, per request key, in order, and whether
+    the caller could add requests (``on_finish``: a multi-turn sampler's later turns)."""
+
+    keys: list[Hashable]
+    prompts: list[Optional[list[int]]]
+    follow_ups: bool
+    sampled: dict[Hashable, list[int]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def recording_engine() -> Iterator[list[EngineRun]]:
+    """Within the block, every ``ContinuousEngine.run`` is recorded into the yielded list: its requests as given,
+    and each token ``fsdptrain.rollout.engine.sample_rows`` returned, under the key of the row it was drawn for
+    (``ContinuousEngine._sample`` names the rows, ``sample_rows`` draws their tokens in that order). The engine's
+    own methods run unchanged; they are restored after the block."""
+    from fsdptrain.rollout import engine as engine_module
+
+    runs: list[EngineRun] = []
+    keys_of_draws: list[list[Hashable]] = []  # the rows of the _sample call in progress
+    cls = engine_module.ContinuousEngine
+    run, sample, sample_rows = cls.run, cls._sample, engine_module.sample_rows
+
+    def recorded_run(self, requests, on_finish=None):
+        runs.append(EngineRun([r.key for r in requests],
+                              [list(r.new_ids) if r.kept is None else None for r in requests], on_finish is not None))
+        return run(self, requests, on_finish)
+
+    def recorded_sample(self, rows, logits):
+        keys_of_draws.append([r.request.key for r in rows])
+        try:
+            return sample(self, rows, logits)
+        finally:
+            keys_of_draws.pop()
+
+    def recorded_sample_rows(*args, **kwargs):
+        tokens, logprobs = sample_rows(*args, **kwargs)
+        if keys_of_draws and runs:
+            for key, token in zip(keys_of_draws[-1], tokens, strict=True):
+                runs[-1].sampled.setdefault(key, []).append(int(token))
+        return tokens, logprobs
+
+    cls.run, cls._sample, engine_module.sample_rows = recorded_run, recorded_sample, recorded_sample_rows
+    try:
+        yield runs
+    finally:
+        cls.run, cls._sample, engine_module.sample_rows = run, sample, sample_rows
+
+
 def reference_prompt(input_ids: Sequence[int], attention_mask: Sequence[int]) -> list[int]:
     """The prompt's ids: those under a mask of 1."""
     return [int(token) for token, keep in zip(input_ids, attention_mask) if keep]
@@ -90,6 +146,28 @@ def reference_cut(new_tokens: Sequence[int], *, eos_id: int, max_new_tokens: int
     if eos_id in tokens:
         return tokens[: tokens.index(eos_id) + 1], False
     return tokens[:max_new_tokens], True
+
+
+def engine_sequences(runs: Sequence[EngineRun], rewards: Optional[list[Optional[float]]], num_rollouts: int,
+                     *, eos_id: int, max_new_tokens: int) -> Optional[list[RawSequence]]:
+    """This rank's sequences from one recorded engine run whose requests are its rollouts, in order (the
+    single-turn sampler's training run); None when the runs are not that (none: another engine or offline data;
+    several: not one single-turn batch; one that could add requests or whose requests continue a kept cache or
+    share a key: a multi-turn sampler's). A request's tokens with no EOS and fewer than ``max_new_tokens`` of them
+    end neither way: its ``truncated`` is None, so no product's response matches it."""
+    if len(runs) != 1:
+        return None
+    run = runs[0]
+    if (run.follow_ups or len(run.keys) != num_rollouts or len(set(run.keys)) != len(run.keys)
+            or any(p is None for p in run.prompts)):
+        return None
+    out = []
+    for row, (key, prompt) in enumerate(zip(run.keys, run.prompts)):
+        response, truncated = reference_cut(run.sampled.get(key, []), eos_id=eos_id, max_new_tokens=max_new_tokens)
+        if truncated and len(response) < max_new_tokens:  # the engine stopped with neither EOS nor the cap
+            truncated = None
+        out.append(RawSequence(list(prompt), response, truncated, None if rewards is None else rewards[row]))
+    return out
 
 
 def reference_reward(values: Sequence[Optional[float]], weights: Sequence[float]) -> float:

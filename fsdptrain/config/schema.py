@@ -251,7 +251,7 @@ class RolloutConfig:
     top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     gather_weights: str = choice("auto", GATHER_MODES)
-    """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never."""
+    """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never; rollout.engine=generate only (the continuous engine always gathers for its block)."""
     gather_weights_max_share: float = bounded(0.5, gt=0, le=1)
     """gather_weights=auto gathers when the unsharded policy needs at most this share of free memory."""
     tools: Optional[list[str]] = None
@@ -262,7 +262,7 @@ class RolloutConfig:
     """With tools: most assistant turns per sample (a tool call in the last one is not run; truncated/max_turns)."""
     max_tool_response_tokens: int = bounded(256, ge=1)
     """With tools: most tokens of one tool result's content; a longer one is cut (tools/num_cut_results)."""
-    engine: str = choice("generate", ROLLOUT_ENGINES)
+    engine: str = choice("continuous", ROLLOUT_ENGINES)
     """How rollouts are decoded (docs/rollout.md): generate (transformers' generate, one padded batch per call; multi-turn one group and turn at a time) or continuous (every trajectory of the rank in one decode loop, finished rows leave at once, cache kept across turns, tools run while rows decode; row-seeded, so ranks never change a token)."""
     max_live_rows: int = bounded(64, ge=1)
     """rollout.engine=continuous: most rows decoded at once; waiting rows enter as rows finish."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fsdptrain.check.batch import build_session
+from fsdptrain.check.batch import build_session, make_batch
 from fsdptrain.check.compare import Outcome, compare, self_checks
 from fsdptrain.check import layouts
 from fsdptrain.check import run as run_module
@@ -31,6 +31,8 @@ from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
 from tests.planted_bugs import (
+    plant_capped_response_not_truncated,
+    plant_eos_cut_off_the_response,
     plant_loss_on_tool_tokens,
     plant_normaliser_over_the_whole_step,
     plant_rejected_tokens_in_the_normaliser,
@@ -111,14 +113,20 @@ def _session(*overrides: str):
     return build_session(cfg, info, mesh)
 
 
+# rollout.engine=generate: the planted bugs below are asserted on the layouts where they show in generate's batch
+# (with the continuous engine's batch the per-micro-batch token-mean bug shows on other layouts, not on
+# micro-batches=2); the continuous engine's batch has its own fixture (`continuous`, at the end).
+GENERATE = "rollout.engine=generate"
+
+
 @pytest.fixture(scope="module")
 def ppo():
-    return _session("trainer.share_prompts=false")  # CI time: the shared layouts run in the slow test that needs them
+    return _session("trainer.share_prompts=false", GENERATE)  # CI time: the shared layouts run in the slow test
 
 
 @pytest.fixture(scope="module")
 def grpo():
-    return _session("algorithm=grpo", "trainer.share_prompts=false")
+    return _session("algorithm=grpo", "trainer.share_prompts=false", GENERATE)
 
 
 def _one_each(session) -> str:
@@ -590,3 +598,40 @@ def test_a_layout_whose_backward_raised_midway_leaves_the_next_layout_clean(ppo)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
+# ---- the continuous engine's cut (fsdptrain/check/raw_reference.py: recording_engine, engine_sequences) --------------
+
+CUT = "experience: prompts and responses = the cut of the raw generation"
+
+
+@pytest.fixture(scope="module")
+def continuous():
+    return _session("trainer.share_prompts=false", "rollout.engine=continuous")
+
+
+def _cut_check(batch):
+    (check,) = [c for c in batch.raw_checks if c.rule.startswith(CUT)]
+    return check
+
+
+def test_the_reference_cuts_the_continuous_engine_s_responses_itself(continuous):
+    batch = continuous.batch
+    assert not batch.raw_notes  # the reference cut them: not the sampler's own
+    assert _cut_check(batch).passed
+    ended = sum(not f.truncated for f in batch.facts)
+    assert 0 < ended < len(batch.facts)  # both kinds of response, so each plant below has rows to change
+
+
+@pytest.mark.parametrize("session", ["ppo", "continuous"])  # ppo: rollout.engine=generate
+def test_the_eos_cut_off_the_response_fails_with_either_engine(request, monkeypatch, session):
+    trainer = request.getfixturevalue(session).trainer
+    plant_eos_cut_off_the_response(monkeypatch.setattr)
+    check = _cut_check(make_batch(trainer, negative_values=False))
+    assert not check.passed and check.value > 0, check.detail
+
+
+def test_a_capped_response_reported_as_ended_fails(continuous, monkeypatch):
+    plant_capped_response_not_truncated(monkeypatch.setattr)
+    check = _cut_check(make_batch(continuous.trainer, negative_values=False))
+    assert not check.passed and check.value > 0, check.detail

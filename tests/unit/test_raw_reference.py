@@ -1,5 +1,5 @@
 """check-metrics' own cut of the raw generation output and its own rewards (fsdptrain/check/raw_reference.py):
-values by hand, and the cut against the product's on a real ``generate``."""
+values by hand, and the cut against the product's on a real ``generate`` and a real continuous engine."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.check.raw_reference import (
+    EngineRun,
     RawCall,
     RawSequence,
+    engine_sequences,
     raw_checks,
     raw_sequences,
+    recording_engine,
     recording_generate,
     reference_cut,
     reference_prompt,
@@ -21,6 +24,9 @@ from fsdptrain.check.raw_reference import (
 )
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.model.generate import generate_responses
+from fsdptrain.rollout import engine as engine_module
+from fsdptrain.rollout.continuous import generate_continuous
+from fsdptrain.rollout.engine import ContinuousEngine
 
 EOS = 2
 
@@ -53,6 +59,22 @@ def test_sequences_from_one_call_and_none_from_several():
     assert raw_sequences([None], None, 2, eos_id=EOS, max_new_tokens=3) is None
 
 
+def test_engine_sequences_from_one_single_turn_run_and_none_otherwise():
+    run = EngineRun(keys=[0, 1, 2], prompts=[[7, 8], [9], [9]], follow_ups=False,
+                    sampled={0: [5, EOS], 1: [4, 4, 4], 2: [6]})
+    got = engine_sequences([run], [0.5, None, 1.0], 3, eos_id=EOS, max_new_tokens=3)
+    # request 2 stopped with neither EOS nor the cap: no response can be its cut (truncated None)
+    assert got == [RawSequence([7, 8], [5, EOS], False, 0.5), RawSequence([9], [4, 4, 4], True, None),
+                   RawSequence([9], [6], None, 1.0)]
+    kw = dict(eos_id=EOS, max_new_tokens=3)
+    assert engine_sequences([run, run], None, 3, **kw) is None
+    assert engine_sequences([], None, 3, **kw) is None  # another engine
+    assert engine_sequences([run], None, 2, **kw) is None  # not the rollouts
+    assert engine_sequences([EngineRun([0, 1, 2], run.prompts, True, run.sampled)], None, 3, **kw) is None  # turns
+    assert engine_sequences([EngineRun([0, 1, 2], [[7], None, [9]], False, run.sampled)], None, 3, **kw) is None
+    assert engine_sequences([EngineRun([0, 0, 2], run.prompts, False, run.sampled)], None, 3, **kw) is None
+
+
 def test_checks_fail_on_a_different_cut_and_a_different_reward():
     want = [RawSequence([7], [5, EOS], False, 0.5), RawSequence([8], [4, 4], True, 1.0)]
     assert all(c.passed for c in raw_checks(want, want, atol=1e-6, rtol=1e-5, responses_recut=True))
@@ -67,13 +89,17 @@ def test_checks_fail_on_a_different_cut_and_a_different_reward():
     assert len(raw_checks(cut_short, want, atol=1e-6, rtol=1e-5, responses_recut=False)) == 1  # rewards only
 
 
-def test_the_recorded_generate_cuts_as_the_sampler_does():
-    tokenizer = load_bundled_tokenizer()
+def _tiny_model(tokenizer) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                          bos_token_id=1, eos_token_id=EOS, pad_token_id=0, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def test_the_recorded_generate_cuts_as_the_sampler_does():
+    tokenizer = load_bundled_tokenizer()
+    model = _tiny_model(tokenizer)
     texts = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 ="] * 8
     with recording_generate(model) as calls:
         out = generate_responses(model, tokenizer, texts, max_new_tokens=8, temperature=3.0, top_p=1.0,
@@ -81,6 +107,20 @@ def test_the_recorded_generate_cuts_as_the_sampler_does():
     assert "generate" not in vars(model)  # the model's own method again
     got = raw_sequences(calls, None, len(texts), eos_id=EOS, max_new_tokens=8)
     assert [(s.prompt_ids, s.response_ids, s.truncated) for s in got] == [tuple(o) for o in out]
+    assert 0 < sum(not s.truncated for s in got) < len(got)  # both kinds of row
+
+
+def test_the_recorded_engine_cuts_as_the_continuous_sampler_does():
+    tokenizer = load_bundled_tokenizer()
+    model = _tiny_model(tokenizer)
+    prompts = [tokenizer.encode(t) for t in ["repeat 7 =", "copy 3 1 4 =", "repeat 2 ="] * 8]
+    engine = ContinuousEngine(model, eos_id=EOS, pad_id=0, temperature=3.0, max_live_rows=5)  # rows wait and enter
+    methods = (ContinuousEngine.run, ContinuousEngine._sample, engine_module.sample_rows)
+    with recording_engine() as runs:
+        out = generate_continuous(engine, prompts, list(range(len(prompts))), max_new_tokens=8)
+    assert (ContinuousEngine.run, ContinuousEngine._sample, engine_module.sample_rows) == methods  # restored
+    got = engine_sequences(runs, None, len(prompts), eos_id=EOS, max_new_tokens=8)
+    assert [(s.prompt_ids, s.response_ids, s.truncated) for s in got] == [tuple(o[:3]) for o in out]
     assert 0 < sum(not s.truncated for s in got) < len(got)  # both kinds of row
 
 

@@ -50,8 +50,9 @@ def trainer_rollouts(model, tokenizer, mode: str) -> tuple[list[list[int]], int]
     from fsdptrain.compose import compose_config
     from fsdptrain.rollout.prompt_source import PromptSource
 
+    # rollout.engine=generate: the continuous engine always gathers for its block and never reads gather_weights
     cfg = compose_config([f"rollout.gather_weights={mode}", "rollout.prompts_per_step=4", "rollout.n=2",
-                          "rollout.max_new_tokens=6"])
+                          "rollout.max_new_tokens=6", "rollout.engine=generate"])
     source = PromptSource(cfg, tokenizer)
     models = SimpleNamespace(policy=model, reward_models=[], reward_specs=[])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
