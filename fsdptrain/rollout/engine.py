@@ -555,7 +555,7 @@ class ContinuousEngine:
         for r in rows:
             if r.noise is None and r.request.seed is not None:  # a chunk: NOISE_STEPS tokens, NOISE_ROW_VALUES values
                 steps = min(NOISE_STEPS, r.request.max_new_tokens, NOISE_ROW_VALUES // vocab)
-                r.noise = RowNoise(r.request.seed, vocab, steps, logits.device)
+                r.noise = RowNoise(r.request.seed, vocab, steps, logits.device, total=r.request.max_new_tokens)
         tokens, logprobs = sample_rows(logits, [r.noise for r in rows], temperature=self.temperature,
                                        top_p=self.top_p)
         for r, token, logprob in zip(rows, tokens, logprobs):
@@ -827,19 +827,34 @@ class RowNoise:
     """One row's Gumbel noise ``-log(-log(u))`` (float32, as the draw adds it) of its generator's float64
     uniforms, one vocabulary's worth per token, drawn ``steps`` tokens at a time: torch's CPU and CUDA generators give
     the same stream drawn in one piece or token by token (a unit test checks it), so a row's tokens are those of one
-    draw per token, for one ``torch.rand`` call and two logarithms per chunk instead of per token."""
+    draw per token, for one ``torch.rand`` call and two logarithms per chunk instead of per token.
 
-    def __init__(self, seed: int, vocab: int, steps: int, device: torch.device):
-        self.generator = torch.Generator(device=device).manual_seed(int(seed))
+    ``total``: the most tokens the row can draw (its cap). The first chunk is drawn at once, and the generator (2.5
+    KiB of state on the CPU) is dropped as soon as the chunks drawn cover ``total``: a short row (the default task's
+    6 tokens) holds only its noise, not a generator beside it."""
+
+    def __init__(self, seed: int, vocab: int, steps: int, device: torch.device, total: Optional[int] = None):
+        self.generator: Optional[torch.Generator] = torch.Generator(device=device).manual_seed(int(seed))
         self.vocab, self.steps, self.device = vocab, max(1, steps), device
+        self.left = total  # tokens not yet drawn (None: no bound)
         self.chunk: list[torch.Tensor] = []  # the chunk's tokens, views made in one call (not one select a step)
         self.at = 0
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.generator is None:
+            raise RuntimeError(f"RowNoise: more tokens drawn than its total of {self.steps * len(self.chunk)}")
+        u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
+        u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
+        self.chunk, self.at = (-torch.log(-torch.log(u))).float().unbind(0), 0
+        if self.left is not None:
+            self.left -= self.steps
+            if self.left <= 0:
+                self.generator = None
 
     def next(self) -> torch.Tensor:
         if self.at == len(self.chunk):
-            u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
-            u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
-            self.chunk, self.at = (-torch.log(-torch.log(u))).float().unbind(0), 0
+            self._draw()
         self.at += 1
         return self.chunk[self.at - 1]
 

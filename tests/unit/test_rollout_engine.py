@@ -239,6 +239,13 @@ def test_noise_drawn_in_chunks_is_the_noise_of_one_draw_per_token():
     for steps in (1, 3, 16):
         noise = RowNoise(seed, vocab, steps, torch.device("cpu"))
         assert all(torch.equal(noise.next(), want) for want in one_by_one)
+    for steps, total in ((3, 20), (16, 20), (20, 20), (16, 6)):  # the generator dropped once the chunks cover total
+        noise = RowNoise(seed, vocab, steps, torch.device("cpu"), total=total)
+        for k, want in enumerate(one_by_one[:total]):
+            drawn = max(1, -(-k // steps)) * steps  # tokens drawn before token k's: whole chunks, the first at once
+            assert (noise.generator is None) == (drawn >= total), (steps, total, k)
+            assert torch.equal(noise.next(), want)
+        assert noise.generator is None
 
 
 def test_bad_bounds_are_refused():
