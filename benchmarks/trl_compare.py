@@ -73,6 +73,13 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def faults_since(start: resource.struct_rusage) -> dict:
+    """System time and minor page faults of this process since ``start`` (a ``getrusage``): what the kernel spent
+    handing memory back in (a freed block returned to the OS faults in again when reused)."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {"sys_s": now.ru_stime - start.ru_stime, "minor_faults": now.ru_minflt - start.ru_minflt}
+
+
 class StepLog:
     """One JSON line per step, written as it ends: fsdptrain leaves through os._exit, so nothing waits for the end."""
 
@@ -90,9 +97,10 @@ def time_steps(recipe: type, log: StepLog, record) -> None:
     original = recipe.run_step
 
     def timed_step(self, step):
-        wall, cpu = time.perf_counter(), cpu_s()
+        wall, cpu, usage = time.perf_counter(), cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
         result = original(self, step)
-        log.write({"step": step, "wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu, **record(result)})
+        log.write({"step": step, "wall_s": time.perf_counter() - wall, "cpu_s": cpu_s() - cpu, **faults_since(usage),
+                   **record(result)})
         return result
 
     recipe.run_step = timed_step

@@ -45,6 +45,7 @@ from fsdptrain.rl.packed_loss import token_logprobs_entropy
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.train.build import build_part, build_policy_model, build_tokenizer, resolve_device_type
 from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
+from fsdptrain.run.malloc import keep_freed_heap
 from fsdptrain.train.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
 from fsdptrain.run.files import MetricsFiles
@@ -237,6 +238,7 @@ def sft(cfg: DictConfig, run_dir: str) -> int:
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     tuner = FineTuner(cfg, Path(run_dir).absolute(), info, mesh)  # fixed now: user code may change the cwd later
+    keep_freed_heap()  # after loading (its transient copies go back): each step reuses the last one's pages
     code = _run(tuner, stop)
     world.destroy_distributed()
     return code
