@@ -836,14 +836,14 @@ class RowNoise:
     def __init__(self, seed: int, vocab: int, steps: int, device: torch.device, total: Optional[int] = None):
         self.generator: Optional[torch.Generator] = torch.Generator(device=device).manual_seed(int(seed))
         self.vocab, self.steps, self.device = vocab, max(1, steps), device
-        self.left = total  # tokens not yet drawn (None: no bound)
+        self.total, self.left = total, total  # tokens not yet drawn (None: no bound)
         self.chunk: list[torch.Tensor] = []  # the chunk's tokens, views made in one call (not one select a step)
         self.at = 0
         self._draw()
 
     def _draw(self) -> None:
         if self.generator is None:
-            raise RuntimeError(f"RowNoise: more tokens drawn than its total of {self.steps * len(self.chunk)}")
+            raise RuntimeError(f"RowNoise: a token drawn beyond its total of {self.total}")
         u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
         u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
         self.chunk, self.at = (-torch.log(-torch.log(u))).float().unbind(0), 0
