@@ -251,7 +251,7 @@ class RolloutConfig:
     top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     gather_weights: str = choice("auto", GATHER_MODES)
-    """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never; rollout.engine=generate only (the continuous engine always gathers for its block)."""
+    """Generate with the policy all-gathered once per step: auto (when it fits in free memory), always or never. On several ranks the continuous engine and multi-turn generation need it gathered (never, or auto finding no room, is refused); single-turn generate can run sharded."""
     gather_weights_max_share: float = bounded(0.5, gt=0, le=1)
     """gather_weights=auto gathers when the unsharded policy needs at most this share of free memory."""
     tools: Optional[list[str]] = None
