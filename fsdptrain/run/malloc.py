@@ -1,4 +1,6 @@
-"""glibc's allocator in a training step's process: keep the heap's freed pages for the next step (docs/sft.md).
+"""glibc's allocator, through ``mallopt`` and ``malloc_trim``: keep the heap's freed pages for the next step
+(:func:`keep_freed_heap`, a training step's process; docs/sft.md), or hand them back after a pass that will not come
+again (:func:`release_freed_memory`, between check-metrics' passes).
 
 A CPU step frees its activations at the end of backward and makes them again in the next forward. glibc returns
 the heap's free top to the kernel once it exceeds its trim threshold (dynamic: twice the mmap threshold, at most
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import gc
+from typing import Callable, Optional
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -30,11 +35,27 @@ LARGEST_MMAP_THRESHOLD = 32 * 2**20  # glibc's limit for M_MMAP_THRESHOLD on 64-
 NEVER_TRIM = 2**31 - 1  # mallopt takes an int: a free heap top up to 2 GiB is kept
 
 
+@functools.cache
+def _libc_call(name: str) -> Optional[Callable]:
+    """The C library's function ``name``, None where there is no C library or no such function (not glibc)."""
+    path = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(path), name, None) if path else None
+
+
 def keep_freed_heap() -> bool:
     """Keep the heap's free top resident (``M_TRIM_THRESHOLD`` 2 GiB) and serve blocks up to 32 MiB from the heap
     (``M_MMAP_THRESHOLD``); True when glibc took both settings, False where the C library has no ``mallopt``."""
-    path = ctypes.util.find_library("c")
-    mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
+    mallopt = _libc_call("mallopt")
     if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))
+
+
+def release_freed_memory() -> None:
+    """Collect garbage, then ask glibc's allocator to return its free pages (``malloc_trim(0)``; nothing where the C
+    library has no such call). Between passes a float64 check frees gigabytes of activations and gradients in
+    blocks that glibc keeps mapped otherwise: measured on SmolLM2-135M, 0.5 GiB of one rank's resident memory."""
+    gc.collect()
+    trim = _libc_call("malloc_trim")
+    if trim is not None:
+        trim(0)
