@@ -6,6 +6,7 @@ test.
         [--trl-python OTHER_VENV/bin/python] [--activation-checkpointing]
     # --trl-python: TRL's side in another venv (TRL and gguf there, no fsdptrain);
     # --activation-checkpointing: both sides checkpoint every decoder layer
+    # --fsdptrain-override KEY=VALUE (repeatable): one more override of fsdptrain's side; --sides: one side only
     python benchmarks/sft_compare.py --table-from results.json    # the table of an earlier run's --json again
 
 The model is SmolLM2-135M-Instruct read from the GGUF file (examples/real-model/README.md says how to get it), on both
@@ -116,7 +117,7 @@ def run_fsdptrain(args, log: StepLog) -> None:
          "trainer.warmup_steps=0", "trainer.grad_clip=1.0", f"trainer.steps={args.steps}", "trainer.eval_every=0",
          "loss.agg_mode=token-mean", "parallel.param_dtype=float32",
          f"parallel.activation_checkpointing={str(args.activation_checkpointing).lower()}",
-         "logging.progress=false", f"trainer.run_dir={run_dir}"])
+         "logging.progress=false", f"trainer.run_dir={run_dir}", *args.fsdptrain_override])
 
 
 def run_trl(args, log: StepLog) -> None:
@@ -191,7 +192,8 @@ def run_side(side: str, args) -> dict:
     command = [python, __file__, "--side", side, "--out", str(out), "--gguf", args.gguf, "--steps", str(args.steps),
                "--rows", str(args.rows), "--lr", str(args.lr), "--seed", str(args.seed),
                "--token-budget", str(args.token_budget), "--chats", args.chats, "--tokenized", args.tokenized,
-               *(["--activation-checkpointing"] if args.activation_checkpointing else [])]
+               *(["--activation-checkpointing"] if args.activation_checkpointing else []),
+               *(f"--fsdptrain-override={o}" for o in args.fsdptrain_override)]
     return summarize(run_child(command, out, args.steps, side))
 
 
@@ -234,6 +236,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="checkpoint every decoder layer on both sides (fsdptrain "
                              "parallel.activation_checkpointing=true, TRL gradient_checkpointing=True, TRL's default)")
+    parser.add_argument("--fsdptrain-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more override of fsdptrain's side (repeatable), e.g. parallel.compile=true")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--table-from", help="print the table of an earlier --json file instead of running")
