@@ -93,6 +93,13 @@ def demonstration_ids(record: dict, names: Sequence[str], *, tokenizer, keys: De
         completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
         extend_response(response_ids, mask, [*completion_ids, tokenizer.eos_token_id], trained=True)
         return prompt_ids, response_ids, mask
+    for column, value in ((keys.prompt, prompt), (keys.completion, completion)):
+        if not isinstance(value, (str, list)):
+            raise ValueError(f"column {column!r}: expected a string or a non-empty list of {{role, content}} "
+                             f"messages, got {type(value).__name__} {_shown(value)}")
+    if isinstance(prompt, str):
+        raise ValueError(f"column {keys.prompt!r} is a string but {keys.completion!r} is a list of messages: give "
+                         "both as strings or the prompt as messages too")
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
     return chat_ids(_messages(prompt, keys.prompt) + _messages(completion, keys.completion), tokenizer=tokenizer,
@@ -127,7 +134,12 @@ def _messages(value, column: str) -> list[dict]:
     """A column's chat as plain dicts (a Parquet struct's missing fields, None, dropped; ``content`` kept)."""
     if not (isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                       for m in value)):
-        text = repr(value)
         raise ValueError(f"column {column!r}: expected a non-empty list of {{role, content}} messages, got "
-                         f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}")
+                         f"{type(value).__name__} {_shown(value)}")
     return [{k: v for k, v in m.items() if v is not None or k == "content"} for m in value]
+
+
+def _shown(value) -> str:
+    """``repr(value)`` cut at 60 characters, for an error line."""
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''}"

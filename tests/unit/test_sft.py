@@ -164,6 +164,17 @@ def test_prompt_and_completion_rows(tokenizer):
     assert tokenizer.decode([t for t, m in zip(chat[1], chat[2]) if m]) == "Yo<|im_end|>"
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "2+2=", "completion": 4}, "column 'completion': expected a string or a non-empty list of .* got int 4"),
+    ({"prompt": None, "completion": "4"}, "column 'prompt': expected a string or a non-empty list of .* got NoneType"),
+    ({"prompt": "2+2=", "completion": [{"role": "assistant", "content": "4"}]},
+     "column 'prompt' is a string but 'completion' is a list of messages"),
+])
+def test_a_prompt_completion_row_of_the_wrong_types_names_the_column_at_fault(tokenizer, row, message):
+    with pytest.raises(ValueError, match=message):
+        demonstration_ids(row, ["prompt", "completion"], tokenizer=tokenizer, keys=DemoKeys())
+
+
 def test_bad_rows_are_one_line(tokenizer, tmp_path):
     import json
 
