@@ -42,9 +42,13 @@ def test_every_yaml_composes_and_validates(group, name):
     assert cfg[group] is not None
 
 
-def test_preset_without_its_required_value_is_a_usage_error():
-    with pytest.raises(ConfigError, match="data.path"):
-        compose_config(["data=jsonl"])
+@pytest.mark.parametrize("preset, message", [
+    ("data=jsonl", "data.path"),
+    ("data=sft", r"^data=sft \(fsdptrain sft, check-metrics data=sft\) needs data.path=<chats.jsonl"),
+])
+def test_preset_without_its_required_value_is_a_usage_error(preset, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config([preset])
 
 
 def test_every_schema_field_has_a_docstring():
