@@ -3,8 +3,8 @@
 The reference is :func:`tests.unit.test_sft.hand_loss` on the plain model (same config and seed) over the whole global
 batch: labels -100 off the assistant's tokens, summed over the chats, divided by the global count of assistant
 tokens. The ranks run the product path: the chats split over the ranks (evenly, or 3 and 1), each rank's share packed
-into micro-batches by a given split, global normalisers (one all-reduce), the fused chunked head, FSDP2's mean over
-ranks. Each rank writes, per case, the largest gradient difference (the gathered full gradients), the logged loss
+into micro-batches by a given split or by the agreed plan, global normalisers (one all-reduce), the fused chunked
+head, FSDP2's mean over ranks. Each rank writes, per case, the largest gradient difference (the gathered full gradients), the logged loss
 (reduced over the ranks) and the reference loss to <out>/rank<r>.json.
 """
 
