@@ -43,9 +43,7 @@ def test_multi_turn_resumes_exactly_and_two_ranks_equal_one(tmp_path):
     assert reference[0]["tools/call_frequency"] > 0 and reference[0]["turns/max"] >= 2
 
 
-# CI runs 1 rank (budget); 2 ranks by hand (pytest -m slow), as the default engine's 2 ranks run in CI
-# (tests/e2e/test_check_metrics_cli.py)
-@pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nproc", ["1", "2"])
 def test_check_metrics_passes_with_the_generate_engine(cli, nproc):
     result = cli("check-metrics", "--nproc", nproc, "rollout.engine=generate", env={"OMP_NUM_THREADS": "1"},
                  timeout=400)
