@@ -146,7 +146,7 @@ def test_non_assistant_tokens_get_zero_gradient():
     cu = torch.tensor([0, 3, 6])
     norms = LossNormalizers(global_num_tokens=6, global_num_seqs=2, dp_size=2)  # 3 more trained tokens elsewhere
     loss, metrics = sft_loss(logprobs, mask, norms=norms, agg_mode="token-mean", cu_seqlens=cu)
-    assert float(loss) == pytest.approx((1.0 + 2.0 + 3.0) / 6 * 2, abs=1e-7)
+    assert float(loss.detach()) == pytest.approx((1.0 + 2.0 + 3.0) / 6 * 2, abs=1e-7)
     assert metrics["loss"].value() == pytest.approx(1.0, abs=1e-7)
     assert metrics["nll"].value() == pytest.approx(2.0, abs=1e-7)
     loss.backward()
