@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from fsdptrain.config import ConfigError
 
@@ -184,6 +184,16 @@ RESULT_MEMO_CHARS = 1024
 """The longest tool result whose ids a :class:`ChatTurns` remembers (a memo of 4096 such is at most 4 MiB of text)."""
 
 
+def _remembered(memo: dict[str, list[int]], key: str, make: Callable[[], list[int]]) -> list[int]:
+    """A copy of ``memo[key]``, made by ``make`` when missing; the memo starts again once it holds
+    ``SEGMENT_MEMO_SIZE`` keys."""
+    if (ids := memo.get(key)) is None:
+        if len(memo) >= SEGMENT_MEMO_SIZE:
+            memo.clear()
+        ids = memo[key] = make()
+    return list(ids)
+
+
 class ChatTurns:
     """A tokenizer's chat template as the turn loop uses it: the prompt's ids, the ids that follow an assistant turn
     with tool messages, and parsing a turn's calls. Built once at start-up; the constructor checks the template
@@ -267,11 +277,7 @@ class ChatTurns:
         result, and rendering the template (twice, with the tools' schemas) costs a millisecond or more where the
         rest of a turn's bookkeeping costs microseconds."""
         key = json.dumps(list(tool_messages), sort_keys=True, default=repr)
-        if (ids := self._segments.get(key)) is None:
-            if len(self._segments) >= SEGMENT_MEMO_SIZE:
-                self._segments.clear()
-            ids = self._segments[key] = self._tool_segment_ids(tool_messages)
-        return list(ids)
+        return _remembered(self._segments, key, lambda: self._tool_segment_ids(tool_messages))
 
     def result_ids(self, text: str) -> list[int]:
         """:func:`data_ids` of a tool result ``text``, remembered for the last ``SEGMENT_MEMO_SIZE`` distinct results
@@ -280,11 +286,7 @@ class ChatTurns:
         few (the tools row of benchmarks/rollout.py tokenized about 200 results a rollout)."""
         if len(text) > RESULT_MEMO_CHARS:
             return data_ids(self.tokenizer, text)
-        if (ids := self._results.get(text)) is None:
-            if len(self._results) >= SEGMENT_MEMO_SIZE:
-                self._results.clear()
-            ids = self._results[text] = data_ids(self.tokenizer, text)
-        return list(ids)
+        return _remembered(self._results, text, lambda: data_ids(self.tokenizer, text))
 
     def _tool_segment_ids(self, tool_messages: Sequence[dict]) -> list[int]:
         full = self.render([*self._opening, *tool_messages], generation_prompt=True)
