@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -143,7 +144,8 @@ def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
     assert first["tools/response_tokens/mean"] > 0 and first["turns/max"] >= 2
     samples = [json.loads(s) for s in (tmp_path / "runs" / "one" / "samples.jsonl").read_text().splitlines()]
     assert any(m["role"] == "tool" for s in samples for m in s["turns"])
-    assert "calls add(" in one.stdout  # the first step's printout shows the calls
+    # the first step's printout shows the calls (the first of a turn may be either tool, as the engine samples it)
+    assert re.search(r"calls (add|increment)\(\{", one.stdout) and 'add({"a": 2, "b": 3})' in one.stdout
 
     copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
     resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
