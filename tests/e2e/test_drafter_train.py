@@ -20,6 +20,9 @@ from tests.e2e.test_resume_export import copy_checkpoint, load_dcp, read_metrics
 TINY = (
     "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4", "trainer.eval_every=0",
     "logging.progress=false", "trainer.steps=3",
+    # the packed row the drafter reads is the unshared one (share_prompts=auto resolves to false with the drafter,
+    # true without): pinned, so that the run without the drafter packs as the run with it does
+    "trainer.share_prompts=false",
 )
 DRAFTER = ("drafter.enabled=true", "drafter.draft_vocab_size=16", "drafter.lr=3e-3", "drafter.export_dtype=float32")
 DRAFTER_METRICS = ("drafter/loss", "drafter/top1_agreement", "drafter/accept_prob", "drafter/expected_accept_len@3",
@@ -130,19 +133,25 @@ def test_resume_while_the_vocabulary_is_counted(tmp_path):
             assert g[key] == w[key], (w["step"], key)
 
 
-@pytest.mark.slow  # 20 default steps; the drafter's loss, gradients and update are proven exact in tests/dist/test_drafter_step.py
+@pytest.mark.slow  # 4 x 20 default steps; the drafter's loss, gradients and update are proven exact in tests/dist/test_drafter_step.py
 def test_acceptance_rises_over_a_20_step_default_run(tmp_path):
     """The bundled default with the default drafter.lr (max(1e-4, trainer.lr) = 3e-3): over its first 20 steps the
-    drafter keeps up with the sharpening policy, steps 15-19 accept more than steps 0-4 (measured 0.901 -> 0.930;
-    with drafter.lr=1e-4 it falls to about 0.76 by step 10). docs/drafter.md has the 100-step numbers."""
-    run = tmp_path / "run"
-    result = run_cli("train", "drafter.enabled=true", "trainer.steps=20", "trainer.eval_every=0",
-                     "logging.progress=false", "checkpoint.every=0", f"trainer.run_dir={run}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    accept = [row["drafter/accept_prob"] for row in read_metrics(run)]
-    assert len(accept) == 20
-    first, last = sum(accept[:5]) / 5, sum(accept[-5:]) / 5
-    assert last > first + 0.01, (first, last)
+    drafter keeps up with the sharpening policy, steps 15-19 accept more than steps 0-4 in the mean over seeds 0-3
+    (measured on the continuous engine, 2026-12-07: 0.898 -> 0.912; per seed 0.902 -> 0.894, 0.897 -> 0.957,
+    0.889 -> 0.937, 0.904 -> 0.858, so one seed decides nothing; with rollout.engine=generate seed 0 went 0.901 ->
+    0.930; with drafter.lr=1e-4 it falls to about 0.76 by step 10). docs/drafter.md has the 100-step numbers."""
+    firsts, lasts = [], []
+    for seed in range(4):
+        run = tmp_path / f"run{seed}"
+        result = run_cli("train", "drafter.enabled=true", "trainer.steps=20", "trainer.eval_every=0",
+                         f"trainer.seed={seed}", "logging.progress=false", "checkpoint.every=0",
+                         f"trainer.run_dir={run}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
+        accept = [row["drafter/accept_prob"] for row in read_metrics(run)]
+        assert len(accept) == 20
+        firsts.append(sum(accept[:5]) / 5)
+        lasts.append(sum(accept[-5:]) / 5)
+    assert sum(lasts) / 4 > sum(firsts) / 4 + 0.005, (firsts, lasts)
 
 
 @pytest.mark.slow  # CI budget: exact resume of a drafter run stays in CI (test_resume_reproduces_the_drafter_metrics_exactly)

@@ -5,6 +5,7 @@ The table of simpler bad inputs is tests/e2e/test_bad_inputs.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -308,8 +309,13 @@ def test_a_failure_on_one_rank_ends_every_rank_with_that_ranks_message_only(tmp_
     (tmp_path / "rw.py").write_text(RANK_FILE)
     args = ["train", "--nproc", "2", *TINY, "trainer.steps=2", "reward.functions=[rw.py:leaves_on_rank_1]"]
     result = run_cli(*args, "trainer.run_name=crash", cwd=tmp_path)
-    assert result.returncode == 7, result.stderr[-3000:]
-    assert result.stderr.strip() == "rank 1: the reward's own last words", result.stderr[-3000:]  # no gloo error
+    # the call's exit is caught and named (docs/your-task.md): rank 1's line, exit 2, no gloo error
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == "rank 1: the reward's own last words", result.stderr[-3000:]
+    assert re.fullmatch(r"error: reward function 'leaves_on_rank_1' on row \d+ \(0-based\): called os._exit\(7\) "
+                        r"\(a reward function returns its values; it must not exit\) \(the call covered \d+ "
+                        r"samples\)", lines[1]), lines[1]
 
     # SIGTERM while rank 1's reward call hangs: rank 0 stops in its next collective, rank 1 after the grace (10 s);
     # the launcher reports rank 1's line once and exits 128 + SIGTERM.

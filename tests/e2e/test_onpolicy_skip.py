@@ -44,8 +44,11 @@ def test_skip_equals_recompute(cli, tmp_path, config):
     assert skipped[0]["perf/tflops_per_rank"] * skipped[0]["perf/step_s"] < (
         recomputed[0]["perf/tflops_per_rank"] * recomputed[0]["perf/step_s"])
     kinds_a, kinds_b = metric_kinds(dir_a), metric_kinds(dir_b)
+    gap = {"rollout/logprob_diff/mean", "rollout/logprob_diff/max"}  # measured by the old pass only (docs/rollout.md)
     for got, want in zip(skipped, recomputed, strict=True):
-        assert without_diagnostics(got, kinds_a) == without_diagnostics(want, kinds_b)
+        assert gap <= want.keys() and not gap & got.keys(), (sorted(want), sorted(got))
+        assert without_diagnostics(got, kinds_a) == {k: v for k, v in without_diagnostics(want, kinds_b).items()
+                                                     if k not in gap}
     assert skipped[0]["actor/on_policy_max_ratio_dev"] == 0.0
     for model in [p.name for p in (dir_b / "export").iterdir() if p.is_dir()]:
         a = load_file(dir_a / "export" / model / "model.safetensors")
