@@ -17,11 +17,11 @@ Workloads (issue 38, item 4):
 ``generate`` runs as the samplers run it: single-turn one ``generate`` call for all rows (each prompt prefilled once,
 the generation log-probs recorded, as fsdptrain/rollout/single_turn.py asks), multi-turn one call per group and turn
 (fsdptrain/rollout/multi_turn.py). ``continuous`` runs every row of the workload through one
-:class:`fsdptrain.rollout.engine.ContinuousEngine` loop.
+:class:`fsdptrain.generation.continuous.ContinuousEngine` loop.
 
 **Equal work.** A ratio over different work is not a ratio of engine speed: an engine that draws longer samples
 generates more tokens and runs more forwards. In ``tools`` both engines sample every trajectory's turn from the same
-row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.model.generate.RowSeededSampling`, one call per
+row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.generation.generate.RowSeededSampling`, one call per
 group and turn as the sampler makes them), so they generate the same trajectories; every pair checks it, id for id,
 and the run stops if they part. ``real`` and ``tiny`` run ``generate`` as the single-turn sampler does (one seeded
 stream for the whole batch, torch's multinomial): other draws, other lengths. Their rows report in how many pairs the
@@ -129,10 +129,11 @@ def load_tiny(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import torch
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.data.prompt_tasks import digit_task_rows
     from fsdptrain.data.prompts import PromptRow, prompt_token_ids
-    from fsdptrain.train.build import build_tokenizer, tiny_model_config
+    from fsdptrain.train.setup import tiny_model_config
+    from fsdptrain.model.loading import build_tokenizer
 
     cfg = compose_config([])
     tokenizer = build_tokenizer(cfg)
@@ -145,14 +146,22 @@ def load_tiny(args):
     return model, tokenizer, prompts, cfg.rollout.n, cfg.rollout.max_new_tokens
 
 
+def decode_rows(engine, prompts, seeds, *, max_new_tokens: int):
+    """One request per prompt through ``engine`` (a ContinuousEngine), its ``Generated`` records in prompt order."""
+    from fsdptrain.generation.decoder import Request
+
+    done = {g.key: g for g in engine.run([Request(i, list(p), max_new_tokens, seed=s)
+                                          for i, (p, s) in enumerate(zip(prompts, seeds))])}
+    return [done[i] for i in range(len(prompts))]
+
+
 def single_turn(args):
     """``(model, {engine: go(small)})``: ``go(False)`` generates the workload, ``go(True)`` a small warm-up; each
     returns per row (trajectory) its policy tokens and its response ids."""
     import torch
 
-    from fsdptrain.model.generate import generate_responses
-    from fsdptrain.rollout.continuous import generate_continuous
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
+    from fsdptrain.generation.generate import generate_responses
 
     model, tokenizer, prompts, n, max_new = (load_real if args.workload == "real" else load_tiny)(args)
     model.eval()
@@ -168,9 +177,8 @@ def single_turn(args):
         rows = ids[:2] if small else ids
         eng = ContinuousEngine(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                temperature=1.0, max_live_rows=args.max_live_rows)
-        out = generate_continuous(eng, rows, [SEED + i for i in range(len(rows))],
-                                  max_new_tokens=2 if small else max_new)
-        return [(len(r), tuple(r)) for _, r, _, _ in out]
+        out = decode_rows(eng, rows, [SEED + i for i in range(len(rows))], max_new_tokens=2 if small else max_new)
+        return [(len(g.new_ids), tuple(g.new_ids)) for g in out]
 
     return model, {"generate": generate, "continuous": continuous}
 
@@ -181,12 +189,12 @@ def multi_turn(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdptrain.data.conversation import ChatTurns
-    from fsdptrain.model.generate import generate_responses
-    from fsdptrain.rollout.continuous import run_turns_continuous
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
+    from fsdptrain.generation.generate import generate_responses
     from fsdptrain.rollout.tools import ToolCall, ToolCaller, load_tools
-    from fsdptrain.rollout.turns import TurnCaps, run_turns
+    from fsdptrain.rollout.turns import TurnCaps
     from tests.e2e.test_multi_turn import write_inputs
+    from tests.scripted_decoder import scripted_turns
 
     folder = Path(tempfile.mkdtemp())
     write_inputs(folder)
@@ -216,14 +224,15 @@ def multi_turn(args):
                                          row_seeds=[row_seed(8 * group + s, turn) for s in samples],
                                          device=torch.device("cpu"), synced_gpus=False)
                 return [(r, not truncated) for _, r, truncated in res]
-            out += run_turns(chat, [p] * 8, generate=step, call_tools=call_tools, caps=small_caps if small else caps)
+            out += scripted_turns(chat, [p] * 8, generate=step, call_tools=call_tools,
+                                  caps=small_caps if small else caps)
         return policy_tokens(out)
 
     def continuous(small: bool) -> list[tuple[int, tuple[int, ...]]]:
         eng = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0,
                                max_live_rows=args.max_live_rows)
-        return policy_tokens(run_turns_continuous(
-            eng, chat, [p for p in (prompts[:1] if small else prompts) for _ in range(8)], seed=row_seed,
+        return policy_tokens(scripted_turns(
+            chat, [p for p in (prompts[:1] if small else prompts) for _ in range(8)], generate=eng, seed=row_seed,
             call_tools=call_tools, caps=small_caps if small else caps))
 
     return model, {"generate": generate, "continuous": continuous}
@@ -250,8 +259,7 @@ def logprob_gap() -> None:
     task, fp32 and bf16 (docs/rollout.md, "Behaviour log-probs")."""
     import torch
 
-    from fsdptrain.rollout.continuous import generate_continuous
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
 
     model, tok, prompts, n, max_new = load_tiny(None)
     for dtype in (torch.float32, torch.bfloat16):
@@ -260,7 +268,8 @@ def logprob_gap() -> None:
         eng = ContinuousEngine(m, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=1.0)
         diffs = []
         with torch.no_grad():
-            for p, r, _, lp in generate_continuous(eng, ids, [7 + i for i in range(len(ids))], max_new_tokens=max_new):
+            for p, g in zip(ids, decode_rows(eng, ids, [7 + i for i in range(len(ids))], max_new_tokens=max_new)):
+                r, lp = g.new_ids, g.logprobs
                 logits = m(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
                 ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(r)[:, None])[:, 0]
                 diffs += (ref - torch.tensor(lp)).abs().tolist()

@@ -21,8 +21,8 @@ with :func:`make_batch`'s arguments):
   differs from the reference, which reads the mask itself (``CheckBatch.policy_masks``, ``counted``).
 
 The reference's own inputs before the layouts (:mod:`fsdptrain.check.raw_reference`): while the source makes the
-rollouts, the policy's ``generate`` calls and the continuous engine's runs (each request and the tokens its sampler
-drew) are recorded; the reference cuts the prompts and responses out of that raw
+rollouts, the decoder's ``decode`` calls (each request and the tokens the engine drew) are recorded through its
+``recording`` hook; the reference cuts the prompts and responses out of that raw
 output itself, takes the policy's tokens by its own rule (:func:`reference_policy`) and adds the reward functions' raw
 values up itself (:func:`reference_sequences`). Its rollout facts, the oracle's scores and its masks are those, and
 ``CheckBatch.raw_checks`` compares the product's prompts, responses and rewards with them.
@@ -47,19 +47,17 @@ from fsdptrain.check.precision import checked_precision, in_checked_precision, t
 from fsdptrain.check.progress import say
 from fsdptrain.check.raw_reference import (
     RawSequence,
-    engine_sequences,
+    decoded_sequences,
     raw_checks,
-    raw_sequences,
-    recording_engine,
-    recording_generate,
+    recording_decoders,
     reference_rewards,
 )
 from fsdptrain.config import ConfigError, reward_specs
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values, policy_logprobs
@@ -299,11 +297,11 @@ def _sample(trainer: Trainer, *, mask_holes: bool) -> Sampled:
     """This rank's rollouts of the first step with ``generate`` and the continuous engine recorded (collective), and
     the reference's own sequences (:func:`reference_sequences`)."""
     info = trainer.info
-    with recording_generate(trainer.models.policy) as calls, recording_engine() as runs:
+    with recording_decoders() as runs:
         rollouts = trainer.source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
                                            device=trainer.device)
     product = [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, float(r.reward)) for r in rollouts]
-    reference, recut = reference_sequences(trainer, rollouts, calls, runs)
+    reference, recut = reference_sequences(trainer, rollouts, runs)
     fixture = mask_holes and all(r.response_mask is None for r in rollouts)
     return Sampled(with_tool_segments(rollouts) if fixture else rollouts, product, reference, recut, fixture,
                    writes_every_token(trainer.cfg))
@@ -397,11 +395,10 @@ def writes_every_token(cfg: DictConfig) -> bool:
     return cfg.data.source != "jsonl" and cfg.rollout.tools is None and cfg.rollout.environment is None
 
 
-def reference_sequences(trainer: Trainer, rollouts: list[Rollout], calls, runs) -> tuple[list, bool]:
+def reference_sequences(trainer: Trainer, rollouts: list[Rollout], runs) -> tuple[list, bool]:
     """This rank's sequences as the reference makes them (:mod:`fsdptrain.check.raw_reference`), and whether it cut
-    the responses itself: from the recorded ``generate`` call (``calls``) or continuous engine run (``runs``) of a
-    single-turn sampler; otherwise the product's
-    prompts and responses. The rewards come from the functions' raw values and the configured weights whenever the
+    the responses itself: from the recorded ``decode`` call (``runs``) of a single-turn sampler; otherwise the
+    product's prompts and responses. The rewards come from the functions' raw values and the configured weights whenever the
     source scored the rollouts (an environment's ``get_reward`` with the weight the sampler gave it; the reward
     models' scaled total as the source made it); None for offline rollouts."""
     cfg, source = trainer.cfg, trainer.source
@@ -415,9 +412,8 @@ def reference_sequences(trainer: Trainer, rollouts: list[Rollout], calls, runs) 
         rewards = reference_rewards(scores.raw, [f.name for f in source.functions], weights, models, len(rollouts))
     recut = None
     if writes_every_token(cfg):
-        cut, recorded = (engine_sequences, runs) if cfg.rollout.engine == "continuous" else (raw_sequences, calls)
-        recut = cut(recorded, rewards, len(rollouts), eos_id=trainer.tokenizer.eos_token_id,
-                    max_new_tokens=cfg.rollout.max_new_tokens)
+        recut = decoded_sequences(runs, rewards, len(rollouts), eos_id=trainer.tokenizer.eos_token_id,
+                                  max_new_tokens=cfg.rollout.max_new_tokens)
     if recut is not None:
         return recut, True
     return [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, None if rewards is None else rewards[k])

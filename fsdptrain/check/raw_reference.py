@@ -1,27 +1,27 @@
 """check-metrics, part 0: the reference's own inputs, from the raw generation output and the raw reward values.
 
-Before any layout, the product cuts each response out of what ``generate`` returned (``rollout.engine=generate``) or
-out of the tokens the continuous engine sampled (``rollout.engine=continuous``), decides which of its tokens the
-policy wrote, and adds the reward functions' values up into one reward. Every layout is then fed the same result, so a
+Before any layout, the product cuts each response out of the tokens its decoder drew (``rollout.engine=generate``
+or ``continuous``: fsdptrain/generation/decoder.py), decides which of its tokens the policy wrote, and adds the reward functions' values up into one reward. Every layout is then fed the same result, so a
 bug in those stages cannot show as a difference between layouts; the reference therefore redoes them itself, from
 their definitions, starting from what the model and the user's functions returned (docs/check-metrics.md, "What the
 reference recomputes before the layouts"):
 
-- prompt: the row's ids where ``generate``'s attention mask is 1 (its left padding dropped); with the continuous
-  engine, the ids of the row's request as the sampler handed it to ``ContinuousEngine.run``;
-- response: the new tokens ``generate`` returned for the row (the continuous engine: the tokens
-  ``fsdptrain.rollout.engine.sample_rows`` drew for the request, in order), up to and including the first EOS; a row
-  with no EOS among them is truncated, and its response is all of them (at most ``rollout.max_new_tokens``);
+- prompt: the ids of the row's request as the sampler handed it to the decoder (recorded through the decoder's
+  ``recording`` hook, before any padding);
+- response: the tokens the decoder drew for the request, in order (``generate``: every new token of the row, the
+  padding after its EOS included; the continuous engine: each token its sampler drew), up to and including the first
+  EOS; a row with no EOS among them is truncated, and its response is all of them (at most
+  ``rollout.max_new_tokens``);
 - the policy's tokens: every response token of a single-turn sample, its EOS included (the check's multi-turn
   fixture mask where the check gave one);
 - reward: ``sum_f w_f * v_f`` over the functions whose raw value ``v_f`` is a number (None is left out; 0.0 when no
   function applies), ``w_f`` the configured ``reward.weights`` (1.0 each when null), plus the reward models' scaled
   total.
 
-Nothing here calls the product's ``split_response``, sampler, the engine's ``Finished`` records, ``RewardRunner`` or
-reward combination. Shared, because they are the inputs and not a stage: the model's ``generate`` or the engine's
-``sample_rows`` (which tokens were drawn), the tokenizer (the EOS id, the
-prompt's ids), the user's reward functions (their values) and the reward models' scaled scores.
+Nothing here calls the product's ``split_response``, sampler, the decoder's ``Generated`` records, ``RewardRunner`` or
+reward combination. Shared, because they are the inputs and not a stage: which tokens the engine drew (reported
+through :class:`fsdptrain.generation.decoder.Recorder`), the tokenizer (the EOS id, the prompt's ids), the user's
+reward functions (their values) and the reward models' scaled scores.
 """
 
 from __future__ import annotations
@@ -31,19 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Optional, Sequence
 
-import torch
-
 from fsdptrain.check.compare import Check
-
-
-@dataclass(frozen=True)
-class RawCall:
-    """One ``generate`` call as the model returned it: the (left-padded) prompt ids, their mask, and the sequences
-    (prompt then new tokens)."""
-
-    input_ids: list[list[int]]
-    attention_mask: list[list[int]]
-    sequences: list[list[int]]
+from fsdptrain.generation.decoder import recording
 
 
 @dataclass(frozen=True)
@@ -58,36 +47,11 @@ class RawSequence:
     reward: Optional[float]
 
 
-@contextlib.contextmanager
-def recording_generate(model: torch.nn.Module) -> Iterator[list[Optional[RawCall]]]:
-    """Within the block, every call of ``model.generate`` is recorded (as returned, on the CPU) into the yielded list
-    (None for a call without keyword ``input_ids`` and ``attention_mask``, which the reference cannot read). The
-    model's own method runs unchanged; it is restored after the block."""
-    calls: list[Optional[RawCall]] = []
-    generate = model.generate
-
-    def recorded(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        sequences = out.sequences if hasattr(out, "sequences") else out
-        if args or "input_ids" not in kwargs or "attention_mask" not in kwargs:  # not generate_responses' call
-            calls.append(None)
-        else:
-            calls.append(RawCall(kwargs["input_ids"].tolist(), kwargs["attention_mask"].tolist(),
-                                 sequences.tolist()))
-        return out
-
-    model.generate = recorded
-    try:
-        yield calls
-    finally:
-        del model.generate
-
-
 @dataclass
-class EngineRun:
-    """One ``ContinuousEngine.run`` as the engine sampled it: the requests' keys and ids as the caller handed them
-    (None for a request onto a kept cache), every token ``sample_rows`` drew, per request key, in order, and whether
-    the caller could add requests (``on_finish``: a multi-turn sampler's later turns)."""
+class DecodeRun:
+    """One ``decode`` call as the engine sampled it: the requests' keys and ids as the caller handed them (None for
+    a request onto a kept context), every token the engine drew, per request key, in order, and whether the caller
+    could add requests (``on_finish``: a multi-turn sampler's later turns)."""
 
     keys: list[Hashable]
     prompts: list[Optional[list[int]]]
@@ -95,43 +59,27 @@ class EngineRun:
     sampled: dict[Hashable, list[int]] = field(default_factory=dict)
 
 
+class DecodeRecorder:
+    """A :class:`fsdptrain.generation.decoder.Recorder` keeping every ``decode`` call as a :class:`DecodeRun`."""
+
+    def __init__(self):
+        self.runs: list[DecodeRun] = []
+
+    def on_decode(self, requests, *, follow_ups: bool) -> None:
+        self.runs.append(DecodeRun([r.key for r in requests],
+                                   [list(r.new_ids) if r.kept is None else None for r in requests], follow_ups))
+
+    def on_tokens(self, key, tokens) -> None:
+        self.runs[-1].sampled.setdefault(key, []).extend(int(t) for t in tokens)
+
+
 @contextlib.contextmanager
-def recording_engine() -> Iterator[list[EngineRun]]:
-    """Within the block, every ``ContinuousEngine.run`` is recorded into the yielded list: its requests as given,
-    and each token ``fsdptrain.rollout.engine.sample_rows`` returned, under the key of the row it was drawn for
-    (``ContinuousEngine._sample`` names the rows, ``sample_rows`` draws their tokens in that order). The engine's
-    own methods run unchanged; they are restored after the block."""
-    from fsdptrain.rollout import engine as engine_module
-
-    runs: list[EngineRun] = []
-    keys_of_draws: list[list[Hashable]] = []  # the rows of the _sample call in progress
-    cls = engine_module.ContinuousEngine
-    run, sample, sample_rows = cls.run, cls._sample, engine_module.sample_rows
-
-    def recorded_run(self, requests, on_finish=None):
-        runs.append(EngineRun([r.key for r in requests],
-                              [list(r.new_ids) if r.kept is None else None for r in requests], on_finish is not None))
-        return run(self, requests, on_finish)
-
-    def recorded_sample(self, rows, logits):
-        keys_of_draws.append([r.request.key for r in rows])
-        try:
-            return sample(self, rows, logits)
-        finally:
-            keys_of_draws.pop()
-
-    def recorded_sample_rows(*args, **kwargs):
-        tokens, logprobs = sample_rows(*args, **kwargs)
-        if keys_of_draws and runs:
-            for key, token in zip(keys_of_draws[-1], tokens, strict=True):
-                runs[-1].sampled.setdefault(key, []).append(int(token))
-        return tokens, logprobs
-
-    cls.run, cls._sample, engine_module.sample_rows = recorded_run, recorded_sample, recorded_sample_rows
-    try:
-        yield runs
-    finally:
-        cls.run, cls._sample, engine_module.sample_rows = run, sample, sample_rows
+def recording_decoders() -> Iterator[list[DecodeRun]]:
+    """Within the block, every decoder's ``decode`` calls are recorded into the yielded list (the decoders'
+    ``recording`` hook, fsdptrain/generation/decoder.py)."""
+    recorder = DecodeRecorder()
+    with recording(recorder):
+        yield recorder.runs
 
 
 def reference_prompt(input_ids: Sequence[int], attention_mask: Sequence[int]) -> list[int]:
@@ -148,11 +96,11 @@ def reference_cut(new_tokens: Sequence[int], *, eos_id: int, max_new_tokens: int
     return tokens[:max_new_tokens], True
 
 
-def engine_sequences(runs: Sequence[EngineRun], rewards: Optional[list[Optional[float]]], num_rollouts: int,
+def decoded_sequences(runs: Sequence[DecodeRun], rewards: Optional[list[Optional[float]]], num_rollouts: int,
                      *, eos_id: int, max_new_tokens: int) -> Optional[list[RawSequence]]:
-    """This rank's sequences from one recorded engine run whose requests are its rollouts, in order (the
-    single-turn sampler's training run); None when the runs are not that (none: another engine or offline data;
-    several: not one single-turn batch; one that could add requests or whose requests continue a kept cache or
+    """This rank's sequences from one recorded ``decode`` call whose requests are its rollouts, in order (the
+    single-turn sampler's training call); None when the runs are not that (none: offline data; several: not one
+    single-turn batch; one that could add requests or whose requests continue a kept cache or
     share a key: a multi-turn sampler's). A request's tokens with no EOS and fewer than ``max_new_tokens`` of them
     end neither way: its ``truncated`` is None, so no product's response matches it."""
     if len(runs) != 1:
@@ -177,23 +125,6 @@ def reference_reward(values: Sequence[Optional[float]], weights: Sequence[float]
         if value is not None:
             total += weight * float(value)
     return total
-
-
-def raw_sequences(calls: Sequence[Optional[RawCall]], rewards: Optional[list[Optional[float]]], num_rollouts: int,
-                  *, eos_id: int, max_new_tokens: int) -> Optional[list[RawSequence]]:
-    """This rank's sequences from one recorded ``generate`` call whose rows are its rollouts, in order (the
-    single-turn sampler's training call); None when the calls are not that (no call: another engine or offline data;
-    several: turns of a multi-turn sampler; one it could not read)."""
-    if len(calls) != 1 or calls[0] is None or len(calls[0].sequences) != num_rollouts:
-        return None
-    call = calls[0]
-    width = len(call.input_ids[0]) if call.input_ids else 0
-    out = []
-    for row, (ids, mask, sequence) in enumerate(zip(call.input_ids, call.attention_mask, call.sequences)):
-        response, truncated = reference_cut(sequence[width:], eos_id=eos_id, max_new_tokens=max_new_tokens)
-        out.append(RawSequence(reference_prompt(ids, mask), response, truncated,
-                               None if rewards is None else rewards[row]))
-    return out
 
 
 def reference_rewards(raw: dict[str, list[Optional[float]]], names: Sequence[str], weights: Sequence[float],

@@ -2,12 +2,11 @@
 :class:`~fsdptrain.rollout.prompt_source.PromptSource` uses when ``rollout.tools`` or ``rollout.environment`` is set:
 each sample is a trajectory of several turns. Training, the greedy and the sampled evaluation all run the turns.
 
-Each prompt group is generated on its own (``n`` samples in one batch per turn), with a sampling seed drawn from
-(``trainer.seed``, step, the group's global index, round, turn): a group's trajectories are the same whichever rank
-owns it, so the rollouts (and every metric) are the same on 1 and on 2 ranks. The sampled evaluation draws each
-sample's turn from its own generator, seeded by (``trainer.seed``, step, prompt, sample, turn) only. Ranks run different numbers of turns,
-so generation always holds the policy's weights gathered (``rollout.gather_weights`` is not consulted) and runs
-without transformers' synced GPUs.
+Every trajectory of this rank goes through the run's decoder in one turn loop; each turn's seeds are functions of
+(``trainer.seed``, step, the group's global index, sample, round, turn) only (fsdptrain/generation/seeds.py): a
+group's trajectories are the same whichever rank owns it, so the rollouts (and every metric) are the same on 1 and on
+2 ranks. Ranks run different numbers of turns, so the decoder's block is ``uneven``: the policy's weights are always
+gathered on several ranks and transformers' synced GPUs are off.
 
 The turn loop itself is :func:`fsdptrain.rollout.turns.run_turns`; tools run through
 :class:`fsdptrain.rollout.tools.ToolCaller`. A rollout's ``response_mask`` is 1 on the policy's sampled ids and 0 on
@@ -22,7 +21,6 @@ samples (docs/reward-models.md).
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,12 +29,11 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import ConfigError
 from fsdptrain.data.conversation import ChatTurns
 from fsdptrain.data.prompts import PromptRow
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.decoder import Decoder, SampleMode, sampling_for
+from fsdptrain.generation.seeds import eval_sample_seed, eval_turn_seed, group_seed, row_seed
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum
-from fsdptrain.rollout.continuous import make_engine, row_seed, run_turns_continuous
-from fsdptrain.rollout.samples import SampleMode, Samples
-from fsdptrain.rollout.sampling import eval_sample_seed, generation
+from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum
+from fsdptrain.rollout.sampler import Samples
 from fsdptrain.rollout.tools import (
     ENVIRONMENT_REWARD_SPEC,
     Environment,
@@ -50,8 +47,6 @@ from fsdptrain.rollout.tools import (
     tool_pool,
 )
 from fsdptrain.rollout.turns import TRUNCATION_CAUSES, Trajectory, TurnCaps, run_turns
-from fsdptrain.train.build import Models
-from fsdptrain.train.perf import phase
 
 
 def load_user_tools(cfg: DictConfig) -> tuple[list[Tool], Optional[Environment]]:
@@ -69,7 +64,7 @@ def load_user_tools(cfg: DictConfig) -> tuple[list[Tool], Optional[Environment]]
 def check_multi_turn(cfg: DictConfig) -> None:
     """What the CLI checks before any rank starts: the tools and environment load, and the tokenizer's chat template
     renders tools and is prefix-preserving."""
-    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.model.loading import build_tokenizer
 
     tools, environment = load_user_tools(cfg)
     ChatTurns(build_tokenizer(cfg), tool_schemas(tools, environment))
@@ -112,17 +107,6 @@ def turn_metrics(trajectories: list[Trajectory]) -> Metrics:
     for cause in TRUNCATION_CAUSES:
         out[f"truncated/{cause}"] = Mean(sum(t.truncation == cause for t in trajectories), num)
     return Metrics(out)
-
-
-def group_seed(seed: int, step: int, group: int, round_index: int, turn: int) -> int:
-    """The sampling seed of one group's turn: a function of where it is in the run, never of the rank."""
-    return random.Random(f"turns:{seed}:{step}:{group}:{round_index}:{turn}").getrandbits(31)
-
-
-def eval_turn_seed(sample_seed: int, turn: int) -> int:
-    """The seed of one turn of a sampled-evaluation sample: turn 0 uses the sample's own seed (``eval_sample_seed``),
-    later turns one drawn from it and the turn, so a sample's turns never depend on the rank or the batch."""
-    return sample_seed if turn == 0 else random.Random(f"eval-turn:{sample_seed}:{turn}").getrandbits(62)
 
 
 @dataclass
@@ -175,10 +159,9 @@ class MultiTurnSampler:
         return (f"; tools: {', '.join(names) or 'none'}{env}; up to {self.cfg.rollout.max_turns} turns in "
                 f"{self.cfg.rollout.max_new_tokens} response tokens")
 
-    def sample(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
-               step: int, round_index: int, rank: int, device) -> Samples:
-        turns = self._trajectories(models, groups, repeat=repeat, mode=mode, step=step, round_index=round_index,
-                                   device=device)
+    def sample(self, decoder: Decoder, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+               step: int, round_index: int, rank: int) -> Samples:
+        turns = self._trajectories(decoder, groups, repeat=repeat, mode=mode, step=step, round_index=round_index)
         trajectories = turns.trajectories
         texts = [self.tokenizer.decode(t.response_ids, skip_special_tokens=False) for t in trajectories]
         return Samples(
@@ -210,55 +193,12 @@ class MultiTurnSampler:
             out.append((messages, text, ids))
         return envs, out
 
-    def _generate_fn(self, models: Models, *, group: int, mode: SampleMode, step: int, round_index: int, device):
-        """The turn loop's ``generate`` for one group: the step's group seed per turn, or (``eval``) one generator
-        per sample and turn."""
-        rollout, seed = self.cfg.rollout, self.cfg.trainer.seed
-        sample = mode == "train"
-
-        def generate(inputs, max_new_tokens, turn, samples):
-            row_seeds = None
-            if mode == "eval":
-                row_seeds = [eval_turn_seed(eval_sample_seed(seed, step, group, s), turn) for s in samples]
-            temperature = (rollout.temperature if sample else
-                           self.cfg.trainer.eval_temperature if row_seeds is not None else 1.0)
-            outputs = generate_responses(
-                models.policy, self.tokenizer, inputs, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_p=rollout.top_p if sample else 1.0, do_sample=sample,
-                generator_seed=group_seed(seed, step, group, round_index, turn) if sample else 0,
-                device=device, synced_gpus=False, row_seeds=row_seeds)
-            return [(ids, not truncated) for _, ids, truncated in outputs]
-
-        return generate
-
-    def _trajectories(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
-                      step: int, round_index: int, device) -> _Turns:
-        """Every sample's trajectory, group by group (see :class:`_Turns`)."""
-        if self.cfg.rollout.engine == "continuous":
-            return self._continuous(models, groups, repeat=repeat, mode=mode, step=step, round_index=round_index,
-                                    device=device)
-        caller = self._caller()
-        out = _Turns([], [], [], [])
-        with generation(models.policy, self.cfg, device, always_gather=True):
-            for group, row in groups:
-                envs, prompts = self._prompts(row, repeat)
-                out.prompt_messages += [messages for messages, _, _ in prompts]
-                out.prompt_texts += [text for _, text, _ in prompts]
-
-                def call_tools(requests, envs=envs):  # timed within the generate phase
-                    return caller.run([ToolCall(s, name, args) for s, name, args in requests], envs)
-
-                generate = self._generate_fn(models, group=group, mode=mode, step=step, round_index=round_index,
-                                             device=device)
-                out.trajectories += run_turns(self.chat, [ids for _, _, ids in prompts], generate=generate,
-                                              call_tools=call_tools, caps=self.caps)
-                out.environments += envs or [None] * repeat
-        return out
-
-    def _continuous(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
-                    step: int, round_index: int, device) -> _Turns:
-        """Every sample's trajectory, all groups and turns in one loop of the continuous engine
-        (fsdptrain/rollout/continuous.py); each sample's turn from its own seed (greedy: none)."""
+    def _trajectories(self, decoder: Decoder, groups: list[tuple[int, PromptRow]], *, repeat: int,
+                      mode: SampleMode, step: int, round_index: int) -> _Turns:
+        """Every sample's trajectory, all groups and turns through the decoder's one ``decode``; each turn seeded as
+        fsdptrain/generation/seeds.py tabulates (training: its ``row_seed``, and its group's ``group_seed`` for an
+        engine that decodes a group's turn from one generator; the sampled evaluation: its ``eval_turn_seed``;
+        greedy: none)."""
         caller = self._caller()
         out = _Turns([], [], [], [])
         owners: list[tuple[int, int]] = []  # (group, sample) of each trajectory
@@ -270,25 +210,24 @@ class MultiTurnSampler:
             prompt_ids += [ids for _, _, ids in prompts]
             out.environments += envs or [None] * repeat
             owners += [(group, s) for s in range(repeat)]
-        seed, rollout = self.cfg.trainer.seed, self.cfg.rollout
+        seed = self.cfg.trainer.seed
 
-        def turn_seed(sample: int, turn: int) -> Optional[int]:
+        def placement(sample: int, turn: int) -> tuple[Optional[int], int, Optional[int]]:
             group, s = owners[sample]
             if mode == "train":
-                return row_seed(seed, step, group, s, round_index, turn)
-            return eval_turn_seed(eval_sample_seed(seed, step, group, s), turn) if mode == "eval" else None
+                return (row_seed(seed, step, group, s, round_index, turn), group,
+                        group_seed(seed, step, group, round_index, turn))
+            if mode == "eval":
+                return eval_turn_seed(eval_sample_seed(seed, step, group, s), turn), group, None
+            return None, group, None
 
         def call_tools(requests):
             envs = out.environments if self.environment is not None else []
             return caller.run([ToolCall(s, name, args) for s, name, args in requests], envs)
 
-        sample = mode == "train"
-        temperature = rollout.temperature if sample else self.cfg.trainer.eval_temperature if mode == "eval" else 1.0
-        with generation(models.policy, self.cfg, device, always_gather=True):
-            engine = make_engine(models.policy, self.cfg, self.tokenizer, temperature=temperature,
-                                 top_p=rollout.top_p if sample else 1.0)
-            out.trajectories = run_turns_continuous(engine, self.chat, prompt_ids, seed=turn_seed,
-                                                    call_tools=call_tools, caps=self.caps)
+        with decoder.generating(uneven=True):
+            out.trajectories = run_turns(decoder, sampling_for(self.cfg, mode, repeat=repeat), self.chat, prompt_ids,
+                                         placement=placement, call_tools=call_tools, caps=self.caps)
         return out
 
 

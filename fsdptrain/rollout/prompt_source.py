@@ -24,21 +24,25 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import ConfigError, reward_specs
 from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.prompts import EpochOrder, PromptRow, drop_long_prompts, hold_out_eval, load_prompts
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
-from fsdptrain.rl.metrics import Max, Metrics, merge_all
+from fsdptrain.metrics.typed import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.rollout.evaluation import greedy_reward, sampled_eval
-from fsdptrain.rollout.samples import Sampler, SampleMode, Samples
-from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN
+from fsdptrain.generation.decoder import SampleMode
+from fsdptrain.generation.engines import make_decoder
+from fsdptrain.rollout.sampler import Sampler, Samples
 from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
 from fsdptrain.rollout.single_turn import SingleTurnSampler
-from fsdptrain.train.build import Models
-from fsdptrain.train.perf import phase
+from fsdptrain.rollout.rollout_models import RolloutModels
+from fsdptrain.run.perf import phase
 from fsdptrain.run.signals import user_code
+
+NUM_SAMPLES_SHOWN = 4
+"""Samples of rank 0 kept for samples.jsonl and the first step's printout."""
 
 
 def _task_rows(rows: list[dict]) -> list[PromptRow]:
@@ -153,13 +157,15 @@ class PromptSource:
                               f"lists {len(self.reward_moments)}: resume with the run's own reward.models")
         self.reward_moments = [RunningMoments.from_state_dict(m) for m in saved]
 
-    def sample_and_score(self, models: Models, mine: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
-                         step: int, round_index: int, rank: int,
+    def sample_and_score(self, models: RolloutModels, mine: list[tuple[int, PromptRow]], *, repeat: int,
+                         mode: SampleMode, step: int, round_index: int, rank: int,
                          device) -> tuple[Samples, RewardBatch, RewardScores, Metrics]:
-        """``repeat`` samples of each of this rank's ``(global index, row)`` from the sampler, scored (see
-        :meth:`score`); a ``train`` call keeps the reward models' running moments. Collective."""
-        samples = self.sampler.sample(models, mine, repeat=repeat, mode=mode, step=step, round_index=round_index,
-                                      rank=rank, device=device)
+        """``repeat`` samples of each of this rank's ``(global index, row)`` from the sampler, through the decoder
+        ``rollout.engine`` names (fsdptrain/generation/decoder.py), scored (see :meth:`score`); a ``train`` call
+        keeps the reward models' running moments. Collective."""
+        decoder = make_decoder(self.cfg, models.policy, self.tokenizer, device)
+        samples = self.sampler.sample(decoder, mine, repeat=repeat, mode=mode, step=step, round_index=round_index,
+                                      rank=rank)
         rows = [row for _, row in mine for _ in range(repeat)]
         groups = [i for i, _ in mine for _ in range(repeat)]
         with phase("reward") if mode == "train" else contextlib.nullcontext():  # evaluation is not the step's
@@ -167,7 +173,7 @@ class PromptSource:
                                                       training=mode == "train")
         return samples, batch, scores, model_metrics
 
-    def score(self, models: Models, rows: list[PromptRow], groups: list[int], samples: Samples, *, device,
+    def score(self, models: RolloutModels, rows: list[PromptRow], groups: list[int], samples: Samples, *, device,
               training: bool) -> tuple[RewardBatch, RewardScores, Metrics]:
         """Score this rank's samples: the reward functions' weighted total plus the reward models' weighted, scaled
         scores (docs/reward-models.md), single- and multi-turn alike. A function's failure on any rank stops every
@@ -204,7 +210,7 @@ class PromptSource:
             raise error if error is not None else RewardFailedOnAnotherRank()
         return scores
 
-    def _score_with_models(self, models: Models, samples: Samples, *, device) -> ModelScores:
+    def _score_with_models(self, models: RolloutModels, samples: Samples, *, device) -> ModelScores:
         """The reward models' scores: of the prompt and completion texts, or of a multi-turn sample's conversation
         (``samples.conversations``) through a model's chat template."""
         r = self.cfg.reward
@@ -214,7 +220,7 @@ class PromptSource:
             mode=r.model_normalize, clip=r.model_clip, running=self.reward_moments,
             token_budget=self.cfg.trainer.token_budget, device=device, conversations=samples.conversations)
 
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+    def rollouts(self, models: RolloutModels, step: int, *, rank: int, world_size: int, device,
                  round_index: int = 0) -> list[Rollout]:
         """This rank's rollouts of the step's next ``prompts_per_step`` rows; ``round_index`` > 0 is an extra round of
         dynamic sampling (the next rows of the order, its own sampling seed; the reward metrics cover every round)."""
@@ -237,7 +243,7 @@ class PromptSource:
                         generation_logprobs=None if generated is None else generated[k])
                 for k in range(len(samples))]
 
-    def _sample(self, models: Models, batch: RewardBatch, scores: RewardScores, samples: Samples, k: int) -> dict:
+    def _sample(self, models: RolloutModels, batch: RewardBatch, scores: RewardScores, samples: Samples, k: int) -> dict:
         """One sample for samples.jsonl and the first step's printout: the prompt, the completion, what the sampler
         adds (a trajectory's turns and truncation cause), the rewards."""
         return {"row": batch.rows[k], "prompt": batch.prompts[k], "completion": samples.response_texts[k],
@@ -245,18 +251,18 @@ class PromptSource:
                 "rewards": {**{name: values[k] for name, values in scores.raw.items()}, **self._model_rewards(models, k)},
                 "total": scores.total[k]}
 
-    def _model_rewards(self, models: Models, k: int) -> dict[str, float]:
+    def _model_rewards(self, models: RolloutModels, k: int) -> dict[str, float]:
         """Sample ``k``'s scaled score from each reward model, for samples.jsonl."""
         if not models.reward_models:
             return {}
         return {f"reward_model/{m}": float(s[k]) for m, s in enumerate(self.last_model_scores.scaled_N)}
 
-    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
+    def eval_reward(self, models: RolloutModels, *, rank: int, world_size: int, device) -> float:
         """Greedy mean reward over the evaluation rows (fsdptrain/rollout/evaluation.py)."""
         return greedy_reward(functools.partial(self.sample_and_score, models, device=device), self.eval_rows,
                              rank=rank, world_size=world_size)
 
-    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
+    def eval_samples(self, models: RolloutModels, *, step: int, rank: int, world_size: int, device) -> Metrics:
         """This rank's share of the sampled evaluation (fsdptrain/rollout/evaluation.py), to be reduced."""
         return sampled_eval(functools.partial(self.sample_and_score, models, device=device), self.eval_rows,
                             self.functions, num_reward_models=len(models.reward_models), trainer=self.cfg.trainer,

@@ -1,24 +1,20 @@
 """Single-turn sampling: each sample is one completion of its prompt (:class:`SingleTurnSampler`).
 
-Training: a rank samples all its groups in one batched ``generate`` call from a generator seeded by
-(``trainer.seed``, step, rank) (``sampling_seed``; an extra round of dynamic sampling adds its own offset), the
-group's ``rollout.n`` copies of a prompt prefilled once. The greedy evaluation decodes greedily; the sampled one draws
-each sample from its own generator (``eval_sample_seed``), so it is the same at any world size.
+Every sample is one :class:`~fsdptrain.generation.decoder.Request` to the run's decoder, seeded as
+fsdptrain/generation/seeds.py tabulates: in training its own ``row_seed`` (the continuous engine) and the rank's batch
+seed (``generate``, which draws the rank's whole batch from one generator); in the sampled evaluation its own
+``eval_sample_seed``, so it is the same at any world size; greedy decoding takes none.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 from omegaconf import DictConfig
 
 from fsdptrain.data.prompts import PromptRow, prompt_token_ids
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.decoder import Decoder, Request, SampleMode, sampling_for
+from fsdptrain.generation.seeds import batch_seed, eval_sample_seed, row_seed
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rollout.continuous import generate_continuous, make_engine, row_seed
-from fsdptrain.rollout.samples import SampleMode, Samples
-from fsdptrain.rollout.sampling import eval_sample_seed, generation, sampling_seed
-from fsdptrain.train.build import Models
+from fsdptrain.rollout.sampler import Samples
 
 
 class SingleTurnSampler:
@@ -36,53 +32,25 @@ class SingleTurnSampler:
     def close(self) -> None:
         pass
 
-    def sample(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
-               step: int, round_index: int, rank: int, device) -> Samples:
+    def sample(self, decoder: Decoder, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+               step: int, round_index: int, rank: int) -> Samples:
         seed = self.cfg.trainer.seed
         rows = [row for _, row in groups]
-        row_seeds = None
-        if mode == "eval":
-            row_seeds = [eval_sample_seed(seed, step, i, s) for i, _ in groups for s in range(repeat)]
-        generator_seed = (sampling_seed(seed, step, rank) + 104_729 * round_index) % (2**31) if mode == "train" else 0
-        if self.cfg.rollout.engine == "continuous":
-            if mode == "train":
-                row_seeds = [row_seed(seed, step, i, s, round_index, 0) for i, _ in groups for s in range(repeat)]
-            outputs = self._continuous(models, rows, repeat=repeat, mode=mode, device=device, row_seeds=row_seeds)
-        else:
-            outputs = self._generate(models, rows, repeat=repeat, sample=mode == "train", seed=generator_seed,
-                                     device=device, row_seeds=row_seeds)
-        completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for _, ids, _, *_ in outputs]
-        generated = [list(out[3]) for out in outputs] if mode == "train" else None
-        return Samples(prompt_ids=[out[0] for out in outputs], response_ids=[out[1] for out in outputs],
-                       truncated=[out[2] for out in outputs],
+        requests = []
+        for group, row in groups:
+            ids = prompt_token_ids(self.tokenizer, row)
+            for s in range(repeat):
+                requests.append(Request(
+                    len(requests), list(ids), self.cfg.rollout.max_new_tokens,
+                    seed=(row_seed(seed, step, group, s, round_index, 0) if mode == "train" else
+                          eval_sample_seed(seed, step, group, s) if mode == "eval" else None),
+                    batch_seed=batch_seed(seed, step, rank, round_index) if mode == "train" else None))
+        with decoder.generating():  # timed, sdpa, weights gathered as rollout.gather_weights says, layers eager
+            generated = {g.key: g for g in decoder.decode(requests, sampling_for(self.cfg, mode, repeat=repeat))}
+        outputs = [generated[r.key] for r in requests]
+        completions = [self.tokenizer.decode(g.new_ids, skip_special_tokens=True) for g in outputs]
+        return Samples(prompt_ids=[r.new_ids for r in requests], response_ids=[g.new_ids for g in outputs],
+                       truncated=[g.truncated for g in outputs],
                        prompts=[row.text for row in rows for _ in range(repeat)], completions=completions,
-                       response_texts=completions, answers=completions, generation_logprobs=generated)
-
-    def _generate(self, models: Models, rows: list[PromptRow], *, repeat: int, sample: bool, seed: int, device,
-                  row_seeds: Optional[list[int]] = None):
-        """``repeat`` responses per row: sampled at the rollout settings, greedy, or (``row_seeds``) sampled at
-        ``trainer.eval_temperature`` with one generator per response."""
-        ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
-        rollout = self.cfg.rollout
-        temperature = (rollout.temperature if sample else
-                       self.cfg.trainer.eval_temperature if row_seeds is not None else 1.0)
-        with generation(models.policy, self.cfg, device):  # timed, sdpa, weights gathered once, layers eager
-            return generate_responses(
-                models.policy, self.tokenizer, ids, max_new_tokens=rollout.max_new_tokens,
-                temperature=temperature, top_p=rollout.top_p if sample else 1.0,
-                do_sample=sample, generator_seed=seed, device=device, row_seeds=row_seeds,
-                share_prompt_prefill=repeat > 1 and row_seeds is None, record_logprobs=sample)
-
-    def _continuous(self, models: Models, rows: list[PromptRow], *, repeat: int, mode: SampleMode, device,
-                    row_seeds: Optional[list[int]]):
-        """The same samples through the continuous engine (fsdptrain/rollout/continuous.py): each from its own
-        seed (greedy: none), the weights gathered for the block."""
-        ids = [prompt_token_ids(self.tokenizer, row) for row in rows for _ in range(repeat)]
-        rollout = self.cfg.rollout
-        sample = mode == "train"
-        temperature = rollout.temperature if sample else self.cfg.trainer.eval_temperature if mode == "eval" else 1.0
-        with generation(models.policy, self.cfg, device, always_gather=True):
-            engine = make_engine(models.policy, self.cfg, self.tokenizer, temperature=temperature,
-                                 top_p=rollout.top_p if sample else 1.0)
-            return generate_continuous(engine, ids, row_seeds or [None] * len(ids),
-                                       max_new_tokens=rollout.max_new_tokens)
+                       response_texts=completions, answers=completions,
+                       generation_logprobs=[list(g.logprobs) for g in outputs] if mode == "train" else None)

@@ -20,17 +20,19 @@ truncated by ``length``; a tool segment that would not fit is not appended and e
 ``tool_overflow``); ``max_tool_response_tokens`` tokens of one tool result's content (a longer one is cut and
 counted).
 
-Nothing here imports a model or runs a tool: the loop takes ``generate`` and ``call_tools`` as functions, so it is
-tested with scripted ones (tests/unit/test_multi_turn.py). The chat rendering it builds on (the template's ids, its
+Nothing here imports a model or runs a tool: the loop takes a :class:`~fsdptrain.generation.decoder.Decoder` and
+``call_tools``, so it is tested with scripted ones (tests/unit/test_multi_turn.py). The chat rendering it builds on (the template's ids, its
 checks, parsing a turn's calls) is :class:`fsdptrain.data.conversation.ChatTurns`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 from fsdptrain.data.conversation import ChatTurns, extend_response
+from fsdptrain.generation.decoder import Decoder, Generated, Request, Sampling
 
 TRUNCATION_CAUSES = ("length", "max_turns", "tool_overflow")
 """Why a trajectory was truncated (``truncated/<cause>`` metrics)."""
@@ -66,35 +68,64 @@ class TurnCaps:
     max_tool_response_tokens: int
 
 
-Generate = Callable[[list[list[int]], int, int, list[int]], list[tuple[list[int], bool]]]
-"""``generate(inputs, max_new_tokens, turn, samples) -> [(new_ids, ended_by_eos)]``, one per input; ``samples`` are
-the inputs' trajectories (their indices in ``prompts``), for per-sample seeds."""
 CallTools = Callable[[list[tuple[int, str, dict]]], list]
 """``call_tools([(sample, name, arguments)]) -> [result]`` with ``result.content``, ``.failed``, ``.timed_out``."""
+Placement = Callable[[int, int], tuple[Optional[int], Hashable, Optional[int]]]
+"""``placement(sample, turn) -> (seed, batch, batch_seed)``: the turn's own seed (None: greedy or the batch's), and
+the batch an engine that draws a batch from one generator decodes it in, with that batch's seed (Request's fields)."""
 
 
-def run_turns(chat: ChatTurns, prompts: Sequence[list[int]], *, generate: Generate, call_tools: CallTools,
-              caps: TurnCaps) -> list[Trajectory]:
-    """The trajectories of ``prompts`` (prompt ids each), all advanced turn by turn together; see the module
-    docstring for what each cap does."""
+def run_turns(decoder: Decoder, sampling: Sampling, chat: ChatTurns, prompts: Sequence[list[int]], *,
+              placement: Placement, call_tools: CallTools, caps: TurnCaps) -> list[Trajectory]:
+    """The trajectories of ``prompts`` (prompt ids each), every turn through ``decoder`` (called inside its
+    ``generating`` block); see the module docstring for what each cap does.
+
+    A turn that calls tools hands its calls to a tool thread (one task per batch of turns that finished together:
+    each hand-over costs the decode loop a GIL switch) while other rows decode; the trajectory then re-enters with
+    only its new tokens (the turn's last sampled id, the tool messages and the template's separators) onto what the
+    decoder kept of its context. A trajectory's turns are the same whichever engine decodes them, up to the draws."""
     trajectories = [Trajectory(prompt_ids=list(p)) for p in prompts]
-    for turn in range(caps.max_turns):
-        active = [t for t in trajectories if not t.done]
-        if not active:
-            break
-        index = {id(t): i for i, t in enumerate(trajectories)}
-        budgets = [caps.max_new_tokens - len(t.response_ids) for t in active]
-        outputs = generate([t.prompt_ids + t.response_ids for t in active], max(budgets), turn,
-                           [index[id(t)] for t in active])
-        pending: list[tuple[Trajectory, list[tuple[str, dict]]]] = []
-        for t, budget, (new_ids, ended) in zip(active, budgets, outputs):
-            calls = finish_turn(chat, t, new_ids, ended, budget=budget, last_turn=turn == caps.max_turns - 1)
-            if calls:
-                pending.append((t, calls))
-        requests = [(index[id(t)], name, arguments) for t, calls in pending for name, arguments in calls]
-        results = iter(call_tools(requests) if requests else [])
-        for t, calls in pending:
+
+    def request(sample: int, new_ids: list[int], finished: Optional[Generated]) -> Request:
+        t = trajectories[sample]
+        seed, batch, batch_seed = placement(sample, t.num_turns)
+        return Request(sample, new_ids, caps.max_new_tokens - len(t.response_ids), seed=seed,
+                       kept=finished.kept if finished else None, keep=t.num_turns + 1 < caps.max_turns,
+                       batch=batch, batch_seed=batch_seed)
+
+    tool_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tools")
+
+    def after_tools(calling: list[tuple[Generated, list[tuple[str, dict]]]]) -> list[Request]:
+        """One batch of turns' tool calls, run together; the trajectories' next turns."""
+        results = iter(call_tools([(g.key, name, arguments) for g, calls in calling for name, arguments in calls]))
+        follow = []
+        for generated, calls in calling:
+            t = trajectories[generated.key]
+            before = len(t.response_ids)
             append_tool_results(chat, t, calls, [next(results) for _ in calls], caps)
+            if not t.done:
+                follow.append(request(generated.key, generated.new_ids[-1:] + t.response_ids[before:], generated))
+        return follow
+
+    def on_finish(finished: list[Generated]) -> list:
+        calling = []
+        for generated in finished:
+            t = trajectories[generated.key]
+            calls = finish_turn(chat, t, generated.new_ids, generated.ended, budget=len(generated.new_ids),
+                                last_turn=t.num_turns == caps.max_turns - 1)
+            if calls:
+                calling.append((generated, calls))
+        return [tool_thread.submit(after_tools, calling)] if calling else []
+
+    # Not a `with` block: leaving on an exception (a stop signal's grace ran out, a ToolError) must not wait for a
+    # tool call that may never return (fsdptrain/run/signals.py); the process leaves through os._exit anyway.
+    try:
+        decoder.decode([request(i, t.prompt_ids, None) for i, t in enumerate(trajectories)], sampling,
+                       on_finish=on_finish)
+    except BaseException:
+        tool_thread.shutdown(wait=False, cancel_futures=True)
+        raise
+    tool_thread.shutdown()
     return trajectories
 
 

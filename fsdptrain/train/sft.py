@@ -7,8 +7,8 @@ update of one mini-batch (`fsdptrain.train.trained_part.TrainedPart.update` over
 `fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted before any forward,
 one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step), then the typed
 metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
-`fsdptrain.train.build.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
-`fsdptrain.train.build.build_part`), the checkpointer, the metrics files, the trackers and the export.
+`fsdptrain.train.setup.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
+`fsdptrain.train.setup.build_part`), the checkpointer, the metrics files, the trackers and the export.
 
 Ownership and membership are fixed by a row's position ``p`` within the step's ``sft.rows_per_step`` rows: rank
 ``p % world_size``, mini-batch ``p // (rows_per_step / mini_batches_per_step)``, so a mini-batch holds the same rows
@@ -37,18 +37,19 @@ from fsdptrain.data.packing import PackedBatch, pack_sequences
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
-from fsdptrain.distributed.files import write_atomic
+from fsdptrain.storage.atomic import write_atomic
 from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Max, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.metrics.typed import Max, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.rl.packed_loss import token_logprobs_entropy
 from fsdptrain.rl.sft_loss import sft_loss
-from fsdptrain.train.build import build_part, build_policy_model, build_tokenizer, resolve_device_type
+from fsdptrain.train.setup import build_part, build_policy_model, resolve_device_type
+from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
 from fsdptrain.run.malloc import keep_freed_heap
-from fsdptrain.train.perf import StepTimer, phase
+from fsdptrain.run.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.run.files import MetricsFiles
+from fsdptrain.run.outputs import MetricsFiles
 from fsdptrain.run.signals import StopRequest
 from fsdptrain.train.step import MiniBatch
 from fsdptrain.run.trackers import Trackers

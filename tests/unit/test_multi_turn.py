@@ -11,10 +11,11 @@ import pytest
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.conversation import ChatTurns, data_ids, parse_tool_calls_text
-from fsdptrain.rollout.turns import TurnCaps, run_turns
+from fsdptrain.rollout.turns import TurnCaps
+from tests.scripted_decoder import scripted_turns
 from fsdptrain.rollout.tools import Tool, ToolCall, ToolCaller, tool_schema
 from fsdptrain.rollout.multi_turn import turn_metrics
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from tests.chatml import CHATML_NO_TOOLS, STRIPS_THINK, chatml_tokenizer
 
 
@@ -69,7 +70,7 @@ def run(script, *, prompts=("What is 2+3?",), max_turns=4, max_new_tokens=1000, 
     chat = ChatTurns(tok, [t.schema for t in TOOLS])
     caller = ToolCaller(TOOLS, pool=None, timeout_s=None)
     prompt_ids = [chat.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
-    trajectories = run_turns(
+    trajectories = scripted_turns(
         chat, prompt_ids, generate=scripted(tok, script),
         call_tools=lambda reqs: caller.run([ToolCall(s, n, a) for s, n, a in reqs]),
         caps=TurnCaps(max_turns=max_turns, max_new_tokens=max_new_tokens,

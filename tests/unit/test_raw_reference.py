@@ -1,32 +1,30 @@
 """check-metrics' own cut of the raw generation output and its own rewards (fsdptrain/check/raw_reference.py):
-values by hand, and the cut against the product's on a real ``generate`` and a real continuous engine."""
+values by hand, and the cut of what the recording hook saw against the product's, on a real ``generate`` and a real
+continuous engine."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.check.raw_reference import (
-    EngineRun,
-    RawCall,
+    DecodeRun,
     RawSequence,
-    engine_sequences,
+    decoded_sequences,
     raw_checks,
-    raw_sequences,
-    recording_engine,
-    recording_generate,
+    recording_decoders,
     reference_cut,
     reference_prompt,
     reference_reward,
     reference_rewards,
 )
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout import engine as engine_module
-from fsdptrain.rollout.continuous import generate_continuous
-from fsdptrain.rollout.engine import ContinuousEngine
+from fsdptrain.generation.decoder import Request, Sampling
+from fsdptrain.generation.engines import make_decoder
 
 EOS = 2
 
@@ -49,30 +47,20 @@ def test_the_reward_is_the_weighted_sum_of_the_values_that_are_numbers():
     assert reference_rewards(raw, ["a", "b"], [2.0, 4.0], [0.125, -1.0], 2) == [2.0 + 1.0 + 0.125, 2.0 - 1.0]
 
 
-def test_sequences_from_one_call_and_none_from_several():
-    call = RawCall(input_ids=[[0, 7, 8], [9, 9, 9]], attention_mask=[[0, 1, 1], [1, 1, 1]],
-                   sequences=[[0, 7, 8, 5, EOS, 0], [9, 9, 9, 4, 4, 4]])
-    got = raw_sequences([call], [0.5, None], 2, eos_id=EOS, max_new_tokens=3)
-    assert got == [RawSequence([7, 8], [5, EOS], False, 0.5), RawSequence([9, 9, 9], [4, 4, 4], True, None)]
-    assert raw_sequences([call, call], None, 2, eos_id=EOS, max_new_tokens=3) is None
-    assert raw_sequences([], None, 2, eos_id=EOS, max_new_tokens=3) is None
-    assert raw_sequences([None], None, 2, eos_id=EOS, max_new_tokens=3) is None
-
-
-def test_engine_sequences_from_one_single_turn_run_and_none_otherwise():
-    run = EngineRun(keys=[0, 1, 2], prompts=[[7, 8], [9], [9]], follow_ups=False,
+def test_decoded_sequences_from_one_single_turn_call_and_none_otherwise():
+    run = DecodeRun(keys=[0, 1, 2], prompts=[[7, 8], [9], [9]], follow_ups=False,
                     sampled={0: [5, EOS], 1: [4, 4, 4], 2: [6]})
-    got = engine_sequences([run], [0.5, None, 1.0], 3, eos_id=EOS, max_new_tokens=3)
+    got = decoded_sequences([run], [0.5, None, 1.0], 3, eos_id=EOS, max_new_tokens=3)
     # request 2 stopped with neither EOS nor the cap: no response can be its cut (truncated None)
     assert got == [RawSequence([7, 8], [5, EOS], False, 0.5), RawSequence([9], [4, 4, 4], True, None),
                    RawSequence([9], [6], None, 1.0)]
     kw = dict(eos_id=EOS, max_new_tokens=3)
-    assert engine_sequences([run, run], None, 3, **kw) is None
-    assert engine_sequences([], None, 3, **kw) is None  # another engine
-    assert engine_sequences([run], None, 2, **kw) is None  # not the rollouts
-    assert engine_sequences([EngineRun([0, 1, 2], run.prompts, True, run.sampled)], None, 3, **kw) is None  # turns
-    assert engine_sequences([EngineRun([0, 1, 2], [[7], None, [9]], False, run.sampled)], None, 3, **kw) is None
-    assert engine_sequences([EngineRun([0, 0, 2], run.prompts, False, run.sampled)], None, 3, **kw) is None
+    assert decoded_sequences([run, run], None, 3, **kw) is None
+    assert decoded_sequences([], None, 3, **kw) is None  # offline rollouts: nothing decoded
+    assert decoded_sequences([run], None, 2, **kw) is None  # not the rollouts
+    assert decoded_sequences([DecodeRun([0, 1, 2], run.prompts, True, run.sampled)], None, 3, **kw) is None  # turns
+    assert decoded_sequences([DecodeRun([0, 1, 2], [[7], None, [9]], False, run.sampled)], None, 3, **kw) is None
+    assert decoded_sequences([DecodeRun([0, 0, 2], run.prompts, False, run.sampled)], None, 3, **kw) is None
 
 
 def test_checks_fail_on_a_different_cut_and_a_different_reward():
@@ -97,42 +85,22 @@ def _tiny_model(tokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def test_the_recorded_generate_cuts_as_the_sampler_does():
+@pytest.mark.parametrize("engine", ["generate", "continuous"])
+def test_the_recorded_decode_cuts_as_the_decoder_does(engine):
+    """The recording hook sees every token each engine drew (generate: the row's padding after EOS too); the
+    reference's own cut of them equals the decoder's ``Generated`` records, for rows that end on EOS and at the
+    cap. No engine method is replaced."""
     tokenizer = load_bundled_tokenizer()
     model = _tiny_model(tokenizer)
-    texts = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 ="] * 8
-    with recording_generate(model) as calls:
-        out = generate_responses(model, tokenizer, texts, max_new_tokens=8, temperature=3.0, top_p=1.0,
-                                 do_sample=True, generator_seed=5, device=torch.device("cpu"))
-    assert "generate" not in vars(model)  # the model's own method again
-    got = raw_sequences(calls, None, len(texts), eos_id=EOS, max_new_tokens=8)
-    assert [(s.prompt_ids, s.response_ids, s.truncated) for s in got] == [tuple(o) for o in out]
-    assert 0 < sum(not s.truncated for s in got) < len(got)  # both kinds of row
-
-
-def test_the_recorded_engine_cuts_as_the_continuous_sampler_does():
-    tokenizer = load_bundled_tokenizer()
-    model = _tiny_model(tokenizer)
+    cfg = OmegaConf.create({"rollout": {"engine": engine, "max_live_rows": 5, "max_live_tokens": 1 << 20}})
+    decoder = make_decoder(cfg, model, tokenizer, torch.device("cpu"))
     prompts = [tokenizer.encode(t) for t in ["repeat 7 =", "copy 3 1 4 =", "repeat 2 ="] * 8]
-    engine = ContinuousEngine(model, eos_id=EOS, pad_id=0, temperature=3.0, max_live_rows=5)  # rows wait and enter
-    methods = (ContinuousEngine.run, ContinuousEngine._sample, engine_module.sample_rows)
-    with recording_engine() as runs:
-        out = generate_continuous(engine, prompts, list(range(len(prompts))), max_new_tokens=8)
-    assert (ContinuousEngine.run, ContinuousEngine._sample, engine_module.sample_rows) == methods  # restored
-    got = engine_sequences(runs, None, len(prompts), eos_id=EOS, max_new_tokens=8)
-    assert [(s.prompt_ids, s.response_ids, s.truncated) for s in got] == [tuple(o[:3]) for o in out]
+    requests = [Request(i, p, 8, seed=i, batch_seed=5) for i, p in enumerate(prompts)]
+    methods = dict(vars(type(decoder)))
+    with recording_decoders() as runs:
+        out = {g.key: g for g in decoder.decode(requests, Sampling("train", 3.0, 1.0))}
+    assert dict(vars(type(decoder))) == methods and runs[0].prompts == prompts
+    got = decoded_sequences(runs, None, len(prompts), eos_id=EOS, max_new_tokens=8)
+    assert [(s.prompt_ids, s.response_ids, s.truncated) for s in got] == \
+        [(p, out[i].new_ids, out[i].truncated) for i, p in enumerate(prompts)]
     assert 0 < sum(not s.truncated for s in got) < len(got)  # both kinds of row
-
-
-def test_the_policy_mask_is_the_reference_rule_not_the_rollouts():
-    from fsdptrain.check.batch import reference_policy, tool_segments
-    from fsdptrain.data.rollout import Rollout
-
-    eos_masked = Rollout(prompt_ids=[7], response_ids=[5, 6, 4, 3, EOS], reward=0.0, group=1,
-                         response_mask=[1, 1, 1, 1, 0])
-    assert reference_policy([eos_masked], [5], fixture=False, single_turn=True) == [[True] * 5]  # every token
-    assert reference_policy([eos_masked], [5], fixture=False, single_turn=False) == [[True] * 4 + [False]]  # shared
-    # the fixture: group 1, first sample -> variant 1 (two tool segments inside), over the length given
-    assert reference_policy([eos_masked], [8], fixture=True, single_turn=True) == [
-        [bool(m) for m in tool_segments(8, 1)]]
-    assert tool_segments(8, 1) == [1, 1, 0, 1, 0, 1, 1, 1]

@@ -1,4 +1,4 @@
-"""The continuous engine (fsdptrain/rollout/engine.py): a row's tokens do not depend on its neighbours, their number or
+"""The continuous engine (fsdptrain/generation/continuous.py): a row's tokens do not depend on its neighbours, their number or
 its arrival; a kept cache continues a conversation as re-prefilling it does; a finished row costs no decode forward;
 the engine's tokens are `generate`'s with the same row seeds."""
 
@@ -11,8 +11,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout.engine import ContinuousEngine, Request, RowNoise, decode_shape
+from fsdptrain.generation.generate import generate_responses
+from fsdptrain.generation.continuous import ContinuousEngine, RowNoise, decode_shape
+from fsdptrain.generation.decoder import Request
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
@@ -255,14 +256,14 @@ def test_bad_bounds_are_refused():
 
 def test_multi_turn_in_one_loop_equals_the_turn_by_turn_reference(tmp_path):
     """All trajectories and turns in one continuous loop, each turn decoded onto its kept cache, give the
-    trajectories ``run_turns`` builds re-prefilling each conversation through ``generate`` with the same row seeds
+    trajectories the turn loop builds re-prefilling each conversation through ``generate`` with the same row seeds
     (the tool-calling tiny model of tests/e2e/test_multi_turn.py calls tools from the start)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdptrain.data.conversation import ChatTurns
-    from fsdptrain.rollout.continuous import run_turns_continuous
     from fsdptrain.rollout.tools import ToolCall, ToolCaller, load_tools
-    from fsdptrain.rollout.turns import TurnCaps, run_turns
+    from fsdptrain.rollout.turns import TurnCaps
+    from tests.scripted_decoder import scripted_turns
     from tests.e2e.test_multi_turn import write_inputs
 
     write_inputs(tmp_path)
@@ -282,10 +283,10 @@ def test_multi_turn_in_one_loop_equals_the_turn_by_turn_reference(tmp_path):
                                  row_seeds=[seed(s, turn) for s in samples], synced_gpus=False)
         return [(ids, not truncated) for _, ids, truncated in out]
 
-    reference = run_turns(chat, prompts, generate=generate, call_tools=call_tools, caps=caps)
+    reference = scripted_turns(chat, prompts, generate=generate, call_tools=call_tools, caps=caps)
     engine = ContinuousEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, temperature=0.7,
                               max_live_rows=4)
-    got = run_turns_continuous(engine, chat, prompts, seed=seed, call_tools=call_tools, caps=caps)
+    got = scripted_turns(chat, prompts, generate=engine, seed=seed, call_tools=call_tools, caps=caps)
     assert max(t.num_turns for t in reference) >= 2 and sum(t.num_calls for t in reference) > 0
     for g, r in zip(got, reference, strict=True):
         assert (g.response_ids, g.response_mask, g.messages, g.truncation) == \

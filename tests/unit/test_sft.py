@@ -18,7 +18,8 @@ from fsdptrain.data.packing import PackPlan
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.sft_loss import sft_loss
-from fsdptrain.rollout.turns import TurnCaps, run_turns
+from fsdptrain.rollout.turns import TurnCaps
+from tests.scripted_decoder import scripted_turns
 from fsdptrain.train.sft import SftLossSettings, as_minibatch, packed_sft_loss
 from fsdptrain.train.step import accumulate_gradients, local_counts
 from tests.chatml import CHATML_NO_TOOLS, chatml_tokenizer
@@ -96,7 +97,7 @@ def test_mask_equals_the_multi_turn_rollouts(tokenizer):
     class Result:
         content, failed, timed_out = "5", False, False
 
-    (t,) = run_turns(chat, [chat.prompt_ids(prompt_messages)], generate=generate,
+    (t,) = scripted_turns(chat, [chat.prompt_ids(prompt_messages)], generate=generate,
                      call_tools=lambda requests: [Result() for _ in requests],
                      caps=TurnCaps(max_turns=4, max_new_tokens=400, max_tool_response_tokens=50))
     assert t.num_calls == 1 and t.num_turns == 2

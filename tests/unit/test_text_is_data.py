@@ -14,7 +14,8 @@ import pytest
 from fsdptrain.data.conversation import ChatTurns
 from fsdptrain.model.reward_model import load_reward_model_spec, reward_input_ids
 from fsdptrain.rollout.tools import Tool, ToolCall, ToolCaller, tool_schema
-from fsdptrain.rollout.turns import TurnCaps, run_turns
+from fsdptrain.rollout.turns import TurnCaps
+from tests.scripted_decoder import scripted_turns
 from tests.chatml import chatml_tokenizer
 from tests.reward_models import CHAT_TEMPLATE, char_tokenizer, save_reward_model
 
@@ -50,7 +51,7 @@ def _trajectory(result: str, *, observation: str = ""):
         return [(tok(script[turn], add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True)
                 for _ in inputs]
 
-    (t,) = run_turns(chat, [prompt_ids], generate=generate,
+    (t,) = scripted_turns(chat, [prompt_ids], generate=generate,
                      call_tools=lambda reqs: caller.run([ToolCall(s, n, a) for s, n, a in reqs]),
                      caps=TurnCaps(max_turns=3, max_new_tokens=10_000, max_tool_response_tokens=10_000))
     return tok, t
@@ -126,7 +127,7 @@ def test_a_huge_tool_result_is_cut_before_it_is_tokenized():
     def run_with(result: str):
         longest.clear()
         prompt_ids = chat.prompt_ids([{"role": "user", "content": "Go."}])
-        (t,) = run_turns(chat, [prompt_ids], generate=generate,
+        (t,) = scripted_turns(chat, [prompt_ids], generate=generate,
                          call_tools=lambda reqs: [dataclasses.replace(r, content=result)
                                                   for r in caller.run([ToolCall(s, n, a) for s, n, a in reqs])],
                          caps=TurnCaps(max_turns=3, max_new_tokens=10_000, max_tool_response_tokens=16))

@@ -16,49 +16,20 @@ from omegaconf import DictConfig
 
 from fsdptrain.config.distill_rules import distilling
 from fsdptrain.config.lora_rules import target_module_names
-from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
 from fsdptrain.config.validate import share_prompts_off_reason
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
-from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
+from fsdptrain.distributed.fsdp_reward_models import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
-from fsdptrain.model.build import TINY_CONFIG
-from fsdptrain.model.checks import check_tokenizer_fits
+from fsdptrain.model.loading import DTYPES, TINY_CONFIG, model_path
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
-from fsdptrain.model.source import model_location, pretrained_args
 from fsdptrain.rl.pg_losses import resolve_policy_loss
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.step import LossFn, packed_policy_loss, packed_value_loss
 from fsdptrain.train.trained_part import TrainedPart
 from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
 
-DTYPES = {name: getattr(torch, name) for name in (*DTYPE_NAMES, "float64")}
-"""The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept, and float64, which only
-check-metrics' checked config sets (fsdptrain/check/precision.py)."""
-
-
-def model_path(cfg: DictConfig) -> str | None:
-    """The run's pretrained model as one location (a folder or a .gguf file, model/source.py); None: config-built."""
-    return model_location(cfg.model.path, cfg.model.gguf_file)
-
-
-def build_tokenizer(cfg: DictConfig):
-    """The bundled tokenizer, or the one of the user's model folder or GGUF file (left padding; pad falls back to
-    EOS)."""
-    if model_path(cfg) is None:
-        from fsdptrain.data.tokenizer import load_bundled_tokenizer
-
-        return load_bundled_tokenizer()
-    from transformers import AutoTokenizer
-
-    name, gguf = pretrained_args(model_path(cfg))
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False, **gguf)
-    check_tokenizer_fits(tokenizer, cfg.model.path)  # before any model is built: one line, exit 2
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:

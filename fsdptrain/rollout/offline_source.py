@@ -1,14 +1,14 @@
-"""Offline rollouts: each step's rollouts read from a JSONL file (``data=jsonl``, fsdptrain/data/offline.py reads
+"""Offline rollouts: each step's rollouts read from a JSONL file (``data=jsonl``, fsdptrain/data/offline_rollouts.py reads
 and checks the file), cycling over its groups."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from fsdptrain.data.offline import load_jsonl_rollouts
-from fsdptrain.data.rollout import Rollout
-from fsdptrain.rl.metrics import Max, Metrics
-from fsdptrain.train.build import Models
+from fsdptrain.data.offline_rollouts import load_jsonl_rollouts
+from fsdptrain.data.rollout_record import Rollout
+from fsdptrain.metrics.typed import Max, Metrics
+from fsdptrain.rollout.rollout_models import RolloutModels
 from fsdptrain.run.console import log
 
 
@@ -48,10 +48,10 @@ class OfflineSource:
     def can_evaluate(self) -> bool:
         return False
 
-    def eval_reward(self, models: Models, *, rank: int, world_size: int, device) -> float:
+    def eval_reward(self, models: RolloutModels, *, rank: int, world_size: int, device) -> float:
         raise AssertionError("offline rollouts have no evaluation rows")
 
-    def eval_samples(self, models: Models, *, step: int, rank: int, world_size: int, device) -> Metrics:
+    def eval_samples(self, models: RolloutModels, *, step: int, rank: int, world_size: int, device) -> Metrics:
         raise AssertionError("offline rollouts have no evaluation rows")
 
     def state_dict(self) -> dict:
@@ -60,7 +60,7 @@ class OfflineSource:
     def load_state_dict(self, state: dict) -> None:
         pass
 
-    def rollouts(self, models: Models, step: int, *, rank: int, world_size: int, device,
+    def rollouts(self, models: RolloutModels, step: int, *, rank: int, world_size: int, device,
                  round_index: int = 0) -> list[Rollout]:
         per_step = self.cfg.rollout.prompts_per_step
         out = []

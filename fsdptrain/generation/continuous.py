@@ -38,7 +38,7 @@ new tokens -- the last sampled token, the tool message and the template's separa
   follow-ups: requests, or ``concurrent.futures.Future`` objects each of a request, a list of them or None (tools
   running on a thread while the other rows decode; polled at every step).
 
-Sampling is row-seeded (:class:`fsdptrain.model.generate.RowSeededSampling`, the same Gumbel-max draw from the same
+Sampling is row-seeded (:class:`fsdptrain.generation.generate.RowSeededSampling`, the same Gumbel-max draw from the same
 per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens
 depend on its prompt, its seed and the weights only, never on which rows share its batch, how many, when it entered,
 or on which rank. ``seed`` None decodes greedily. The behaviour log-prob of each sampled token is
@@ -54,7 +54,7 @@ import inspect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Optional, Union
+from typing import Optional
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
@@ -62,6 +62,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from fsdptrain.generation.block import generation
+from fsdptrain.generation.decoder import Generated, OnFinish, Request, Sampling, active_recorder
 from fsdptrain.model.attention_switch import generation_attention
 
 CACHE_BLOCK = 16
@@ -106,32 +108,6 @@ class KeptCache:
 
 
 @dataclass
-class Request:
-    """One turn of one trajectory; see the module docstring. ``key`` is the caller's, handed back in
-    :class:`Finished`. The engine sets ``kept`` to None once that cache is copied into its batch (so the request does
-    not keep it alive)."""
-
-    key: Hashable
-    new_ids: list[int]
-    max_new_tokens: int
-    seed: Optional[int] = None
-    kept: Optional[KeptCache] = None
-    keep: bool = False
-
-
-@dataclass
-class Finished:
-    """A request's sampled ids (EOS included when it ended on one), their behaviour log-probs, whether it ended on
-    EOS (not its cap), and (``keep``) the cache of its conversation but the last sampled token."""
-
-    key: Hashable
-    new_ids: list[int]
-    logprobs: list[float]
-    ended: bool
-    kept: Optional[KeptCache] = None
-
-
-@dataclass
 class EngineStats:
     """What one :meth:`ContinuousEngine.run` cost: decode and prefill forwards (forwards of their own), the decode
     forwards that prefilled entering rows too, row-steps (one per live row per decode forward; the entering rows'
@@ -144,9 +120,6 @@ class EngineStats:
     num_row_steps: int = 0
     max_live_rows: int = 0
     max_cache_positions: int = 0
-
-
-OnFinish = Callable[[list[Finished]], Iterable[Union[Request, "concurrent.futures.Future"]]]
 
 
 @dataclass
@@ -184,6 +157,7 @@ class ContinuousEngine:
         self.fuse_prefills = fuse_prefills
         self._sharing = False  # this run holds long prompts once (``run``)
         self.stats = EngineStats()
+        self._recorder = None  # the recorder of this run's `recording` block (fsdptrain/generation/decoder.py)
         self._rows: list[_Row] = []
         self._num_ended = 0  # rows of the batch that ended since the last ``_leave``
         self._shared: Optional[tuple] = None  # ((stack, ids of the rows' prefixes), _SharedPrefixes, prefixes)
@@ -197,10 +171,13 @@ class ContinuousEngine:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def run(self, requests: list[Request], on_finish: Optional[OnFinish] = None) -> list[Finished]:
+    def run(self, requests: list[Request], on_finish: Optional[OnFinish] = None) -> list[Generated]:
         """Decode ``requests`` and every request ``on_finish`` adds; the finished ones in the order they left."""
         was_training = self.model.training
         self.model.eval()
+        self._recorder = active_recorder()
+        if self._recorder is not None:
+            self._recorder.on_decode(requests, follow_ups=on_finish is not None)
         attention = contextlib.nullcontext()
         # the shared-prefix attention only where a prompt is long enough to be held once: its dispatch costs every
         # forward (the follow-ups on_finish adds continue these requests' prompts)
@@ -217,8 +194,8 @@ class ContinuousEngine:
             self._rows, self._layers, self._mask, self._prefixes, self._stack = [], [], None, {}, None
             self._num_ended, self._shared = 0, None
 
-    def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Finished]:
-        done: list[Finished] = []
+    def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Generated]:
+        done: list[Generated] = []
         pending: list[concurrent.futures.Future] = []
 
         def leave() -> None:
@@ -229,7 +206,7 @@ class ContinuousEngine:
                 done.extend(finished)
                 return
             # the kept caches go to on_finish only: `done` holding them would keep every turn's cache alive
-            done.extend(Finished(f.key, f.new_ids, f.logprobs, f.ended) for f in finished)
+            done.extend(Generated(f.key, f.new_ids, f.logprobs, f.ended) for f in finished)
             for follow in on_finish(finished):
                 (pending if isinstance(follow, concurrent.futures.Future) else waiting).append(follow)
 
@@ -460,7 +437,7 @@ class ContinuousEngine:
                     t = grown
                 pair[part] = t[:rows]
 
-    def _leave(self) -> list[Finished]:
+    def _leave(self) -> list[Generated]:
         """The rows that ended, out of the batch: each slot they free below the new row count takes a live row from
         above it (one row copied per layer, not the whole cache), the buffers are narrowed to the live rows and the
         columns every remaining row pads are cut (views: the memory is released at the next rebuild, at most
@@ -469,7 +446,7 @@ class ContinuousEngine:
             return []
         self._num_ended = 0
         gone = [i for i, r in enumerate(self._rows) if r.ended]
-        out = [Finished(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
+        out = [Generated(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
                         kept=_row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
         num_rows = len(self._rows) - len(gone)
@@ -559,12 +536,34 @@ class ContinuousEngine:
         tokens, logprobs = sample_rows(logits, [r.noise for r in rows], temperature=self.temperature,
                                        top_p=self.top_p)
         for r, token, logprob in zip(rows, tokens, logprobs):
+            if self._recorder is not None:
+                self._recorder.on_tokens(r.request.key, [token])
             r.ids.append(token)
             r.logprobs.append(logprob)
             r.last = token
             if token == self.eos_id or len(r.ids) >= r.request.max_new_tokens:
                 r.ended = True
                 self._num_ended += 1
+
+
+class ContinuousDecoder:
+    """The :class:`~fsdptrain.generation.decoder.Decoder` of ``rollout.engine=continuous``: each ``decode`` one
+    :meth:`ContinuousEngine.run` at the call's temperature and top-p, bounded by ``rollout.max_live_rows`` and
+    ``rollout.max_live_tokens``. Ranks run their own numbers of forwards, so its block always gathers the policy's
+    weights on several ranks."""
+
+    def __init__(self, cfg, model, tokenizer, device):
+        self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
+
+    def generating(self, *, uneven: bool = False):
+        return generation(self.model, self.cfg, self.device, always_gather=True)
+
+    def decode(self, requests, sampling: Sampling, *, on_finish: Optional[OnFinish] = None) -> list[Generated]:
+        rollout = self.cfg.rollout
+        engine = ContinuousEngine(self.model, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
+                                  temperature=sampling.temperature, top_p=sampling.top_p,
+                                  max_live_rows=rollout.max_live_rows, max_live_tokens=rollout.max_live_tokens)
+        return engine.run(list(requests), on_finish)
 
 
 class _PackedLayer(DynamicLayer):
@@ -863,7 +862,7 @@ def sample_rows(logits: torch.Tensor, noises: list[Optional[RowNoise]], *, tempe
                 top_p: float) -> tuple[list[int], list[float]]:
     """Each row's next token and its behaviour log-prob (``log_softmax(logits / temperature)`` at the token).
 
-    A row with noise draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
+    A row with noise draws by :class:`fsdptrain.generation.generate.RowSeededSampling`'s Gumbel-max (one float64
     uniform per vocabulary entry from its generator, :class:`RowNoise`; with ``top_p`` < 1 the draw is over the
     nucleus, as transformers' ``TopPLogitsWarper`` cuts it); a row without takes the argmax of its logits (greedy, its
     log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` values (each row's draw is

@@ -8,13 +8,23 @@ different lengths keep stepping together.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional, Sequence
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from fsdptrain.data.rollout import split_response
+from fsdptrain.data.rollout_record import split_response
+from fsdptrain.generation.block import generation
+from fsdptrain.generation.decoder import (
+    Generated,
+    OnFinish,
+    Request,
+    Sampling,
+    active_recorder,
+    decode_in_batches,
+)
 
 
 class GenerationLogprobs(LogitsProcessor):
@@ -102,6 +112,22 @@ def generate_responses(
     ``record_logprobs``: each tuple gets a fourth entry, the response tokens' log-probs as this generating forward
     computed them (:class:`GenerationLogprobs`: after temperature, before top-p).
     """
+    input_ids, attention_mask, out, logprobs = _generate_padded(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+        do_sample=do_sample, generator_seed=generator_seed, device=device, row_seeds=row_seeds,
+        synced_gpus=synced_gpus, share_prompt_prefill=share_prompt_prefill, record_logprobs=record_logprobs)
+    prompt_width = input_ids.shape[1]
+    return [_row_result(input_ids, attention_mask, out, logprobs, row, prompt_width, tokenizer.eos_token_id)
+            for row in range(len(prompts))]
+
+
+@torch.no_grad()
+def _generate_padded(model, tokenizer, prompts, *, max_new_tokens: int, temperature: float, top_p: float,
+                     do_sample: bool, generator_seed: int, device: torch.device, row_seeds: Optional[Sequence[int]],
+                     synced_gpus: Optional[bool], share_prompt_prefill: bool, record_logprobs: bool):
+    """``generate`` as :func:`generate_responses` runs it: ``(input_ids, attention_mask, sequences, logprobs)``,
+    the left-padded batch, the returned sequences (prompt then new tokens) and the new tokens' log-probs (None
+    unless ``record_logprobs``)."""
     assert row_seeds is None or (not do_sample and len(row_seeds) == len(prompts)), "row_seeds: one per prompt, greedy"
     was_training = model.training
     model.eval()
@@ -133,10 +159,9 @@ def generate_responses(
             **sampling,
         )
     model.train(was_training)
-    prompt_width = input_ids.shape[1]
-    logprobs = recorder.finish(out) if recorder is not None else None
-    return [_row_result(input_ids, attention_mask, out, logprobs, row, prompt_width, tokenizer.eos_token_id)
-            for row in range(len(prompts))]
+    return input_ids, attention_mask, out, recorder.finish(out) if recorder is not None else None
+
+
 
 
 def _row_result(input_ids, attention_mask, out, logprobs, row: int, prompt_width: int, eos_id: int) -> tuple:
@@ -175,3 +200,58 @@ def shared_prompt_cache(model, input_ids, attention_mask) -> dict:
         return {}
     cache.reorder_cache(inverse)
     return {name: cache}
+
+
+class GenerateDecoder:
+    """The :class:`~fsdptrain.generation.decoder.Decoder` of ``rollout.engine=generate``: the requests of one
+    ``Request.batch`` in one :func:`generate_responses`-style call per round
+    (:func:`~fsdptrain.generation.decoder.decode_in_batches`), at the largest cap of the round, each row cut to its
+    own. Training draws the batch from one generator (``Request.batch_seed``) at the call's temperature and top-p and
+    records the log-probs; the sampled evaluation draws each row from its own (``Request.seed``,
+    :class:`RowSeededSampling`); greedy takes the argmax. A continued turn prefills its whole context again (its
+    ``kept`` is the context's ids). In an ``uneven`` block (ranks make their own numbers of calls) transformers'
+    synced GPUs are off and no prompt prefill is shared, since a shared prefill is one more forward on every rank."""
+
+    def __init__(self, cfg, model, tokenizer, device):
+        self.cfg, self.model, self.tokenizer, self.device = cfg, model, tokenizer, device
+        self._uneven = False
+
+    @contextlib.contextmanager
+    def generating(self, *, uneven: bool = False):
+        self._uneven = uneven
+        try:
+            with generation(self.model, self.cfg, self.device, always_gather=uneven):
+                yield
+        finally:
+            self._uneven = False
+
+    def decode(self, requests, sampling: Sampling, *, on_finish: Optional[OnFinish] = None) -> list[Generated]:
+        recorder = active_recorder()
+        if recorder is not None:
+            recorder.on_decode(requests, follow_ups=on_finish is not None)
+        return decode_in_batches(requests, on_finish, lambda batch: self._generate(batch, sampling, recorder))
+
+    def _generate(self, batch: list[Request], sampling: Sampling, recorder) -> list[Generated]:
+        contexts = [list(r.kept or []) + list(r.new_ids) for r in batch]
+        train = sampling.mode == "train"
+        input_ids, _, out, logprobs = _generate_padded(
+            self.model, self.tokenizer, contexts, max_new_tokens=max(r.max_new_tokens for r in batch),
+            temperature=sampling.temperature, top_p=sampling.top_p, do_sample=train,
+            generator_seed=(batch[0].batch_seed or 0) if train else 0, device=self.device,
+            row_seeds=[r.seed for r in batch] if sampling.mode == "eval" else None,
+            synced_gpus=False if self._uneven else None,
+            share_prompt_prefill=sampling.repeat > 1 and sampling.mode != "eval" and not self._uneven,
+            record_logprobs=train)
+        width = input_ids.shape[1]
+        generated = []
+        for row, (r, context) in enumerate(zip(batch, contexts)):
+            new_tokens = out[row, width:].tolist()
+            if recorder is not None:
+                recorder.on_tokens(r.key, new_tokens)
+            ids, truncated = split_response(new_tokens, eos_id=self.tokenizer.eos_token_id)
+            if len(ids) > r.max_new_tokens:
+                ids, truncated = ids[:r.max_new_tokens], True
+            row_logprobs = logprobs[row, :len(ids)].tolist() if logprobs is not None else []
+            generated.append(Generated(r.key, ids, row_logprobs, ended=not truncated,
+                                       kept=context + ids[:-1] if r.keep else None))
+        return generated

@@ -8,17 +8,13 @@ evaluation all go through the same sampler, so a multi-turn run is evaluated on 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Protocol
+from typing import Optional, Protocol
 
 from fsdptrain.data.prompts import PromptRow
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rl.metrics import Metrics
-from fsdptrain.train.build import Models
+from fsdptrain.metrics.typed import Metrics
+from fsdptrain.generation.decoder import Decoder, SampleMode
 
-SampleMode = Literal["train", "greedy", "eval"]
-"""``train``: sampled at ``rollout.temperature`` / ``rollout.top_p`` from the step's seeds; ``greedy``: the greedy
-evaluation; ``eval``: the sampled evaluation (docs/evaluation.md), each sample drawn at ``trainer.eval_temperature``
-from its own generator, seeded by (``trainer.seed``, step, prompt, sample) only."""
 
 
 @dataclass
@@ -59,9 +55,10 @@ class Samples:
 class Sampler(Protocol):
     """How a prompt source's rows become samples; see the module docstring."""
 
-    def sample(self, models: Models, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
-               step: int, round_index: int, rank: int, device) -> Samples:
-        """``repeat`` samples of each ``(global index, row)`` of this rank. Collective (generation)."""
+    def sample(self, decoder: Decoder, groups: list[tuple[int, PromptRow]], *, repeat: int, mode: SampleMode,
+               step: int, round_index: int, rank: int) -> Samples:
+        """``repeat`` samples of each ``(global index, row)`` of this rank, through ``decoder`` (its block entered
+        here). Collective (generation)."""
 
     def reward_functions(self, functions: list[RewardFunction]) -> list[RewardFunction]:
         """The run's reward functions with the sampler's own added (an environment's ``get_reward``)."""

@@ -23,7 +23,7 @@ from fsdptrain.config.expansion import check_interpolations, check_yaml_files
 from fsdptrain.config.validate import renamed_key_message
 from fsdptrain.registry.errors import first_line
 
-PACKAGE_CONF_DIR = Path(__file__).resolve().parent / "conf"
+PACKAGE_CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 

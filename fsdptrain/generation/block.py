@@ -1,5 +1,5 @@
-"""Generation's set-up and seeds, shared by every source that samples: the :func:`generation` block (timed, sdpa,
-weights gathered once, layers eager), the per-rank sampling seed and the evaluation samples' seeds."""
+"""The generation block every decoder runs in (:func:`generation`): the ``generate`` phase timed, sdpa attention,
+the policy's weights gathered once for the block, compiled layers run eagerly."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from fsdptrain.config import ConfigError, multi_turn
 from fsdptrain.distributed import world
-from fsdptrain.distributed.gather import (
+from fsdptrain.generation.gather import (
     free_memory_bytes,
     fsdp_units,
     gathered_weights,
@@ -18,8 +18,8 @@ from fsdptrain.distributed.gather import (
     unsharded_bytes,
 )
 from fsdptrain.model.attention_switch import generation_attention
-from fsdptrain.train.build import DTYPES
-from fsdptrain.train.perf import phase
+from fsdptrain.model.loading import DTYPES
+from fsdptrain.run.perf import phase
 
 
 @contextlib.contextmanager
@@ -67,18 +67,3 @@ def gather_for_own_forwards(model, cfg, *, max_share: float, param_dtype: torch.
     raise ConfigError(f"{what} runs each rank's own number of forwards, which needs the policy gathered on every "
                       f"rank, but {why}: {outs}rollout.gather_weights=always, or raise "
                       f"rollout.gather_weights_max_share (docs/rollout.md)")
-
-
-NUM_SAMPLES_SHOWN = 4
-"""Samples of rank 0 kept for samples.jsonl and the first step's printout."""
-
-
-def sampling_seed(seed: int, step: int, rank: int) -> int:
-    """A rank's sampling seed for a step: reproducible across runs and resumes, different across ranks."""
-    return (seed * 1_000_003 + step * 1_009 + rank) % (2**31)
-
-
-def eval_sample_seed(seed: int, step: int, prompt: int, sample: int) -> int:
-    """The seed of evaluation sample ``sample`` of evaluation prompt ``prompt`` after ``step`` steps: a function of
-    these four only (never of the rank or the world size), so the samples are the same at any world size."""
-    return ((((seed * 1_000_003 + step) * 1_000_033 + prompt) * 1_009 + sample) * 7_919 + 1) % (2**62)

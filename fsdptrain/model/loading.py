@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import calculate_maximum_sizes
+from omegaconf import DictConfig
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -24,7 +25,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from fsdptrain.model.source import pretrained_args
+from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
+from fsdptrain.model.checks import check_tokenizer_fits
+from fsdptrain.model.location import model_location, pretrained_args
 
 TINY_CONFIG: dict[str, Any] = {  # the embedded default: a tiny Llama that trains in seconds on a CPU
     "model_type": "llama",
@@ -43,7 +46,7 @@ _CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module"
 
 
 def resolve_config(*, path: str | None, config: Mapping[str, Any] | PretrainedConfig | None) -> PretrainedConfig:
-    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/source.py), or from `config` (a dict holding `model_type`
+    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/location.py), or from `config` (a dict holding `model_type`
     plus fields, or a config object; copied, never modified), with every dropout probability set to 0.
 
     Exactly one of `path` and `config` must be given.
@@ -214,3 +217,31 @@ def describe_model_memory(model: nn.Module, *, num_shards: int = 1) -> str:
 
 def clean_name(name: str) -> str:
     return name.replace(_CHECKPOINT_WRAPPED, "")
+
+
+DTYPES = {name: getattr(torch, name) for name in (*DTYPE_NAMES, "float64")}
+"""The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept, and float64, which only
+check-metrics' checked config sets (fsdptrain/check/precision.py)."""
+
+
+def model_path(cfg: DictConfig) -> str | None:
+    """The run's pretrained model as one location (a folder or a .gguf file, model/location.py); None: config-built."""
+    return model_location(cfg.model.path, cfg.model.gguf_file)
+
+
+def build_tokenizer(cfg: DictConfig):
+    """The bundled tokenizer, or the one of the user's model folder or GGUF file (left padding; pad falls back to
+    EOS)."""
+    if model_path(cfg) is None:
+        from fsdptrain.data.tokenizer import load_bundled_tokenizer
+
+        return load_bundled_tokenizer()
+    from transformers import AutoTokenizer
+
+    name, gguf = pretrained_args(model_path(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False, **gguf)
+    check_tokenizer_fits(tokenizer, cfg.model.path)  # before any model is built: one line, exit 2
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
