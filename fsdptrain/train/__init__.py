@@ -1,4 +1,4 @@
-"""The training loop: experience, the FSDP2 update step, optimizers, the run directory and progress output.
-
-The only part that joins models, collectives and numerics (docs/architecture.md).
+"""The recipes (RL and SFT) and what they train: set-up from the config, experience, the FSDP2 update step,
+optimizers, the co-trained drafter. The run flow they share (run directory, checkpoints, progress) is fsdptrain/run/
+(docs/architecture.md).
 """
