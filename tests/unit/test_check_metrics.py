@@ -600,7 +600,7 @@ def test_a_layout_whose_backward_raised_midway_leaves_the_next_layout_clean(ppo)
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
 
 
-# ---- the continuous engine's cut (fsdptrain/check/raw_reference.py: recording_engine, engine_sequences) --------------
+# ---- the decoders' cut (fsdptrain/check/raw_reference.py: recording_decoders, decoded_sequences) ---------------------
 
 CUT = "experience: prompts and responses = the cut of the raw generation"
 
