@@ -1,7 +1,7 @@
 """The supervised fine-tuning recipe (``fsdptrain sft``): demonstrations -> mini-batches of the FSDP2 update -> reduce
 -> log -> checkpoint (docs/sft.md).
 
-:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.loop.Trainer.run_step`, without rollouts or an
+:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.rl.Trainer.run_step`, without rollouts or an
 experience pass: the step's rows in a seeded epoch order, this rank's share of each mini-batch, the policy's part's
 update of one mini-batch (`fsdptrain.train.trained_part.TrainedPart.update` over
 `fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted before any forward,
