@@ -43,7 +43,7 @@ from fsdptrain.rl.metrics import comparable, merge_all
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.train.build import build_policy_model, build_tokenizer, resolve_device_type
-from fsdptrain.train.sft import SftLossSettings, as_minibatch, load_rows, packed_sft_loss, sft_loss_scale_factor
+from fsdptrain.train.sft import SftLossSettings, as_minibatch, load_sft_rows, packed_sft_loss, sft_loss_scale_factor
 from fsdptrain.train.step import MiniBatch
 
 PREFIX = "sft/"
@@ -100,7 +100,7 @@ def reference_sft(model, batch: MiniBatch, mode: str, loss_scale_factor: float) 
 
 def checked_batch(cfg: DictConfig, tokenizer) -> MiniBatch:
     """The rows of the first mini-batch of the run's first step, in its epoch order."""
-    rows, _ = load_rows(cfg, tokenizer)
+    rows, _ = load_sft_rows(cfg, tokenizer)
     positions = EpochOrder(len(rows), seed=cfg.data.seed).take(cfg.sft.rows_per_step)
     first = positions[:cfg.sft.rows_per_step // cfg.trainer.mini_batches_per_step]
     return as_minibatch([rows[p] for p in first])

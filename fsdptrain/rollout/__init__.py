@@ -1,6 +1,6 @@
 """Rollouts: where a step's experience comes from (docs/architecture.md, "Rollout sources").
 
-- source.py: what the train loop asks of a source (``RolloutSource``), ``build_source``, ``resolve_steps``;
+- source.py: what the train loop asks of a source (``RolloutSource``), ``build_source``;
 - prompt_source.py: prompt rows sampled by the policy through a sampler, scored by reward functions and models;
 - samples.py: what a sampler hands the source (``Samples``) and the ``Sampler`` interface;
 - single_turn.py: the single-turn sampler, one completion per sample;
