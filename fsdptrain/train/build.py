@@ -27,11 +27,11 @@ from fsdptrain.model.checks import check_tokenizer_fits
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.model.source import model_location, pretrained_args
-from fsdptrain.rl.pg_losses import resolve_policy_loss
+from fsdptrain.rl.pg_losses import PolicyLossSettings, resolve_policy_loss
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.step import LossFn, packed_policy_loss, packed_value_loss
 from fsdptrain.train.trained_part import TrainedPart
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import ValueLossSettings
 
 DTYPES = {name: getattr(torch, name) for name in (*DTYPE_NAMES, "float64")}
 """The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept, and float64, which only

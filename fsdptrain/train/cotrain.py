@@ -26,7 +26,8 @@ from fsdptrain.model.drafter import capture_policy_features, run_drafter, teache
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, draft_loss, packed_draft_mask
 from fsdptrain.rl.metrics import Mean, Metrics
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
+from fsdptrain.rl.packed_loss import SeqTargets, policy_loss_of_pack, token_logprobs_entropy
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, minibatch_step
 
@@ -58,8 +59,9 @@ def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[S
     drafter, policy = settings.drafter, settings.policy
     features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
     head = model.get_output_embeddings()
-    loss, metrics = policy_loss_of_hidden(features.final_hidden_TH, head.weight, head.bias, packed, targets,
-                                          norms=norms, settings=policy)
+    logprobs_T, entropy_T = token_logprobs_entropy(features.final_hidden_TH, head.weight, head.bias, packed,
+                                                   temperature=policy.temperature, chunk_size=policy.chunk_size)
+    loss, metrics = policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=policy)
     d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
     return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
 

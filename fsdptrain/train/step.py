@@ -34,14 +34,13 @@ from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
 from fsdptrain.rl.packed_loss import (
-    PolicyLossSettings,
     SeqTargets,
     ValueLossSettings,
-    policy_loss_of_hidden,
-    policy_loss_of_outputs,
+    policy_loss_of_pack,
     token_logprobs_entropy,
-    value_loss_of_values,
+    value_loss_of_pack,
 )
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
@@ -110,11 +109,14 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
         assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
         logprobs_T, entropy_T = context_token_outputs(model, packed, shard_row(packed, context),
                                                       temperature=settings.temperature, chunk_size=settings.chunk_size)
-        return policy_loss_of_outputs(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
-    if hidden_TH is None:
-        hidden_TH = final_hidden_states(model, packed)
-    head = model.get_output_embeddings()
-    return policy_loss_of_hidden(hidden_TH, head.weight, head.bias, packed, targets, norms=norms, settings=settings)
+    else:
+        if hidden_TH is None:
+            hidden_TH = final_hidden_states(model, packed)
+        head = model.get_output_embeddings()
+        logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed,
+                                                       temperature=settings.temperature,
+                                                       chunk_size=settings.chunk_size)
+    return policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
 
 
 def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
@@ -127,7 +129,7 @@ def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets],
         values_T = shard.gather_tokens(value_token_outputs(model, packed, shard))
     else:
         values_T = value_token_outputs(model, packed)
-    return value_loss_of_values(values_T, packed, targets, norms=norms, settings=settings)
+    return value_loss_of_pack(values_T, packed, targets, norms=norms, settings=settings)
 
 
 def local_counts(batch: MiniBatch) -> tuple[int, int]:

@@ -20,7 +20,8 @@ from fsdptrain.rl.metrics import finalize
 from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
 
 VOCAB = 32

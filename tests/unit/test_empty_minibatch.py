@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.metrics import finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
 

@@ -13,7 +13,8 @@ from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import finalize, merge_all
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, scatter_responses
+from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings, scatter_responses
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 from tests.backend_calls import call_counts, reset_call_counts
 

@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fsdptrain.compose import compose_config
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.metrics import Metrics, Sum, finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.build import build_part
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.step import MiniBatch, packed_policy_loss, packed_value_loss, update_on_minibatch

@@ -28,7 +28,8 @@ from fsdptrain.model.build import build_full_model
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.step import (
     MiniBatch,
     accumulate_gradients,

@@ -42,7 +42,8 @@ from fsdptrain.train.cotrain import (
 from fsdptrain.distributed.collectives import plan_agreed
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, local_counts, optimizer_step, packed_policy_loss
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")

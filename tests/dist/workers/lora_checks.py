@@ -42,7 +42,8 @@ from fsdptrain.model.attention_switch import generation_attention, set_attention
 from fsdptrain.model.build import TINY_CONFIG, build_full_model, trainable_parameters
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import (
     MiniBatch,
