@@ -127,7 +127,8 @@ def update(args, *, seqs: int = 16, length: int = 64) -> dict:
     from fsdptrain.rl.packed_loss import SeqTargets
     from fsdptrain.rl.pg_losses import PolicyLossSettings
     from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-    from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
+    from fsdptrain.train.pack_losses import packed_policy_loss
+    from fsdptrain.train.step import MiniBatch, update_on_minibatch
 
     gen = torch.Generator().manual_seed(0)
     prompt_len = length // 4

@@ -40,7 +40,7 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.train.step import packed_policy_loss
+from fsdptrain.train.pack_losses import packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}
 WARMUP_SEQS = 8

@@ -55,7 +55,7 @@ from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.experience import critic_values, policy_logprobs
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.train.step import packed_policy_loss, packed_value_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import MiniBatch, update_on_minibatch
 
 CPU = torch.device("cpu")

@@ -43,7 +43,8 @@ from fsdptrain.rl.metrics import comparable, merge_all
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.train.build import build_policy_model, build_tokenizer, resolve_device_type
-from fsdptrain.train.sft import SftLossSettings, as_minibatch, load_sft_rows, packed_sft_loss, sft_loss_scale_factor
+from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
+from fsdptrain.train.sft import as_minibatch, load_sft_rows, sft_loss_scale_factor
 from fsdptrain.train.step import MiniBatch
 
 PREFIX = "sft/"

@@ -3,7 +3,7 @@
 Legend: `_T` per-token tensors of one packed row (length T, aligned with the input: position t scores token t+1 of
 the same sequence), `_R` one sequence's response tokens, `_TH` `[T, H]`, `_VH` `[V, H]`.
 
-The caller runs the model's forward once over the packed row `[1, T]` (fsdptrain/train/step.py: `rl/` imports no
+The caller runs the model's forward once over the packed row `[1, T]` (fsdptrain/train/pack_losses.py: `rl/` imports no
 model) and hands its final hidden states here; the output projection is applied chunk by chunk
 (:func:`chunked_logprobs_entropy`), so neither the `[T, V]` logits nor their gradient exist at once. The loss is then
 computed once over the row by the layout-aware policy and value losses with `cu_seqlens`: there is no Python loop

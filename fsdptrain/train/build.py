@@ -29,7 +29,8 @@ from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.model.source import model_location, pretrained_args
 from fsdptrain.rl.pg_losses import PolicyLossSettings, resolve_policy_loss
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
-from fsdptrain.train.step import LossFn, packed_policy_loss, packed_value_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
+from fsdptrain.train.step import LossFn
 from fsdptrain.train.trained_part import TrainedPart
 from fsdptrain.rl.packed_loss import ValueLossSettings
 

@@ -32,7 +32,8 @@ from fsdptrain.model.drafter import (
 )
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
 from fsdptrain.rl.metrics import Max, Metrics
-from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
+from fsdptrain.train.pack_losses import DraftLossSettings
+from fsdptrain.train.cotrain import DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.build import DTYPES
 from fsdptrain.run.checkpointer import guard_of_layout_1

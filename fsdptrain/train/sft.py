@@ -22,7 +22,6 @@ of trained tokens of the whole mini-batch, never a micro-batch's own (docs/loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -30,50 +29,21 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.data.demonstrations import DemoKeys, Demonstration, load_demonstrations
-from fsdptrain.data.packing import PackedBatch, pack_sequences
+from fsdptrain.data.packing import pack_sequences
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
-from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import Max, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.rl.packed_loss import token_logprobs_entropy
-from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.train.build import build_part, build_policy_model, build_tokenizer, resolve_device_type
 from fsdptrain.run.console import log
 from fsdptrain.run.malloc import keep_freed_heap
 from fsdptrain.train.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
 from fsdptrain.run.runner import resolve_steps, run_recipe
+from fsdptrain.train.pack_losses import DemoTarget, SftLossSettings, packed_sft_loss
 from fsdptrain.train.step import MiniBatch
 from fsdptrain.train.trained_part import checkpointed_parts
-
-
-@dataclass(frozen=True)
-class SftLossSettings:
-    """What the SFT loss needs besides the data and the normalisers."""
-
-    agg_mode: str
-    chunk_size: int
-
-
-@dataclass(frozen=True)
-class DemoTarget:
-    """A demonstration's per-token target: which response tokens are trained on (bool ``[R]``), as
-    `fsdptrain.rl.packed_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
-
-    response_mask: torch.Tensor
-
-
-def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *, norms: LossNormalizers,
-                    settings: SftLossSettings) -> tuple[torch.Tensor, Metrics]:
-    """The policy's forward over one pack, the fused log-probs of the trained tokens (`token_logprobs_entropy`, at
-    temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the targets are in the row's mask."""
-    head = model.get_output_embeddings()
-    logprobs_T, _ = token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
-                                           temperature=1.0, chunk_size=settings.chunk_size, compute_entropy=False)
-    return sft_loss(logprobs_T, packed.response_mask[0], norms=norms, agg_mode=settings.agg_mode,
-                    cu_seqlens=packed.cu_seqlens)
 
 
 def sft_loss_scale_factor(cfg: DictConfig) -> float:

@@ -36,7 +36,7 @@ class TrainedPart:
     guard: NonFiniteGuard
     watch: GradNormWatch
     loss_fn: LossFn
-    """The loss of one pack (`fsdptrain.train.step.packed_policy_loss`, `packed_value_loss`, the SFT loss)."""
+    """The loss of one pack (`fsdptrain.train.pack_losses`: the policy's, the critic's or the SFT loss)."""
     settings: object
     """What ``loss_fn`` needs besides the data and the normalisers."""
     grad_clip: float

@@ -15,7 +15,8 @@ from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.build import build_part
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.step import MiniBatch, packed_policy_loss, packed_value_loss, update_on_minibatch
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
+from fsdptrain.train.step import MiniBatch, update_on_minibatch
 from fsdptrain.train.trained_part import checkpointed_parts
 
 PROMPTS = [[1, 5, 9], [1, 7]]

@@ -25,7 +25,7 @@ from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.train.step import packed_policy_loss
+from fsdptrain.train.pack_losses import packed_policy_loss
 from fsdptrain.rollout.sampling import generation
 from fsdptrain.train.build import build_models, build_tokenizer, policy_settings
 from fsdptrain.train.step import MiniBatch, accumulate_gradients

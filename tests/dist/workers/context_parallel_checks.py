@@ -30,15 +30,13 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.metrics import comparable, finalize
 from fsdptrain.rl.packed_loss import ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.train.step import (
-    MiniBatch,
-    accumulate_gradients,
+from fsdptrain.train.pack_losses import (
     context_token_outputs,
-    global_normalizers,
     packed_policy_loss,
     packed_value_loss,
     policy_token_outputs,
 )
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers
 from tests.dist.workers.lora_checks import LORA, nudged
 from tests.dist.workers.report import report_and_exit
 from tests.dist.workers.train_step_checks import (

@@ -45,14 +45,8 @@ from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.packed_loss import ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.train.step import (
-    MiniBatch,
-    accumulate_gradients,
-    global_normalizers,
-    optimizer_step,
-    packed_policy_loss,
-    packed_value_loss,
-)
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
 from tests.dist.workers.report import report_and_exit
 from tests.dist.workers.train_step_checks import (
     CONFIG,

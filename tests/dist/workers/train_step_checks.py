@@ -26,7 +26,7 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
-from fsdptrain.train.step import packed_policy_loss, packed_value_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads, gather_full_state_dict
