@@ -48,9 +48,9 @@ from transformers.utils import logging as hf_logging
 
 from fsdptrain.config.schema import LossConfig, TrainerConfig
 from fsdptrain.data.packing import pad_sequences
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.experience import critic_values, policy_logprobs

@@ -55,11 +55,11 @@ from fsdptrain.check.raw_reference import (
     reference_rewards,
 )
 from fsdptrain.config import ConfigError, reward_specs
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values, policy_logprobs

@@ -52,10 +52,10 @@ from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group
 from fsdptrain.distributed.fsdp import held_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
-from fsdptrain.model.build import trainable_parameters
+from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
-from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize, merge_all
+from fsdptrain.metrics.buffers import ReduceBuffers, Schema, flatten, unflatten
+from fsdptrain.metrics.typed import Metrics, close_minibatch, comparable, finalize, merge_all
 from fsdptrain.rl.packed_loss import ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss

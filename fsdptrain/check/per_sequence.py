@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.metrics.typed import Metrics, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss

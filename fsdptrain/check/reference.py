@@ -36,7 +36,7 @@ from fsdptrain.check.batch import IsCorrection, RolloutFacts
 from fsdptrain.check.per_sequence import reference_policy_outputs, reference_values
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
-from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.rl.packed_loss import ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.step import MiniBatch

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
-from fsdptrain.rl.metrics import Metrics
+from fsdptrain.metrics.typed import Metrics
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.value import value_loss

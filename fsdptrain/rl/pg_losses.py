@@ -37,7 +37,7 @@ from fsdptrain.registry.names import POLICY_LOSS_ARGS
 from fsdptrain.registry.plugins import registered
 from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
+from fsdptrain.metrics.typed import Max, Mean, Metrics, Min
 
 
 class PolicyLossFn(Protocol):
@@ -197,7 +197,7 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    """The policy loss's settings, built once from the config (`fsdptrain.train.build.policy_settings`) and passed
+    """The policy loss's settings, built once from the config (`fsdptrain.train.setup.policy_settings`) and passed
     down whole: to the packed row's log-probs (`temperature`, `chunk_size`), to `fsdptrain.rl.policy.policy_loss`
     (the aggregation, KL and entropy terms) and to the pg term (`pg_loss_fn`: a built-in or a user's function).
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.rl.metrics import Loss, Mean, Metrics
+from fsdptrain.metrics.typed import Loss, Mean, Metrics
 from fsdptrain.rl.pg_losses import PolicyLossSettings, weigh_by_rollout_is
 
 

@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import validate_world
 from fsdptrain.config import DEFAULT_STEPS
 from fsdptrain.distributed import world
-from fsdptrain.distributed.files import write_atomic
+from fsdptrain.storage.atomic import write_atomic
 from fsdptrain.run.checkpointer import Checkpointed, keep_metrics_before, resume, save, save_if_due
 from fsdptrain.run.console import log, progress_columns, quiet_known_warnings, stats_line
-from fsdptrain.run.files import MetricsFiles
+from fsdptrain.run.outputs import MetricsFiles
 from fsdptrain.run.signals import StopRequest
 from fsdptrain.run.trackers import Trackers
 

@@ -18,10 +18,10 @@ import torch
 from omegaconf import DictConfig
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_state_dict, gather_rows, shard_as_one_unit
-from fsdptrain.model.build import decoder_layers
+from fsdptrain.model.loading import decoder_layers
 from fsdptrain.model.drafter import (
     DraftVocab,
     Eagle3Drafter,
@@ -31,11 +31,11 @@ from fsdptrain.model.drafter import (
     load_draft_vocab,
 )
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
-from fsdptrain.rl.metrics import Max, Metrics
+from fsdptrain.metrics.typed import Max, Metrics
 from fsdptrain.train.pack_losses import DraftLossSettings
 from fsdptrain.train.cotrain import DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from fsdptrain.train.build import DTYPES
+from fsdptrain.model.loading import DTYPES
 from fsdptrain.run.checkpointer import guard_of_layout_1
 
 DEFAULT_DRAFT_VOCAB = 32000

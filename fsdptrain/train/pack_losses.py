@@ -30,7 +30,7 @@ from fsdptrain.model.drafter import capture_policy_features, run_drafter, teache
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, packed_draft_mask
-from fsdptrain.rl.metrics import Metrics
+from fsdptrain.metrics.typed import Metrics
 from fsdptrain.rl.packed_loss import (
     SeqTargets,
     ValueLossSettings,

@@ -2,7 +2,7 @@
 checkpoint.
 
 :meth:`Trainer.run_step` reads top to bottom as the data path of docs/architecture.md and calls components only:
-the rollout source (fsdptrain/rollout/source.py), the experience passes (experience.py), the update of one
+the rollout source (fsdptrain/rollout/rollout_source.py), the experience passes (experience.py), the update of one
 mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py). The run flow shared with the SFT
 recipe (fsdptrain/run/runner.py: resume, the metrics lines, checkpoints, the export) drives it through the hooks
 at the end of :class:`Trainer`. Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone
@@ -26,30 +26,23 @@ from typing import Optional, Protocol
 import torch
 from omegaconf import DictConfig
 
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
-from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
+from fsdptrain.run.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.run.console import print_samples, print_start_report, print_summary
-from fsdptrain.rollout.source import build_source
+from fsdptrain.rollout.rollout_source import build_source
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
-from fsdptrain.run.files import write_samples
+from fsdptrain.run.outputs import write_samples
 from fsdptrain.run.runner import resolve_steps, run_recipe
-from fsdptrain.train.build import (
-    build_models,
-    build_tokenizer,
-    loss_scale_factor,
-    max_response_length,
-    resolve_device_type,
-    skips_old_passes,
-    value_settings,
-)
+from fsdptrain.train.setup import build_models, loss_scale_factor, max_response_length, resolve_device_type, skips_old_passes, value_settings
+from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, replica_metrics
 from fsdptrain.train.trained_part import checkpointed_parts
 

@@ -7,8 +7,8 @@ update of one mini-batch (`fsdptrain.train.trained_part.TrainedPart.update` over
 `fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted before any forward,
 one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step), then the typed
 metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
-`fsdptrain.train.build.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
-`fsdptrain.train.build.build_part`) and the run flow (`fsdptrain.run.runner.run_recipe`: resume, the metrics
+`fsdptrain.train.setup.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
+`fsdptrain.train.setup.build_part`) and the run flow (`fsdptrain.run.runner.run_recipe`: resume, the metrics
 files, the trackers, the checkpoints and the export).
 
 Ownership and membership are fixed by a row's position ``p`` within the step's ``sft.rows_per_step`` rows: rank
@@ -34,11 +34,12 @@ from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Max, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.train.build import build_part, build_policy_model, build_tokenizer, resolve_device_type
+from fsdptrain.metrics.typed import Max, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.train.setup import build_part, build_policy_model, resolve_device_type
+from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.run.console import log
 from fsdptrain.run.malloc import keep_freed_heap
-from fsdptrain.train.perf import StepTimer, phase
+from fsdptrain.run.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
 from fsdptrain.run.runner import resolve_steps, run_recipe
 from fsdptrain.train.pack_losses import DemoTarget, SftLossSettings, packed_sft_loss

@@ -29,9 +29,9 @@ from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared, reduce_metrics
 from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup
-from fsdptrain.model.build import trainable_parameters
+from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
+from fsdptrain.metrics.typed import Diagnostic, Mean, Metrics, Sum, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_

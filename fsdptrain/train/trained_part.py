@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from fsdptrain.rl.metrics import Mean, Metrics
+from fsdptrain.metrics.typed import Mean, Metrics
 from fsdptrain.run.checkpointer import Checkpointed, Stateful
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.step import AuxiliaryLoss, LossFn, MiniBatch, StepOutcome, update_on_minibatch

@@ -147,7 +147,7 @@ RNG_PROBE = """
     # Test patch: record this rank's RNG states right after the checkpoint is loaded.
     import os, random
     import torch
-    import fsdptrain.distributed.checkpoint as checkpoint
+    import fsdptrain.distributed.sharded_checkpoint as checkpoint
 
     _load = checkpoint.load_checkpoint
 
@@ -275,7 +275,7 @@ CRASH_IN_WRITER = """
 
 
 def test_crash_inside_the_writer_keeps_the_previous_checkpoint(reference, tmp_path):
-    from fsdptrain.distributed.checkpoint import latest_checkpoint
+    from fsdptrain.distributed.sharded_checkpoint import latest_checkpoint
 
     run_c = tmp_path / "runs" / "C"
     env = write_patch(tmp_path / "patch", CRASH_IN_WRITER)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdptrain.compose import PACKAGE_CONF_DIR, compose_config
+from fsdptrain.config.compose import PACKAGE_CONF_DIR, compose_config
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, validate_world
 from fsdptrain.config.docs import field_docs, render_configuration_md
 

@@ -16,7 +16,7 @@ from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.train.pack_losses import DraftLossSettings
 from fsdptrain.train.cotrain import DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard

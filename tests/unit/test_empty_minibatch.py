@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 
 
 def test_token_id_prompts_generate_what_the_same_texts_generate():

@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rollout.engine import ContinuousEngine, Request
+from fsdptrain.generation.generate import generate_responses
+from fsdptrain.metrics.typed import finalize, merge_all
+from fsdptrain.generation.continuous import ContinuousEngine, Request
 from fsdptrain.train.experience import logprob_diff_metrics
 
 PROMPTS = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 =", "sort 9 8 7 6 5 ="]

@@ -11,7 +11,7 @@ from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings, scatter_responses
 from fsdptrain.rl.pg_losses import PolicyLossSettings

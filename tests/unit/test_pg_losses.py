@@ -8,7 +8,7 @@ import torch
 from fsdptrain.config import ConfigError
 from fsdptrain.registry.names import POLICY_LOSSES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Kind, finalize
+from fsdptrain.metrics.typed import Kind, finalize
 from fsdptrain.rl.pg_losses import (
     POLICY_LOSS_REGISTRY,
     PolicyLossSettings,
@@ -132,7 +132,7 @@ def test_every_builtin_returns_the_same_names_when_empty(name):
 
 
 REINFORCE = """
-from fsdptrain.rl.metrics import Metrics, Sum
+from fsdptrain.metrics.typed import Metrics, Sum
 
 def reinforce(logprobs, old_logprobs, advantages, valid, *, layout, settings):
     return -advantages * logprobs, Metrics({"num_valid": Sum(valid.sum())})

@@ -7,7 +7,7 @@ import torch
 
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.dynamic_sampling import groups_with_signal
-from fsdptrain.rl.metrics import Kind, finalize, merge
+from fsdptrain.metrics.typed import Kind, finalize, merge
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.rollout_correction import rollout_correction_weights, rollout_rejection_mask
@@ -294,7 +294,7 @@ def test_experience_logs_diagnostics_of_the_rollouts_that_carry_behaviour_logpro
     (1/4 + 2 ln2 - 1), / 3 = (1/4 + 2 ln2 - 2L) / 3; log-ppl gap per carrying sequence -L and 2 ln2, mean
     (2 ln2 - L) / 2; ratios 1.5, 1.5 (inside [1/2, 2]), 1/4 (outside): 1/3.
     Split over two ranks the pooled totals and counts give the same numbers; none carried: absent, never 0.0."""
-    from fsdptrain.rl.metrics import merge_all
+    from fsdptrain.metrics.typed import merge_all
     from fsdptrain.train.experience import off_policy_metrics
 
     old = [torch.zeros(2), torch.zeros(1), torch.zeros(3)]
@@ -382,7 +382,7 @@ def test_rejection_refuses_bad_settings(kwargs, fragment):
 
 
 def test_config_refuses_a_rejection_band_upside_down():
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.config import ConfigError
 
     with pytest.raises(ConfigError, match="^algorithm.rollout_rejection_low=3.0 must be below "

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.rl.metrics import Metrics, Sum, finalize
+from fsdptrain.metrics.typed import Metrics, Sum, finalize
 from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.train.build import build_part
+from fsdptrain.train.setup import build_part
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import MiniBatch, update_on_minibatch

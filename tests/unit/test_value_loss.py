@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Kind, finalize, merge_all
+from fsdptrain.metrics.typed import Kind, finalize, merge_all
 from fsdptrain.rl.value import value_loss
 
 F64 = torch.float64

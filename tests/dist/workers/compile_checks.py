@@ -19,15 +19,16 @@ import warnings
 import torch
 from torch._dynamo.utils import counters
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.pack_losses import packed_policy_loss
-from fsdptrain.rollout.sampling import generation
-from fsdptrain.train.build import build_models, build_tokenizer, policy_settings
+from fsdptrain.generation.block import generation
+from fsdptrain.train.setup import build_models, policy_settings
+from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients
 from tests.dist.workers.report import report_and_exit
 

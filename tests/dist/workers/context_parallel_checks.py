@@ -24,10 +24,10 @@ from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, shard_row
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import comparable, finalize
+from fsdptrain.metrics.typed import comparable, finalize
 from fsdptrain.rl.packed_loss import ValueLossSettings
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.pack_losses import (

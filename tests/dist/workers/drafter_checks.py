@@ -26,7 +26,7 @@ from fsdptrain.distributed import world
 from tests.dist.workers.report import report_and_exit
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, gather_full_state_dict, shard_as_one_unit
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.model.drafter import DraftVocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES

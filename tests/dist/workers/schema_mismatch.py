@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from fsdptrain.distributed import world
-from fsdptrain.rl.metrics import Mean, Metrics, Sum
+from fsdptrain.metrics.typed import Mean, Metrics, Sum
 from fsdptrain.distributed.collectives import reduce_metrics
 
 

@@ -30,7 +30,7 @@ from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads, gather_full_state_dict
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
 from tests.backend_calls import call_counts, reset_call_counts

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.rl.adv_estimators import AdvSettings, resolve_adv_estimator
+from fsdptrain.rl.estimator_registry import AdvSettings, resolve_adv_estimator
 from fsdptrain.train.experience import estimate_advantages
 
 ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")

@@ -21,7 +21,7 @@ from fsdptrain.registry.plugins import registration_name
 from fsdptrain.rl.advantages import gae, grpo_advantages, rloo_advantages
 from fsdptrain.rl.aggregate import SeqLayout, agg_loss as _fs_agg_loss, count_tokens_and_seqs
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import policy_loss
 
