@@ -39,7 +39,7 @@ from fsdptrain.rl.draft_loss import draft_loss
 from fsdptrain.rl.draft_loss import packed_draft_mask
 from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.train.cotrain import global_normalizers_with_draft, local_draft_counts
-from fsdptrain.train.loop import Trainer
+from fsdptrain.train.rl import Trainer
 from fsdptrain.run.console import quiet_known_warnings
 
 METRICS = ("drafter/accept_prob", "drafter/expected_accept_len@3", "drafter/top1_agreement", "drafter/loss")

@@ -124,9 +124,11 @@ def generation(args, *, prompts: int = 32, new_tokens: int = 16) -> dict:
 
 def update(args, *, seqs: int = 16, length: int = 64) -> dict:
     from fsdptrain.model.attention_switch import set_attention
-    from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+    from fsdptrain.rl.packed_loss import SeqTargets
+    from fsdptrain.rl.pg_losses import PolicyLossSettings
     from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-    from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
+    from fsdptrain.train.pack_losses import packed_policy_loss
+    from fsdptrain.train.step import MiniBatch, update_on_minibatch
 
     gen = torch.Generator().manual_seed(0)
     prompt_len = length // 4

@@ -38,8 +38,9 @@ from fsdptrain.config.schema import LossConfig
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
-from fsdptrain.train.step import packed_policy_loss
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.train.pack_losses import packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}
 WARMUP_SEQS = 8

@@ -51,10 +51,11 @@ from fsdptrain.data.packing import pad_sequences
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.loading import build_full_model
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.experience import critic_values, policy_logprobs
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.train.step import packed_policy_loss, packed_value_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import MiniBatch, update_on_minibatch
 
 CPU = torch.device("cpu")

@@ -107,10 +107,10 @@ def time_steps(recipe: type, log: StepLog, record) -> None:
 
 
 def run_fsdptrain(args, log: StepLog) -> None:
-    from fsdptrain.train import loop
+    from fsdptrain.train import rl
 
     run_dir = Path(tempfile.mkdtemp(prefix="trl-compare-fsdptrain-"))
-    time_steps(loop.Trainer, log, lambda result: {
+    time_steps(rl.Trainer, log, lambda result: {
         "generate_s": result["perf/generate_s"], "update_s": result["perf/update_s"], "reward": result["reward/mean"],
         "peak_gib": peak_rss_gib()})
     from fsdptrain.cli import app

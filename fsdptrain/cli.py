@@ -146,7 +146,7 @@ def _preflight_sft(cfg: DictConfig) -> None:
     line and exit 2 before any run folder exists (docs/sft.md)."""
     from fsdptrain.data.prompt_files import check_local_paths
     from fsdptrain.model.loading import build_tokenizer
-    from fsdptrain.train.sft import load_rows
+    from fsdptrain.train.sft import load_sft_rows
     from fsdptrain.run.trackers import missing_backend_message
 
     def plain(value):
@@ -158,7 +158,7 @@ def _preflight_sft(cfg: DictConfig) -> None:
     from fsdptrain.preflight import check_inputs
 
     check_inputs(cfg)  # the model folder first: its tokenizer renders the rows
-    load_rows(cfg, build_tokenizer(cfg))
+    load_sft_rows(cfg, build_tokenizer(cfg))
     missing = missing_backend_message(cfg.logging.backends)
     if missing is not None:
         raise ConfigError(missing)

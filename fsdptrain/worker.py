@@ -43,7 +43,7 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
 
         import_plugins(list(cfg.algorithm.plugins))  # their registered names, before anything resolves one
         if command == "train":
-            from fsdptrain.train.loop import train
+            from fsdptrain.train.rl import train
 
             return train(cfg, run_dir)
         if command == "sft":

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdptrain.train import experience, loop, optim, step
+from fsdptrain.train import experience, optim, rl, step
 
 
 @torch.no_grad()
@@ -32,7 +32,7 @@ def plant_grad_norm_over_local_shards(set_attr=setattr) -> None:
 
 def plant_normaliser_over_the_whole_step(set_attr=setattr) -> None:
     """TRL #6024: every mini-batch's loss normalised by the counts of the whole step, not of the mini-batch."""
-    whole, update, normalizers = [], loop.Trainer.update, step.global_normalizers
+    whole, update, normalizers = [], rl.Trainer.update, step.global_normalizers
 
     def update_whole(self, batches, on_policy):
         whole.append(step.MiniBatch([p for b in batches for p in b.prompts], [r for b in batches for r in b.responses],
@@ -42,7 +42,7 @@ def plant_normaliser_over_the_whole_step(set_attr=setattr) -> None:
         finally:
             whole.clear()
 
-    set_attr(loop.Trainer, "update", update_whole)
+    set_attr(rl.Trainer, "update", update_whole)
     set_attr(step, "global_normalizers", lambda batch, **kw: normalizers(whole[0] if whole else batch, **kw))
 
 

@@ -56,7 +56,8 @@ from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.metrics.typed import Metrics, close_minibatch, comparable, finalize, merge_all
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 from fsdptrain.train import step
@@ -149,16 +150,13 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
     labels_BL = torch.where(batch.label_mask, batch.labels, torch.zeros_like(batch.labels)).to(device)
     logprobs_BL, entropy_BL = padded_logprobs_entropy(_padded_forward(model, batch, device), labels_BL,
                                                       settings.temperature)
-    use_kl = settings.use_reference
     return policy_loss(
         logprobs_BL, _padded([t.old_logprobs for t in targets], batch, device),
         _padded([t.advantages for t in targets], batch, device), batch.response_mask.to(device), norms=norms,
-        agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low, clip_ratio_high=settings.clip_ratio_high,
-        clip_ratio_c=settings.clip_ratio_c, seq_level_ratio=settings.seq_level_ratio,
-        ref_logprobs=_padded([t.ref_logprobs for t in targets], batch, device) if use_kl else None,
-        kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator, kl_clamp=settings.kl_clamp,
-        entropy=entropy_BL, entropy_coef=settings.entropy_coef, pg_loss_fn=settings.pg_loss_fn,
-        dro_beta=settings.dro_beta,
+        settings=settings,
+        ref_logprobs=(_padded([t.ref_logprobs for t in targets], batch, device) if settings.use_reference
+                      else None),
+        entropy=entropy_BL,
         rollout_is_weights=(_padded([t.is_weights for t in targets], batch, device) if settings.use_is_weights
                             else None),
     )

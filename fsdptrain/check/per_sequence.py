@@ -13,7 +13,8 @@ from torch import Tensor
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Metrics, merge_all
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 
@@ -69,16 +70,11 @@ def per_sequence_policy_loss(model, prompts, responses, targets: Sequence[SeqTar
         logprobs_R, entropy_R = reference_policy_outputs(model, prompt_ids, response_ids,
                                                          temperature=settings.temperature)
         mask_R = _mask_of(target, logprobs_R)
-        use_kl = settings.use_reference
         loss, metrics = policy_loss(
             logprobs_R[None], target.old_logprobs[None].to(logprobs_R), target.advantages[None].to(logprobs_R),
-            mask_R[None], norms=norms, agg_mode=settings.agg_mode, clip_ratio_low=settings.clip_ratio_low,
-            clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
-            seq_level_ratio=settings.seq_level_ratio,
-            ref_logprobs=target.ref_logprobs[None].to(logprobs_R) if use_kl else None,
-            kl_coef=settings.kl_coef if use_kl else 0.0, kl_estimator=settings.kl_estimator,
-            kl_clamp=settings.kl_clamp, entropy=entropy_R[None], entropy_coef=settings.entropy_coef,
-            pg_loss_fn=settings.pg_loss_fn, dro_beta=settings.dro_beta,
+            mask_R[None], norms=norms, settings=settings,
+            ref_logprobs=target.ref_logprobs[None].to(logprobs_R) if settings.use_reference else None,
+            entropy=entropy_R[None],
             rollout_is_weights=target.is_weights[None].to(logprobs_R) if settings.use_is_weights else None,
         )
         total = loss if total is None else total + loss

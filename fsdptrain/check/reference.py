@@ -37,8 +37,8 @@ from fsdptrain.check.per_sequence import reference_policy_outputs, reference_val
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.metrics.typed import finalize, merge_all
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.rl.pg_losses import PgTermSettings
+from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.step import MiniBatch
 
 EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained variance is ill-conditioned, not compared
@@ -246,7 +246,7 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
         else:  # another loss: its own per-token function on this sequence alone, its metrics merged over sequences
             pg, pg_metrics = settings.pg_loss_fn(
                 logp[None], old[None], adv[None], torch.ones_like(logp, dtype=torch.bool)[None],
-                layout=SeqLayout((1, logp.numel()), None, logp.device), settings=_pg_settings(settings))
+                layout=SeqLayout((1, logp.numel()), None, logp.device), settings=settings)
             pg = pg[0]
             other.append(pg_metrics)
         if settings.use_is_weights:
@@ -324,11 +324,6 @@ def kl_direct(logp: Tensor, ref: Tensor, estimator: str, clamp: Optional[float])
               "k1+": d.detach() + k2 - k2.detach(), "k3+": k3.detach() + k2 - k2.detach(),
               "abs+": d.abs().detach() + k2 - k2.detach()}
     return values[estimator]
-
-
-def _pg_settings(settings: PolicyLossSettings) -> PgTermSettings:
-    return PgTermSettings(settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c,
-                      settings.seq_level_ratio, settings.dro_beta)
 
 
 def _magnitude(per_seq_R: Sequence[Tensor], mode: str, counts: Counts) -> float:

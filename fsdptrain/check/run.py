@@ -80,7 +80,7 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.metrics.typed import comparable, finalize
 from fsdptrain.train.setup import resolve_device_type, resolve_share_prompts
-from fsdptrain.train.step import packed_policy_loss, packed_value_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")
 EV_NAME = "critic/vf_explained_var"

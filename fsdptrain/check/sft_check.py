@@ -44,7 +44,8 @@ from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.train.setup import build_policy_model, resolve_device_type
 from fsdptrain.model.loading import build_tokenizer
-from fsdptrain.train.sft import SftLossSettings, as_minibatch, load_rows, packed_sft_loss, sft_loss_scale_factor
+from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
+from fsdptrain.train.sft import as_minibatch, load_sft_rows, sft_loss_scale_factor
 from fsdptrain.train.step import MiniBatch
 
 PREFIX = "sft/"
@@ -101,7 +102,7 @@ def reference_sft(model, batch: MiniBatch, mode: str, loss_scale_factor: float) 
 
 def checked_batch(cfg: DictConfig, tokenizer) -> MiniBatch:
     """The rows of the first mini-batch of the run's first step, in its epoch order."""
-    rows, _ = load_rows(cfg, tokenizer)
+    rows, _ = load_sft_rows(cfg, tokenizer)
     positions = EpochOrder(len(rows), seed=cfg.data.seed).take(cfg.sft.rows_per_step)
     first = positions[:cfg.sft.rows_per_step // cfg.trainer.mini_batches_per_step]
     return as_minibatch([rows[p] for p in first])

@@ -3,7 +3,7 @@
 Legend: `_T` per-token tensors of one packed row (length T, aligned with the input: position t scores token t+1 of
 the same sequence), `_R` one sequence's response tokens, `_TH` `[T, H]`, `_VH` `[V, H]`.
 
-The caller runs the model's forward once over the packed row `[1, T]` (fsdptrain/train/step.py: `rl/` imports no
+The caller runs the model's forward once over the packed row `[1, T]` (fsdptrain/train/pack_losses.py: `rl/` imports no
 model) and hands its final hidden states here; the output projection is applied chunk by chunk
 (:func:`chunked_logprobs_entropy`), so neither the `[T, V]` logits nor their gradient exist at once. The loss is then
 computed once over the row by the layout-aware policy and value losses with `cu_seqlens`: there is no Python loop
@@ -14,7 +14,7 @@ fsdptrain/check/per_sequence.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -22,8 +22,8 @@ from torch import Tensor
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.metrics.typed import Metrics
-from fsdptrain.rl.pg_losses import vanilla_policy_loss
-from fsdptrain.rl.policy import KL_CLAMP, policy_loss
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.value import value_loss
 
 
@@ -39,35 +39,6 @@ class PackedRow(Protocol):
 
     @property
     def total_len(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class PolicyLossSettings:
-    """Everything the policy loss needs besides the data and the normalisers (built once from the config)."""
-
-    agg_mode: str
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: Optional[float]
-    seq_level_ratio: bool
-    kl_coef: float
-    kl_estimator: str
-    entropy_coef: float
-    temperature: float
-    chunk_size: int
-    use_reference: bool = False
-    """Compute the KL to the reference policy (kl_loss and kl metrics): fixed per run, so every rank's metric names
-    agree, empty packs included."""
-    kl_clamp: Optional[float] = KL_CLAMP
-    """Bound on the k3/k3+ value (None: no clamp)."""
-    pg_loss_fn: Callable = vanilla_policy_loss
-    """The policy-gradient term (`fsdptrain.rl.pg_losses`: a built-in or a user's function)."""
-    policy_loss: str = "vanilla"
-    """The config name of `pg_loss_fn` (check-metrics' reference writes vanilla PPO out from its definition)."""
-    dro_beta: Optional[float] = None
-    """DRO's penalty weight (policy_loss=dro only; it has no default: docs/algorithms.md)."""
-    use_is_weights: bool = False
-    """Multiply the pg term by the targets' rollout-correction weights (`SeqTargets.is_weights`)."""
 
 
 @dataclass(frozen=True)
@@ -153,58 +124,39 @@ def _at_positions(values_S: Tensor, positions_S: Tensor, total_len: int) -> Tens
     return values_S.new_zeros(total_len).index_copy(0, positions_S, values_S)
 
 
-def policy_loss_of_hidden(hidden_TH: Tensor, head_weight_VH: Tensor, head_bias_V: Optional[Tensor],
-                          packed: PackedRow, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                          settings: PolicyLossSettings) -> tuple[Tensor, Metrics]:
-    """The policy loss of one pack (one micro-batch) from its final hidden states, with the mini-batch's global
-    normalisers, and its metrics.
+def policy_loss_of_pack(logprobs_T: Tensor, entropy_T: Optional[Tensor], packed: PackedRow,
+                        targets: Sequence[SeqTargets], *, norms: LossNormalizers, settings: PolicyLossSettings
+                        ) -> tuple[Tensor, Metrics]:
+    """The policy loss of one pack (one micro-batch) from its per-token log-probs and entropy `[T]`
+    (`token_logprobs_entropy`'s; under context parallelism gathered from the CP group's ranks), with the mini-batch's
+    global normalisers, and its metrics: the targets scattered onto the row, then `policy_loss` with `settings`.
 
     `targets[i]` belongs to the pack's i-th sequence. The loss is this micro-batch's share of the mini-batch scalar
     (times dp_size, applied inside `agg_loss`): summing it over micro-batches and FSDP's mean over ranks give the
     whole mini-batch's loss.
     """
-    logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head_weight_VH, head_bias_V, packed,
-                                                   temperature=settings.temperature, chunk_size=settings.chunk_size)
-    return policy_loss_of_outputs(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
-
-
-def policy_loss_of_outputs(logprobs_T: Tensor, entropy_T: Optional[Tensor], packed: PackedRow,
-                           targets: Sequence[SeqTargets], *, norms: LossNormalizers, settings: PolicyLossSettings
-                           ) -> tuple[Tensor, Metrics]:
-    """`policy_loss_of_hidden` from the row's per-token log-probs and entropy `[T]` (`token_logprobs_entropy`'s;
-    under context parallelism gathered from the CP group's ranks)."""
     device = packed.input_ids.device
-    mask_T = packed.response_mask[0]
-    ref_T = None
+    ref_T = is_weights_T = None
     if settings.use_reference:
         ref_T = scatter_responses([t.ref_logprobs for t in targets], packed, device=device)
+    if settings.use_is_weights:
+        is_weights_T = scatter_responses([t.is_weights for t in targets], packed, device=device)
     return policy_loss(
         logprobs_T,
         old_or_current([t.old_logprobs for t in targets], logprobs_T, packed),
         scatter_responses([t.advantages for t in targets], packed, device=device),
-        mask_T,
+        packed.response_mask[0],
         norms=norms,
-        agg_mode=settings.agg_mode,
-        clip_ratio_low=settings.clip_ratio_low,
-        clip_ratio_high=settings.clip_ratio_high,
-        clip_ratio_c=settings.clip_ratio_c,
-        seq_level_ratio=settings.seq_level_ratio,
+        settings=settings,
         cu_seqlens=packed.cu_seqlens,
         ref_logprobs=ref_T,
-        kl_coef=settings.kl_coef if settings.use_reference else 0.0,
-        kl_estimator=settings.kl_estimator,
-        kl_clamp=settings.kl_clamp,
         entropy=entropy_T,
-        entropy_coef=settings.entropy_coef,
-        pg_loss_fn=settings.pg_loss_fn,
-        dro_beta=settings.dro_beta,
-        rollout_is_weights=(scatter_responses([t.is_weights for t in targets], packed, device=device)
-                            if settings.use_is_weights else None),
+        rollout_is_weights=is_weights_T,
     )
 
 
-def value_loss_of_values(values_T: Tensor, packed: PackedRow, targets: Sequence[SeqTargets], *,
-                         norms: LossNormalizers, settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
+def value_loss_of_pack(values_T: Tensor, packed: PackedRow, targets: Sequence[SeqTargets], *,
+                       norms: LossNormalizers, settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
     """The clipped value loss of one pack from its per-token values `[T]`, with the mini-batch's global normalisers,
     and its metrics."""
     device = packed.input_ids.device

@@ -7,7 +7,8 @@ Every term has one signature, `PolicyLossFn`:
 - `logprobs` (carries the gradient), `old_logprobs`, `advantages` (detached): per token, in the padded `[B, T]` or
   the packed `[T]`/`[1, T]` layout, already 0 wherever `valid` is false (NaN never reaches a term);
 - `valid`: bool, the tokens that count; `layout`: the `SeqLayout` (`seq_sum`, `broadcast`) for sequence terms;
-- `settings`: `PgTermSettings`, the algorithm's knobs.
+- `settings`: `PolicyLossSettings`, the policy loss's one settings object (a term reads its clip ratios,
+  `seq_level_ratio` and `dro_beta`).
 
 It returns the per-token loss (same shape; its values at invalid positions are ignored) and its metrics. It never
 aggregates: `policy_loss` aggregates the term with `agg_loss` under the configured mode and the global normalizers,
@@ -26,12 +27,12 @@ Legend: `_N` one value per sequence; unsuffixed tensors are per token in the lay
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from fsdptrain.registry.constants import LOG_RATIO_CLAMP
+from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import POLICY_LOSS_ARGS
 from fsdptrain.registry.plugins import registered
 from fsdptrain.registry.user_functions import resolve_function
@@ -39,34 +40,9 @@ from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.metrics.typed import Max, Mean, Metrics, Min
 
 
-@dataclass(frozen=True)
-class PgTermSettings:
-    """The knobs of the built-in terms (config `algorithm.*`); a user's function receives them too.
-
-    `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the
-    log-ratio [-low, high] (GMPO); `clip_ratio_c`: dual-clip bound (> 1; None off; vanilla only);
-    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0; required by DRO, which has no
-    default, as in verl; None for every other term).
-    """
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = None
-    seq_level_ratio: bool = False
-    dro_beta: float | None = None
-
-    def __post_init__(self):
-        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
-            raise ValueError(f"clip ratios must be >= 0, got low={self.clip_ratio_low}, high={self.clip_ratio_high}")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {self.clip_ratio_c}; use None to turn it off")
-        if self.dro_beta is not None and not self.dro_beta > 0:
-            raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
-
-
 class PolicyLossFn(Protocol):
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, valid: Tensor, *,
-                 layout: SeqLayout, settings: PgTermSettings) -> tuple[Tensor, Metrics]: ...
+                 layout: SeqLayout, settings: PolicyLossSettings) -> tuple[Tensor, Metrics]: ...
 
 
 
@@ -82,7 +58,7 @@ def _metrics(ratio: Tensor, clipped: Tensor, lower: Tensor, log_ratio: Tensor, v
     })
 
 
-def _no_seq_ratio(settings: PgTermSettings, name: str) -> None:
+def _no_seq_ratio(settings: PolicyLossSettings, name: str) -> None:
     # clip_ratio_c is ignored outside vanilla (the config default sets it); GSPO's ratio is a deliberate choice.
     if settings.seq_level_ratio:
         raise ValueError(f"policy loss {name!r} has no sequence-ratio (GSPO) form: set seq_level_ratio=false "
@@ -217,6 +193,54 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
     "gmpo": gmpo_policy_loss,
     "dro": dro_policy_loss,
 }
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The policy loss's settings, built once from the config (`fsdptrain.train.setup.policy_settings`) and passed
+    down whole: to the packed row's log-probs (`temperature`, `chunk_size`), to `fsdptrain.rl.policy.policy_loss`
+    (the aggregation, KL and entropy terms) and to the pg term (`pg_loss_fn`: a built-in or a user's function).
+
+    `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the
+    log-ratio [-low, high] (GMPO); `clip_ratio_c`: dual-clip bound (> 1; None off; vanilla only);
+    `seq_level_ratio`: GSPO's sequence ratio (vanilla only); `dro_beta`: DRO's quadratic penalty weight (> 0;
+    required by DRO, which has no default, as in verl; None for every other term).
+    """
+
+    agg_mode: str
+    """`fsdptrain.rl.aggregate.agg_loss`'s mode, for every term."""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    seq_level_ratio: bool = False
+    kl_coef: float = 0.0
+    """The KL term's weight (with `use_reference`)."""
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    """The sampling temperature the log-probs are taken at."""
+    chunk_size: int = 256
+    """Rows of the output head per chunk of the fused log-probs (`loss.logprob_chunk_size`)."""
+    use_reference: bool = False
+    """Compute the KL to the reference policy (kl_loss and kl metrics; `policy_loss` then needs `ref_logprobs`):
+    fixed per run, so every rank's metric names agree, empty packs included."""
+    kl_clamp: Optional[float] = KL_CLAMP
+    """Bound on the k3/k3+ value (None: no clamp)."""
+    pg_loss_fn: Callable = vanilla_policy_loss
+    """The policy-gradient term (a built-in of this module or a user's function)."""
+    policy_loss: str = "vanilla"
+    """The config name of `pg_loss_fn` (check-metrics' reference writes vanilla PPO out from its definition)."""
+    dro_beta: Optional[float] = None
+    use_is_weights: bool = False
+    """Multiply the pg term by the rollout-correction weights (`policy_loss` then needs `rollout_is_weights`)."""
+
+    def __post_init__(self):
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(f"clip ratios must be >= 0, got low={self.clip_ratio_low}, high={self.clip_ratio_high}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {self.clip_ratio_c}; use None to turn it off")
+        if self.dro_beta is not None and not self.dro_beta > 0:
+            raise ValueError(f"dro_beta must be > 0, got {self.dro_beta}")
 
 
 def resolve_policy_loss(name_or_spec: str, *, what: str = "algorithm.policy_loss") -> PolicyLossFn:

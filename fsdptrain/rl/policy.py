@@ -17,7 +17,7 @@ from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.metrics.typed import Loss, Mean, Metrics
-from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss, weigh_by_rollout_is
+from fsdptrain.rl.pg_losses import PolicyLossSettings, weigh_by_rollout_is
 
 
 def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
@@ -93,45 +93,42 @@ def policy_loss(
     mask: Tensor,
     *,
     norms: LossNormalizers,
-    agg_mode: str,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float | None = None,
-    seq_level_ratio: bool = False,
+    settings: PolicyLossSettings,
     cu_seqlens: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_clamp: float | None = KL_CLAMP,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    pg_loss_fn: PolicyLossFn = vanilla_policy_loss,
-    dro_beta: float | None = None,
     rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
-    """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
+    """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`,
+    with every knob read from `settings` (`fsdptrain.rl.pg_losses.PolicyLossSettings`).
 
-    The per-token pg term is `pg_loss_fn(...)` (`fsdptrain.rl.pg_losses`: vanilla PPO by default, with
-    `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
-    `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
-    kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
-    term before it is aggregated (not the KL or entropy terms); GMPO takes their geometric mean per sequence
-    (`fsdptrain.rl.pg_losses.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
-    masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
+    The per-token pg term is `settings.pg_loss_fn(..., settings=settings)` (`fsdptrain.rl.pg_losses`: vanilla PPO
+    by default, with `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's
+    function); see `vanilla_policy_loss` for the clipped surrogate. The KL term, iff `settings.use_reference` (then
+    `ref_logprobs` is required), is `kl_penalty(logp, ref_logp, kl_estimator, kl_clamp=kl_clamp)`.
+    `rollout_is_weights` (detached; `rollout_correction_weights`; required iff `settings.use_is_weights`) multiply
+    the per-token pg term before it is aggregated (not the KL or entropy terms); GMPO takes their geometric mean per
+    sequence (`fsdptrain.rl.pg_losses.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
+    masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current
+    policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
         pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the
-            mini-batch's value; kl_loss is before kl_coef; present iff `ref_logprobs` is given.
+            mini-batch's value; kl_loss is before kl_coef; present iff `settings.use_reference`.
         the pg term's own metrics; for every built-in: pg_clipfrac, pg_clipfrac_lower, ppo_kl (MEAN) and
             probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.rl.pg_losses`).
-        kl (MEAN): the KL estimator per token (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
+        kl (MEAN): the KL estimator per token (iff `settings.use_reference`); entropy (MEAN, iff `entropy`).
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """
+    agg_mode, pg_loss_fn = settings.agg_mode, settings.pg_loss_fn
     check_mode(agg_mode)
-    settings = PgTermSettings(clip_ratio_low, clip_ratio_high, clip_ratio_c, seq_level_ratio, dro_beta)
-    if ref_logprobs is None and kl_coef != 0.0:
-        raise ValueError("kl_coef is set but ref_logprobs is None: pass the reference log-probs or set kl_coef to 0")
-    if entropy is None and entropy_coef != 0.0:
+    if settings.use_reference != (ref_logprobs is not None):
+        raise ValueError("settings.use_reference and ref_logprobs disagree: pass the reference log-probs exactly "
+                         "when use_reference is set (the KL term)")
+    if settings.use_is_weights != (rollout_is_weights is not None):
+        raise ValueError("settings.use_is_weights and rollout_is_weights disagree: pass the rollout-correction "
+                         "weights exactly when use_is_weights is set")
+    if entropy is None and settings.entropy_coef != 0.0:
         raise ValueError("entropy_coef is set but entropy is None: pass the per-token entropy or set entropy_coef to 0")
 
     layout = SeqLayout(logprobs.shape, cu_seqlens, logprobs.device)
@@ -154,14 +151,14 @@ def policy_loss(
     loss = pg_loss
     metrics = {"pg_loss": Loss(pg_loss / norms.dp_size), **pg_metrics}
     if ref_logprobs is not None:
-        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), kl_estimator, kl_clamp=kl_clamp)
+        kl = kl_penalty(logp, masked(ref_logprobs, valid).detach(), settings.kl_estimator, kl_clamp=settings.kl_clamp)
         kl_loss = agg_loss_with(kl, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
-        loss = loss + kl_coef * kl_loss
+        loss = loss + settings.kl_coef * kl_loss
         metrics["kl_loss"] = Loss(kl_loss / norms.dp_size)
         metrics["kl"] = Mean.of(kl, valid)
     if entropy is not None:
         ent = masked(entropy, valid)
-        if entropy_coef != 0.0:
-            loss = loss - entropy_coef * agg_loss_with(ent, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
+        if settings.entropy_coef != 0.0:
+            loss = loss - settings.entropy_coef * agg_loss_with(ent, valid, agg_mode, norms, cu_seqlens=cu_seqlens)
         metrics["entropy"] = Mean.of(ent, valid)
     return loss, Metrics(metrics)

@@ -1,6 +1,6 @@
 """Rollouts: where a step's experience comes from (docs/architecture.md, "Rollout sources").
 
-- rollout_source.py: what the train loop asks of a source (``RolloutSource``), ``build_source``, ``resolve_steps``;
+- rollout_source.py: what the train loop asks of a source (``RolloutSource``), ``build_source``;
 - rollout_models.py: what rollouts read of the run's models (``RolloutModels``);
 - prompt_source.py: prompt rows sampled by the policy through a sampler, scored by reward functions and models;
 - sampler.py: the ``Sampler`` interface and what a sampler hands the source (``Samples``);

@@ -1,5 +1,5 @@
 """What the train loop asks of a source of rollouts (:class:`RolloutSource`), which source the config names
-(:func:`build_source`) and how many steps a run has (:func:`resolve_steps`); docs/architecture.md, "Rollout sources".
+(:func:`build_source`); docs/architecture.md, "Rollout sources".
 
 The sources: :class:`~fsdptrain.rollout.prompt_source.PromptSource` (prompt rows sampled by the policy, scored by
 reward functions and models) with a single-turn sampler (:class:`~fsdptrain.rollout.single_turn.SingleTurnSampler`)
@@ -11,12 +11,11 @@ rank ownership).
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Protocol
 
 from omegaconf import DictConfig
 
-from fsdptrain.config import DEFAULT_STEPS, multi_turn
+from fsdptrain.config import multi_turn
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.metrics.typed import Metrics
 from fsdptrain.rollout.multi_turn import MultiTurnSampler
@@ -77,13 +76,3 @@ def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
         return OfflineSource(cfg, tokenizer)
     sampler = MultiTurnSampler(cfg, tokenizer) if multi_turn(cfg) else SingleTurnSampler(cfg, tokenizer)
     return PromptSource(cfg, tokenizer, sampler)
-
-
-def resolve_steps(cfg: DictConfig, num_train_rows: Optional[int]) -> int:
-    """The run's step count: ``trainer.steps``, else ``ceil(epochs x rows / prompts_per_step)``, else the default."""
-    if cfg.trainer.steps is not None:
-        return int(cfg.trainer.steps)
-    if cfg.trainer.epochs is None:
-        return DEFAULT_STEPS
-    # The small tolerance keeps e.g. 0.3 x 100 rows / 10 at 3 steps despite 0.3 x 100 = 30.000000000000004.
-    return max(1, math.ceil(cfg.trainer.epochs * num_train_rows / cfg.rollout.prompts_per_step - 1e-9))

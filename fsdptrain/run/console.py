@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 from fsdptrain.distributed import world
 from fsdptrain.model.loading import describe_model_memory
@@ -78,14 +78,10 @@ def progress_columns():
             TimeRemainingColumn())
 
 
-def stats_line(result: dict) -> str:
-    parts = [f"reward {result['reward/mean']:.3f}", f"tok/s {result['perf/tokens_per_s']:.0f}",
-             f"{result['perf/step_s']:.2f}s (gen {result['perf/generate_s']:.2f} exp {result['perf/experience_s']:.2f} "
-             f"upd {result['perf/update_s']:.2f})"]
-    for key, label in (("actor/pg_loss", "pg"), ("critic/vf_loss", "vf"), ("actor/grad_norm", "|g|")):
-        if key in result:
-            parts.append(f"{label} {result[key]:.3g}")
-    return "  ".join(parts)
+def stats_line(result: dict, fields: Sequence[tuple[str, str, str]]) -> str:
+    """The progress bar's text of a step: ``label value`` for each ``(metric, label, format spec)`` of ``fields``
+    that the step's ``result`` holds (a recipe's ``stats``)."""
+    return "  ".join(f"{label} {result[key]:{spec}}" for key, label, spec in fields if key in result)
 
 
 def print_summary(history: list[dict], eval_rewards: dict[int, float]) -> None:

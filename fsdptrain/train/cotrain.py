@@ -1,96 +1,39 @@
 """The policy and its EAGLE-3 drafter in one train step: one policy forward, one backward (docs/drafter.md).
 
-Legend: `_T` per-position tensors of one packed row, `_TH` `[T, H]`, `_DH` `[D, H]`.
-
     loss = policy_loss + loss_weight * draft_loss
 
 The policy's forward runs once, through `capture_policy_features`: its final hidden state feeds the policy's chunked
 log-probs (with the graph) and the drafter's teacher (detached); the feature layers and the embeddings reach the
 drafter detached. So the policy's gradients are those of the policy loss alone, bit for bit; the drafter's come
-from the draft loss alone. The draft loss has its own global normalisers (its mask is not the response mask),
-counted over this rank's packs and all-reduced in the same call as the policy's counts (`global_normalizers_with_draft`).
+from the draft loss alone. The per-pack losses are in fsdptrain/train/pack_losses.py; here: the drafter's update
+(:class:`DrafterUpdate`, the policy update's auxiliary loss), its refresh passes, and the draft loss's own global
+normalisers (its mask is not the response mask), counted over this rank's packs and all-reduced in the same call as
+the policy's counts (`global_normalizers_with_draft`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import reshard_all
-from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
+from fsdptrain.model.drafter import capture_policy_features
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, draft_loss, packed_draft_mask
+from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
 from fsdptrain.metrics.typed import Mean, Metrics
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
+from fsdptrain.train.pack_losses import (
+    CoTrainSettings,
+    DraftLossSettings,
+    draft_loss_of_features,
+    packed_draft_refresh_loss,
+)
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, minibatch_step
-
-
-@dataclass(frozen=True)
-class DraftLossSettings:
-    """The draft loss's knobs (fixed per run): which tokens train it, its weight, the attention backend."""
-
-    on: str
-    loss_weight: float
-    backend: str
-
-
-@dataclass(frozen=True)
-class CoTrainSettings:
-    """What `packed_policy_and_draft_loss` needs besides the data and the policy's normalisers: the policy loss's
-    settings, the (sharded) drafter, the draft loss's settings and the mini-batch's draft normalisers."""
-
-    policy: PolicyLossSettings
-    drafter: nn.Module
-    draft: DraftLossSettings
-    draft_norms: LossNormalizers
-
-
-def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *,
-                                 norms: LossNormalizers, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
-    """policy_loss + loss_weight * draft_loss of one pack, and both losses' metrics (the drafter's named
-    `drafter/*`). The agg mode, temperature and chunk size are the policy's."""
-    drafter, policy = settings.drafter, settings.policy
-    features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
-    head = model.get_output_embeddings()
-    loss, metrics = policy_loss_of_hidden(features.final_hidden_TH, head.weight, head.bias, packed, targets,
-                                          norms=norms, settings=policy)
-    d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
-    return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
-
-
-def packed_draft_refresh_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *,
-                              norms: LossNormalizers, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
-    """loss_weight * draft_loss of one pack with the policy under no_grad: a refresh pass, run after the policy's
-    optimizer step, so the teacher is the policy that generates the next rollouts (docs/drafter.md, "Refresh
-    passes"). Same math, masks and normalisers as the joint pass; only the drafter gets gradients. `norms` and
-    `targets` are unused (the draft loss's normalisers are `settings.draft_norms`): the signature is the loss
-    functions' one."""
-    with torch.no_grad():
-        features = capture_policy_features(model, packed, feature_layers=settings.drafter.feature_layers)
-    d_loss, d_metrics = _draft_loss_of(model, features, packed, settings)
-    return settings.draft.loss_weight * d_loss, d_metrics
-
-
-def _draft_loss_of(model, features, packed: PackedBatch, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
-    """The draft loss of one pack and its metrics, from the captured (detached) policy features; the teacher is the
-    policy's draft-vocabulary rows, read while its root unit is still unsharded after the forward."""
-    drafter, policy = settings.drafter, settings.policy
-    teacher_DH, teacher_bias_D = teacher_head_rows(model, drafter)
-    with drafter.attention(settings.draft.backend):
-        draft_hidden_TH = run_drafter(drafter, features, packed)
-    mask_T = packed_draft_mask(packed, on=settings.draft.on).to(draft_hidden_TH.device)
-    # the drafter's root unit keeps its weights unsharded after forward, so its head reads as a plain tensor here
-    return draft_loss(
-        draft_hidden_TH, drafter.lm_head.weight, features.final_hidden_TH, teacher_DH, mask_T,
-        norms=settings.draft_norms, agg_mode=policy.agg_mode, cu_seqlens=packed.cu_seqlens,
-        temperature=policy.temperature, chunk_size=policy.chunk_size, teacher_bias_D=teacher_bias_D,
-    )
 
 
 def local_draft_counts(prompts, responses, plan: PackPlan, *, on: str, response_masks=None) -> tuple[int, int]:
@@ -142,7 +85,7 @@ class DrafterUpdate:
     def loss_of(self, model, captured, packed: PackedBatch, *, norms: LossNormalizers,
                 policy: PolicyLossSettings) -> tuple[Tensor, Metrics]:
         """loss_weight * draft_loss of one pack and its `drafter/*` metrics."""
-        d_loss, d_metrics = _draft_loss_of(model, captured, packed, self.settings(policy, norms))
+        d_loss, d_metrics = draft_loss_of_features(model, captured, packed, self.settings(policy, norms))
         return self.loss.loss_weight * d_loss, d_metrics
 
     def after_policy_step(self, model, batch: MiniBatch, plan: PackPlan, *, norms: LossNormalizers,

@@ -58,7 +58,7 @@ from fsdptrain.rl.rollout_correction import (
     rollout_correction_weights,
     rollout_rejection,
 )
-from fsdptrain.train.step import policy_token_outputs
+from fsdptrain.train.pack_losses import policy_token_outputs
 
 
 @torch.no_grad()

@@ -1,14 +1,15 @@
 """The supervised fine-tuning recipe (``fsdptrain sft``): demonstrations -> mini-batches of the FSDP2 update -> reduce
 -> log -> checkpoint (docs/sft.md).
 
-:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.loop.Trainer.run_step`, without rollouts or an
+:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.rl.Trainer.run_step`, without rollouts or an
 experience pass: the step's rows in a seeded epoch order, this rank's share of each mini-batch, the policy's part's
 update of one mini-batch (`fsdptrain.train.trained_part.TrainedPart.update` over
 `fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted before any forward,
 one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step), then the typed
 metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
 `fsdptrain.train.setup.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
-`fsdptrain.train.setup.build_part`), the checkpointer, the metrics files, the trackers and the export.
+`fsdptrain.train.setup.build_part`) and the run flow (`fsdptrain.run.runner.run_recipe`: resume, the metrics
+files, the trackers, the checkpoints and the export).
 
 Ownership and membership are fixed by a row's position ``p`` within the step's ``sft.rows_per_step`` rows: rank
 ``p % world_size``, mini-batch ``p // (rows_per_step / mini_batches_per_step)``, so a mini-batch holds the same rows
@@ -21,66 +22,29 @@ of trained tokens of the whole mini-batch, never a micro-batch's own (docs/loss.
 
 from __future__ import annotations
 
-import math
-import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.config import validate_world
-from fsdptrain.config.schema import DEFAULT_STEPS
 from fsdptrain.data.demonstrations import DemoKeys, Demonstration, load_demonstrations
-from fsdptrain.data.packing import PackedBatch, pack_sequences
+from fsdptrain.data.packing import pack_sequences
 from fsdptrain.data.prompts import EpochOrder
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
-from fsdptrain.storage.atomic import write_atomic
-from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Max, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.rl.packed_loss import token_logprobs_entropy
-from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.train.setup import build_part, build_policy_model, resolve_device_type
 from fsdptrain.model.loading import build_tokenizer
-from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
+from fsdptrain.run.console import log
 from fsdptrain.run.malloc import keep_freed_heap
 from fsdptrain.run.perf import StepTimer, phase
-from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.run.outputs import MetricsFiles
-from fsdptrain.run.signals import StopRequest
+from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
+from fsdptrain.run.runner import resolve_steps, run_recipe
+from fsdptrain.train.pack_losses import DemoTarget, SftLossSettings, packed_sft_loss
 from fsdptrain.train.step import MiniBatch
-from fsdptrain.run.trackers import Trackers
 from fsdptrain.train.trained_part import checkpointed_parts
-
-
-@dataclass(frozen=True)
-class SftLossSettings:
-    """What the SFT loss needs besides the data and the normalisers."""
-
-    agg_mode: str
-    chunk_size: int
-
-
-@dataclass(frozen=True)
-class DemoTarget:
-    """A demonstration's per-token target: which response tokens are trained on (bool ``[R]``), as
-    `fsdptrain.rl.packed_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
-
-    response_mask: torch.Tensor
-
-
-def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *, norms: LossNormalizers,
-                    settings: SftLossSettings) -> tuple[torch.Tensor, Metrics]:
-    """The policy's forward over one pack, the fused log-probs of the trained tokens (`token_logprobs_entropy`, at
-    temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the targets are in the row's mask."""
-    head = model.get_output_embeddings()
-    logprobs_T, _ = token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
-                                           temperature=1.0, chunk_size=settings.chunk_size, compute_entropy=False)
-    return sft_loss(logprobs_T, packed.response_mask[0], norms=norms, agg_mode=settings.agg_mode,
-                    cu_seqlens=packed.cu_seqlens)
 
 
 def sft_loss_scale_factor(cfg: DictConfig) -> float:
@@ -94,7 +58,7 @@ def demo_keys(cfg: DictConfig) -> DemoKeys:
                     tools=cfg.sft.tools_key)
 
 
-def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[Demonstration], list[Demonstration]]:
+def load_sft_rows(cfg: DictConfig, tokenizer) -> tuple[list[Demonstration], list[Demonstration]]:
     """The training demonstrations (``data.path``) and the held-out ones (``data.eval_path``; none when null)."""
     plain = (lambda v: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
     load = dict(tokenizer=tokenizer, keys=demo_keys(cfg), token_budget=cfg.trainer.token_budget)
@@ -104,15 +68,6 @@ def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[Demonstration], list[Dem
     return train, evals
 
 
-def resolve_sft_steps(cfg: DictConfig, num_rows: int) -> int:
-    """``trainer.steps``, else ``ceil(epochs x rows / sft.rows_per_step)``, else the default."""
-    if cfg.trainer.steps is not None:
-        return int(cfg.trainer.steps)
-    if cfg.trainer.epochs is None:
-        return DEFAULT_STEPS
-    return max(1, math.ceil(cfg.trainer.epochs * num_rows / cfg.sft.rows_per_step - 1e-9))
-
-
 def as_minibatch(rows: Sequence[Demonstration]) -> MiniBatch:
     return MiniBatch([r.prompt_ids for r in rows], [r.response_ids for r in rows],
                      [DemoTarget(torch.tensor(r.response_mask, dtype=torch.bool)) for r in rows])
@@ -120,16 +75,21 @@ def as_minibatch(rows: Sequence[Demonstration]) -> MiniBatch:
 
 class FineTuner:
     """Owns the policy's trained part (the model, its optimizer, schedule, guard and watch), the demonstrations' order
-    and the run directory of one ``fsdptrain sft`` run."""
+    and the run directory of one ``fsdptrain sft`` run; the SFT recipe of the shared run flow
+    (`fsdptrain.run.runner.Recipe`)."""
+
+    name = "sft"
+    stats = (("sft/loss", "loss", ".4f"), ("sft/grad_norm", "|g|", ".3g"), ("sft/lr", "lr", ".3g"),
+             ("perf/step_s", "step", ".2f"), ("eval/loss", "eval", ".4f"))
 
     def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
         self.device = info.device
         self.dp_size = world.dp_size(mesh)
         self.tokenizer = build_tokenizer(cfg)
-        self.train_rows, self.eval_rows = load_rows(cfg, self.tokenizer)
+        self.train_rows, self.eval_rows = load_sft_rows(cfg, self.tokenizer)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
-        self.num_steps = resolve_sft_steps(cfg, len(self.train_rows))
+        self.num_steps = resolve_steps(cfg, len(self.train_rows), rows_per_step=cfg.sft.rows_per_step)
         policy, self.backend = build_policy_model(cfg, self.tokenizer, mesh, self.device)
         self.part = build_part(cfg, policy, name="policy", prefix="sft/", lr=cfg.trainer.lr,
                                grad_clip=cfg.trainer.grad_clip, loss_fn=packed_sft_loss,
@@ -224,72 +184,42 @@ class FineTuner:
         export_hf_models(run_dir, policy=self.part.model, critic=None, tokenizer=self.tokenizer,
                          base_path=self.cfg.model.path)
 
+    # -- the run flow's hooks (fsdptrain/run/runner.py) --------------------------------------------------------------
+
+    def prepare_to_load(self, saved_models: list[str]) -> None:
+        """Nothing to build: the policy's part is all an SFT checkpoint holds."""
+
+    def report_start(self) -> None:
+        cfg = self.cfg
+        log(f"fsdptrain sft: {self.info.world_size} rank(s) on {self.device.type}, packed attention: {self.backend}; "
+            f"{len(self.train_rows)} demonstrations ({len(self.eval_rows)} held out), {cfg.sft.rows_per_step} per "
+            f"step, {self.num_steps} steps, loss.agg_mode={cfg.loss.agg_mode} over each mini-batch's trained tokens "
+            "on all ranks")
+
+    def begin(self, start: int) -> None:
+        """Nothing before the first step (``eval/loss`` is logged after steps only)."""
+
+    def after_step(self, step: int, result: dict[str, float], *, first: bool, console) -> None:
+        """Nothing beyond the metrics line."""
+
+    def summarize(self, history: list[dict[str, float]]) -> None:
+        first, last = history[0], history[-1]
+        log(f"sft: loss {first['sft/loss']:.4f} at step {first['step']} -> {last['sft/loss']:.4f} at step "
+            f"{last['step']}" + (f", eval/loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 
-def sft(cfg: DictConfig, run_dir: str) -> int:
-    """The ``fsdptrain sft`` job on this rank; returns the exit code."""
-    quiet_known_warnings()
-    stop = StopRequest()
-    stop.install()
-    info = world.init_distributed(device_type=resolve_device_type(cfg))
-    replicate, shard = validate_world(cfg, info.world_size)
-    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
-    random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    tuner = FineTuner(cfg, Path(run_dir).absolute(), info, mesh)  # fixed now: user code may change the cwd later
+def build_fine_tuner(cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh) -> FineTuner:
+    tuner = FineTuner(cfg, run_dir, info, mesh)
     keep_freed_heap()  # after loading (its transient copies go back): each step reuses the last one's pages
-    code = _run(tuner, stop)
-    world.destroy_distributed()
-    return code
+    return tuner
 
 
-def stats_line(result: dict) -> str:
-    parts = [f"loss {result['sft/loss']:.4f}", f"|g| {result['sft/grad_norm']:.3g}", f"lr {result['sft/lr']:.3g}",
-             f"{result['perf/step_s']:.2f}s"]
-    if "eval/loss" in result:
-        parts.append(f"eval {result['eval/loss']:.4f}")
-    return "  ".join(parts)
-
-
-def _run(tuner: FineTuner, stop: StopRequest) -> int:
-    cfg, info, run_path, num_steps = tuner.cfg, tuner.info, tuner.run_dir, tuner.num_steps
-    start = resume(tuner.checkpointed, run_path, cfg=cfg, num_steps=num_steps, prepare=lambda saved: None)
-    metrics_path, files = run_path / "metrics.jsonl", MetricsFiles(run_path, resumed=start > 0)
-    if info.is_main:
-        run_path.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
-        keep_metrics_before(metrics_path, start)
-    log(f"fsdptrain sft: {info.world_size} rank(s) on {tuner.device.type}, packed attention: {tuner.backend}; "
-        f"{len(tuner.train_rows)} demonstrations ({len(tuner.eval_rows)} held out), {cfg.sft.rows_per_step} per step, "
-        f"{num_steps} steps, loss.agg_mode={cfg.loss.agg_mode} over each mini-batch's trained tokens on all ranks")
-    history = []
-    trackers = Trackers(cfg, run_path, is_main=info.is_main)
-    show = info.is_main and cfg.logging.progress
-    from rich.progress import Progress
-
-    try:
-        with Progress(*progress_columns(), disable=not show, transient=False) as progress:
-            task = progress.add_task("sft", total=num_steps, completed=start, stats="")
-            for step in range(start, num_steps):
-                result = tuner.run_step(step)
-                history.append(result)
-                if info.is_main:
-                    files.write(result, tuner.kinds)
-                    trackers.log(result)
-                progress.update(task, advance=1, stats=stats_line(result))
-                if save_if_due(tuner.checkpointed, run_path, step + 1, cfg=cfg, num_steps=num_steps,
-                               stopping=world.any_flag(stop.requested)):
-                    return 0
-    finally:
-        trackers.close()
-    if cfg.checkpoint.every > 0 and start < num_steps:  # else the resumed checkpoint is this one
-        save(tuner.checkpointed(), run_path, num_steps, cfg=cfg)
-    tuner.export(run_path)
-    if history:
-        first, last = history[0], history[-1]
-        log(f"sft: loss {first['sft/loss']:.4f} at step {first['step']} -> {last['sft/loss']:.4f} at step "
-            f"{last['step']}" + (f", eval/loss {last['eval/loss']:.4f}" if "eval/loss" in last else ""))
-    log(f"run directory: {run_path} (metrics.jsonl, export/)")
-    return 0
+def sft(cfg: DictConfig, run_dir: str) -> int:
+    """The ``fsdptrain sft`` job on this rank (the shared run flow over :class:`FineTuner`); returns the exit code."""
+    return run_recipe(cfg, run_dir, build_fine_tuner, device_type=resolve_device_type(cfg))

@@ -5,8 +5,8 @@ This is where the contracts of docs/architecture.md (the data path) and docs/los
 1. the number of micro-batches is agreed world-wide (max over ranks) and this rank's packs are planned with it, so
    every rank runs the same forwards and FSDP's collectives line up (a rank with less work runs empty packs);
 2. the mini-batch's global token and sequence counts are all-reduced once, before any forward;
-3. each micro-batch runs one packed forward of the model (here) and the fused loss of its outputs
-   (fsdptrain/rl/packed_loss.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
+3. each micro-batch runs one packed forward of the model and the fused loss of its outputs (the ``loss_fn``,
+   fsdptrain/train/pack_losses.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
    micro-batch losses are summed by backward, never averaged by their count;
 4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step; a
    mini-batch with no counted token (global count 0, the same on every rank) is no step at all (docs/loss.md);
@@ -28,21 +28,14 @@ from fsdptrain.data.packing import PackedBatch, PackPlan, pack_sequences
 from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared, reduce_metrics
-from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
+from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup
 from fsdptrain.model.loading import trainable_parameters
-from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Diagnostic, Mean, Metrics, Sum, merge_all
-from fsdptrain.rl.packed_loss import (
-    PolicyLossSettings,
-    SeqTargets,
-    ValueLossSettings,
-    policy_loss_of_hidden,
-    policy_loss_of_outputs,
-    token_logprobs_entropy,
-    value_loss_of_values,
-)
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
+from fsdptrain.train.pack_losses import packed_policy_loss
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -70,64 +63,6 @@ class MiniBatch:
     def num_counted_tokens(self) -> list[int]:
         """Per sequence, how many of its response tokens count: the sum of its mask (its length without one)."""
         return [len(r) if m is None else int(m.sum()) for r, m in zip(self.responses, self.response_masks())]
-
-
-def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
-                         compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One forward of the policy over the packed row, then `token_logprobs_entropy` of its hidden states."""
-    head = model.get_output_embeddings()
-    return token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
-                                  temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
-
-
-@dataclass(frozen=True)
-class LocalRows:
-    """What `token_logprobs_entropy` reads of a row, at a context-parallel rank's positions (`[1, L]`)."""
-
-    labels: torch.Tensor
-    response_mask: torch.Tensor
-
-
-def context_token_outputs(model, packed: PackedBatch, shard: ContextShard, *, temperature: float, chunk_size: int,
-                          compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`policy_token_outputs` under context parallelism: the forward and the head at this rank's positions, then
-    the whole row's `[T]` log-probs and entropy gathered from the CP group (each rank's gradient: its positions')."""
-    head = model.get_output_embeddings()
-    local = LocalRows(shard.split.take(packed.labels), shard.split.take(packed.response_mask))
-    logprobs_L, entropy_L = token_logprobs_entropy(final_hidden_states(model, packed, shard), head.weight, head.bias,
-                                                   local, temperature=temperature, chunk_size=chunk_size,
-                                                   compute_entropy=compute_entropy)
-    return shard.gather_tokens(logprobs_L), None if entropy_L is None else shard.gather_tokens(entropy_L)
-
-
-def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                       settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None,
-                       context: ContextGroup = NO_CONTEXT_PARALLEL) -> tuple[torch.Tensor, Metrics]:
-    """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
-    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`). Under
-    context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
-    if context.enabled:
-        assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
-        logprobs_T, entropy_T = context_token_outputs(model, packed, shard_row(packed, context),
-                                                      temperature=settings.temperature, chunk_size=settings.chunk_size)
-        return policy_loss_of_outputs(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
-    if hidden_TH is None:
-        hidden_TH = final_hidden_states(model, packed)
-    head = model.get_output_embeddings()
-    return policy_loss_of_hidden(hidden_TH, head.weight, head.bias, packed, targets, norms=norms, settings=settings)
-
-
-def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
-                      settings: ValueLossSettings, context: ContextGroup = NO_CONTEXT_PARALLEL
-                      ) -> tuple[torch.Tensor, Metrics]:
-    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`);
-    under context parallelism the values of this rank's positions, gathered into the row."""
-    if context.enabled:
-        shard = shard_row(packed, context)
-        values_T = shard.gather_tokens(value_token_outputs(model, packed, shard))
-    else:
-        values_T = value_token_outputs(model, packed)
-    return value_loss_of_values(values_T, packed, targets, norms=norms, settings=settings)
 
 
 def local_counts(batch: MiniBatch) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 A :class:`TrainedPart` owns its model, its AdamW, its learning-rate schedule, its non-finite guard and its grad-norm
 watch, and knows its loss, the loss's settings and its clip. Both recipes are written over parts: the RL recipe
-trains the policy's part and, with ``algorithm.use_critic``, the critic's (fsdptrain/train/loop.py), the SFT recipe
+trains the policy's part and, with ``algorithm.use_critic``, the critic's (fsdptrain/train/rl.py), the SFT recipe
 the policy's (fsdptrain/train/sft.py). A part updates itself on a mini-batch (:meth:`TrainedPart.update`, over
 `fsdptrain.train.step.update_on_minibatch`), names its metrics and per-step facts, and lists itself for the
 checkpoint under its name (:func:`checkpointed_parts`), so no recipe writes a policy/critic pair out.
@@ -36,7 +36,7 @@ class TrainedPart:
     guard: NonFiniteGuard
     watch: GradNormWatch
     loss_fn: LossFn
-    """The loss of one pack (`fsdptrain.train.step.packed_policy_loss`, `packed_value_loss`, the SFT loss)."""
+    """The loss of one pack (`fsdptrain.train.pack_losses`: the policy's, the critic's or the SFT loss)."""
     settings: object
     """What ``loss_fn`` needs besides the data and the normalisers."""
     grad_clip: float

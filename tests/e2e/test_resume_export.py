@@ -107,16 +107,16 @@ GLOBAL_RNG_USER = """
     # fresh-seed ones and the RNG check of the resume test can fail.
     import random
     import torch
-    import fsdptrain.train.loop as loop
+    import fsdptrain.train.rl as rl
 
-    _run_step = loop.Trainer.run_step
+    _run_step = rl.Trainer.run_step
 
     def run_step(self, step):
         torch.rand(3)
         random.random()
         return _run_step(self, step)
 
-    loop.Trainer.run_step = run_step
+    rl.Trainer.run_step = run_step
 """
 
 
@@ -337,7 +337,7 @@ DOUBLE_CTRL_C = """
     # Test patch: two Ctrl-Cs during the second step, each seen by the handler before the next (a terminal user's
     # two presses; sent from outside they could merge into one pending signal or straddle the step boundary).
     import os, signal
-    import fsdptrain.train.loop as trainer
+    import fsdptrain.train.rl as trainer
 
     _run_step = trainer.Trainer.run_step
 

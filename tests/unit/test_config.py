@@ -131,13 +131,13 @@ def test_own_task_fields_are_checked(overrides, fragment):
 
 
 def test_steps_follow_epochs_over_the_training_rows():
-    from fsdptrain.rollout.rollout_source import resolve_steps
+    from fsdptrain.run.runner import resolve_steps
 
-    assert resolve_steps(compose_config([]), 4096) == 100  # neither set: the default
-    assert resolve_steps(compose_config(["trainer.steps=7"]), 4096) == 7
-    # ceil(epochs x rows / prompts_per_step): 0.3 x 100 / 10 = 3 exactly (not 4 from 30.000000000000004)
-    assert resolve_steps(compose_config(["trainer.epochs=0.3", "rollout.prompts_per_step=10"]), 100) == 3
-    assert resolve_steps(compose_config(["trainer.epochs=2", "rollout.prompts_per_step=16"]), 30) == 4  # 60/16
+    assert resolve_steps(compose_config([]), 4096, rows_per_step=16) == 100  # neither set: the default
+    assert resolve_steps(compose_config(["trainer.steps=7"]), 4096, rows_per_step=16) == 7
+    # ceil(epochs x rows / rows_per_step): 0.3 x 100 / 10 = 3 exactly (not 4 from 30.000000000000004)
+    assert resolve_steps(compose_config(["trainer.epochs=0.3"]), 100, rows_per_step=10) == 3
+    assert resolve_steps(compose_config(["trainer.epochs=2"]), 30, rows_per_step=16) == 4  # 60/16
 
 
 # ---- every numeric field of the schema, generated from it (a new field is covered without touching this file) ----

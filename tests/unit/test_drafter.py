@@ -32,7 +32,7 @@ from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, packed_draft_mask
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, scatter_responses, token_logprobs_entropy
-from fsdptrain.train.step import packed_policy_loss
+from fsdptrain.train.pack_losses import packed_policy_loss
 from tests.backend_calls import call_counts, reset_call_counts
 
 VOCAB = 32
@@ -168,8 +168,10 @@ def test_policy_gradients_are_bit_identical_with_the_draft_loss_added():
                                                temperature=TEMPERATURE, chunk_size=4)
     pg, _ = policy_loss(logprobs, scatter_responses([targets[i].old_logprobs for i in pack], packed),
                         scatter_responses([targets[i].advantages for i in pack], packed), packed.response_mask[0],
-                        norms=norms, agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                        clip_ratio_c=3.0, cu_seqlens=packed.cu_seqlens, entropy=entropy, entropy_coef=0.01)
+                        norms=norms,
+                        settings=PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                                    clip_ratio_c=3.0, entropy_coef=0.01),
+                        cu_seqlens=packed.cu_seqlens, entropy=entropy)
     with drafter.attention("sdpa_segments"):
         hidden = run_drafter(drafter, features, packed)
     rows, bias = teacher_head_rows(policy, drafter)

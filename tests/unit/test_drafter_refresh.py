@@ -17,11 +17,14 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
+from fsdptrain.train.pack_losses import DraftLossSettings
+from fsdptrain.train.cotrain import DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
-from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.train.pack_losses import packed_policy_loss
+from fsdptrain.train.step import MiniBatch, update_on_minibatch
 
 VOCAB = 32
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]

@@ -10,9 +10,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
+from fsdptrain.train.pack_losses import packed_policy_loss
+from fsdptrain.train.step import MiniBatch, update_on_minibatch
 
 PROMPTS = [[1, 5, 9], [1, 7]]
 RESPONSES = [[4, 4, 6, 2], [9, 2, 17]]

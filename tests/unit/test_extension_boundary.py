@@ -7,7 +7,7 @@ TRAIN = Path(__file__).resolve().parents[2] / "fsdptrain" / "train"
 
 
 def test_the_recipe_names_the_drafter_only_in_its_registration():
-    lines = [line.strip() for line in (TRAIN / "loop.py").read_text().splitlines() if "drafter" in line.lower()]
+    lines = [line.strip() for line in (TRAIN / "rl.py").read_text().splitlines() if "drafter" in line.lower()]
     assert lines == ["from fsdptrain.train.drafter_setup import DrafterExtension",
                      "if cfg.drafter.enabled:",
                      "extensions.append(DrafterExtension(cfg, models.policy, mesh=mesh, device=device, "

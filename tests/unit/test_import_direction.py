@@ -187,8 +187,8 @@ def test_the_package_follows_the_import_rules():
     ("fsdptrain.distributed.collectives", "from fsdptrain.rl.policy import policy_loss\n",
      "fsdptrain.distributed.collectives imports fsdptrain.rl.policy"),
     # rollouts sit below the loop and above model/, data/, rewards/
-    ("fsdptrain.rollout.rollout_source", "from fsdptrain.train.loop import Trainer\n",
-     "fsdptrain.rollout.rollout_source imports fsdptrain.train.loop"),
+    ("fsdptrain.rollout.rollout_source", "from fsdptrain.train.rl import Trainer\n",
+     "fsdptrain.rollout.rollout_source imports fsdptrain.train.rl"),
     ("fsdptrain.generation.generate", "from fsdptrain.rollout.turns import run_turns\n",
      "fsdptrain.generation.generate imports fsdptrain.rollout.turns"),
     ("fsdptrain.data.conversation", "from fsdptrain.rollout.turns import run_turns\n",

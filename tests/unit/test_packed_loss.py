@@ -13,8 +13,9 @@ from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, scatter_responses
-from fsdptrain.train.step import packed_policy_loss, packed_value_loss
+from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings, scatter_responses
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from tests.backend_calls import call_counts, reset_call_counts
 
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]

@@ -11,6 +11,7 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Kind, finalize
 from fsdptrain.rl.pg_losses import (
     POLICY_LOSS_REGISTRY,
+    PolicyLossSettings,
     cispo_policy_loss,
     dro_policy_loss,
     gmpo_policy_loss,
@@ -25,11 +26,12 @@ LOG = math.log
 
 def _run(fn, logp_rows, old_rows, adv_rows, mask_rows, mode, n_tok, n_seq, cu_seqlens=None, **kw):
     kw.setdefault("dro_beta", 1.0)  # DRO has no default; the other terms ignore it
+    settings = PolicyLossSettings(agg_mode=mode, clip_ratio_low=kw.pop("low", 0.2), clip_ratio_high=kw.pop("high", 0.3),
+                                  pg_loss_fn=fn, **kw)
     logp = torch.tensor(logp_rows, dtype=F64, requires_grad=True)
     loss, metrics = policy_loss(logp, torch.tensor(old_rows, dtype=F64), torch.tensor(adv_rows, dtype=F64),
-                                torch.tensor(mask_rows), norms=LossNormalizers(n_tok, n_seq), agg_mode=mode,
-                                clip_ratio_low=kw.pop("low", 0.2), clip_ratio_high=kw.pop("high", 0.3),
-                                pg_loss_fn=fn, cu_seqlens=cu_seqlens, **kw)
+                                torch.tensor(mask_rows), norms=LossNormalizers(n_tok, n_seq), settings=settings,
+                                cu_seqlens=cu_seqlens)
     loss.backward()
     return loss.item(), finalize(metrics), logp.grad, metrics
 

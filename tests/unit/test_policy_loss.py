@@ -1,6 +1,7 @@
 """Policy loss: hand-worked clipping cases, KL estimators, entropy, GSPO ratio, layouts, masked NaN."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from fsdptrain.registry import names
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Kind, close_minibatch, finalize, merge_all
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import entropy_from_logits, kl_penalty, policy_loss
 
 LOG = math.log
@@ -35,17 +37,9 @@ def _case(dual=3.0, mode="token-mean", norms=None):
     old = torch.tensor([[-1.0] * 5], dtype=torch.float64)
     logp = (old + torch.log(torch.tensor([RATIOS], dtype=torch.float64))).requires_grad_(True)
     adv = torch.tensor([ADVS], dtype=torch.float64)
-    loss, metrics = policy_loss(
-        logp,
-        old,
-        adv,
-        torch.ones(1, 5),
-        norms=norms or _norms(),
-        agg_mode=mode,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.3,
-        clip_ratio_c=dual,
-    )
+    loss, metrics = policy_loss(logp, old, adv, torch.ones(1, 5), norms=norms or _norms(),
+                                settings=PolicyLossSettings(agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.3,
+                                                            clip_ratio_c=dual))
     loss.backward()
     return loss, metrics, logp.grad
 
@@ -54,17 +48,10 @@ def _case(dual=3.0, mode="token-mean", norms=None):
 def test_each_clipping_case_alone(i):
     old = torch.tensor([[-1.0]], dtype=torch.float64)
     logp = (old + LOG(RATIOS[i])).requires_grad_(True)
-    loss, _ = policy_loss(
-        logp,
-        old,
-        torch.tensor([[ADVS[i]]], dtype=torch.float64),
-        torch.ones(1, 1),
-        norms=_norms(1, 1),
-        agg_mode="token-mean",
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.3,
-        clip_ratio_c=3.0,
-    )
+    loss, _ = policy_loss(logp, old, torch.tensor([[ADVS[i]]], dtype=torch.float64), torch.ones(1, 1),
+                          norms=_norms(1, 1),
+                          settings=PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.3,
+                                                      clip_ratio_c=3.0))
     loss.backward()
     assert loss.item() == pytest.approx(PG[i], abs=1e-12)
     assert logp.grad.item() == pytest.approx(DPG[i], abs=1e-12)
@@ -170,12 +157,13 @@ def test_kl_clamp_reaches_the_policy_loss():
     old = torch.tensor([[-1.0]], dtype=torch.float64)
     logp = old.clone().requires_grad_(True)
     ref = torch.tensor([[5.0]], dtype=torch.float64)  # d = -6
-    kw = dict(norms=_norms(1, 1), agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
-              ref_logprobs=ref, kl_coef=1.0)
+    settings = PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=1.0,
+                                  use_reference=True)
+    kw = dict(norms=_norms(1, 1), ref_logprobs=ref)
     zero = torch.zeros(1, 1, dtype=torch.float64)
-    loss, metrics = policy_loss(logp, old, zero, torch.ones(1, 1), **kw)
+    loss, metrics = policy_loss(logp, old, zero, torch.ones(1, 1), settings=settings, **kw)
     assert loss.item() == 10.0 and finalize(metrics)["kl"] == 10.0
-    loss, metrics = policy_loss(logp, old, zero, torch.ones(1, 1), kl_clamp=None, **kw)
+    loss, metrics = policy_loss(logp, old, zero, torch.ones(1, 1), settings=replace(settings, kl_clamp=None), **kw)
     assert loss.item() == pytest.approx(math.exp(6.0) - 7.0, abs=1e-10)
 
 
@@ -192,21 +180,12 @@ def test_kl_and_entropy_terms_in_the_loss():
     logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     ent = torch.tensor([[0.4, 0.8]], dtype=torch.float64, requires_grad=True)
-    loss, metrics = policy_loss(
-        logp,
-        old,
-        torch.zeros(1, 2, dtype=torch.float64),  # A = 0: pg is 0
-        torch.ones(1, 2),
-        norms=_norms(2, 1),
-        agg_mode="token-mean",
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.2,
-        ref_logprobs=ref,
-        kl_coef=0.1,
-        kl_estimator="k1",
-        entropy=ent,
-        entropy_coef=0.01,
-    )
+    loss, metrics = policy_loss(logp, old, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2),
+                                norms=_norms(2, 1),
+                                settings=PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2,
+                                                            clip_ratio_high=0.2, kl_coef=0.1, kl_estimator="k1",
+                                                            entropy_coef=0.01, use_reference=True), ref_logprobs=ref,
+                                entropy=ent)
     # kl_loss = mean k1 = (0.5 - 1) / 2 = -0.25; entropy mean 0.6; loss = 0 + 0.1 * -0.25 - 0.01 * 0.6 = -0.031
     assert loss.item() == pytest.approx(-0.031, abs=1e-12)
     out = finalize(metrics)
@@ -214,9 +193,10 @@ def test_kl_and_entropy_terms_in_the_loss():
     assert out["entropy"] == pytest.approx(0.6)
     loss.backward()
     torch.testing.assert_close(ent.grad, torch.full((1, 2), -0.005, dtype=torch.float64))  # -0.01 / 2
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(logp, old, old, torch.ones(1, 2), norms=_norms(), agg_mode="token-mean",
-                    clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.1)
+    with pytest.raises(ValueError, match="ref_logprobs"):  # the settings ask for the KL term, no reference given
+        policy_loss(logp, old, old, torch.ones(1, 2), norms=_norms(),
+                    settings=PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                                kl_coef=0.1, use_reference=True))
 
 
 def _gspo_inputs():
@@ -232,8 +212,9 @@ def _gspo_inputs():
 def test_gspo_sequence_ratio_two_lengths():
     old, logp0, adv, mask = _gspo_inputs()
     logp = logp0.clone().requires_grad_(True)
-    kw = dict(norms=_norms(4, 2), agg_mode="seq-mean-token-mean", clip_ratio_low=0.5, clip_ratio_high=0.5)
-    loss, metrics = policy_loss(logp, old, adv, mask, seq_level_ratio=True, **kw)
+    settings = PolicyLossSettings(agg_mode="seq-mean-token-mean", clip_ratio_low=0.5, clip_ratio_high=0.5,
+                                  seq_level_ratio=True)
+    loss, metrics = policy_loss(logp, old, adv, mask, norms=_norms(4, 2), settings=settings)
     s0, s1 = math.exp(0.2), math.exp(-0.4)
     # seq-mean-token-mean: (mean of -s0 over 3 tokens + s1) / 2
     assert loss.item() == pytest.approx((-s0 + s1) / 2, abs=1e-12)
@@ -254,8 +235,8 @@ def test_gspo_sequence_ratio_two_lengths():
 
 def test_gspo_packed_equals_padded():
     old, logp0, adv, mask = _gspo_inputs()
-    kw = dict(norms=_norms(4, 2), agg_mode="seq-mean-token-mean", clip_ratio_low=0.1, clip_ratio_high=0.1,
-              seq_level_ratio=True)
+    kw = dict(norms=_norms(4, 2), settings=PolicyLossSettings(agg_mode="seq-mean-token-mean", clip_ratio_low=0.1,
+                                                              clip_ratio_high=0.1, seq_level_ratio=True))
     logp = logp0.clone().requires_grad_(True)
     loss, m_pad = policy_loss(logp, old, adv, mask, **kw)
     loss.backward()
@@ -292,8 +273,9 @@ def test_microbatched_packed_equals_whole_padded(mode, gspo):
     b = _random_batch()
     n_tok = int(b["mask"].sum())
     n_seq = int((b["mask"].sum(-1) > 0).sum())
-    kw = dict(agg_mode=mode, clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=2.0, seq_level_ratio=gspo,
-              kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3")
+    kw = dict(settings=PolicyLossSettings(agg_mode=mode, clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=2.0,
+                                          seq_level_ratio=gspo, kl_coef=0.05, entropy_coef=0.01, kl_estimator="k3",
+                                          use_reference=True))
 
     logp = b["logp"].clone().requires_grad_(True)
     loss, metrics = policy_loss(logp, b["old"], b["adv"], b["mask"], norms=LossNormalizers(n_tok, n_seq, 1, 5.0),
@@ -331,9 +313,11 @@ def test_masked_nan_gives_finite_loss_and_grad(mode):
     logp = nanify(b["logp"]).requires_grad_(True)
     ent = nanify(b["ent"]).requires_grad_(True)
     loss, metrics = policy_loss(logp, nanify(b["old"]), nanify(b["adv"]), b["mask"],
-                                norms=LossNormalizers(int(b["mask"].sum()), 5, 1, 4.0), agg_mode=mode,
-                                clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, seq_level_ratio=True,
-                                ref_logprobs=nanify(b["ref"]), kl_coef=0.1, entropy=ent, entropy_coef=0.01)
+                                norms=LossNormalizers(int(b["mask"].sum()), 5, 1, 4.0),
+                                settings=PolicyLossSettings(agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                                            clip_ratio_c=3.0, seq_level_ratio=True, kl_coef=0.1,
+                                                            entropy_coef=0.01, use_reference=True),
+                                ref_logprobs=nanify(b["ref"]), entropy=ent)
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(logp.grad).all() and (logp.grad[bad] == 0).all()
@@ -343,8 +327,9 @@ def test_masked_nan_gives_finite_loss_and_grad(mode):
 
 def test_empty_pack_returns_the_same_names():
     z = torch.zeros(1, 4, dtype=torch.float64)
-    kw = dict(norms=_norms(), agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
-              ref_logprobs=z, kl_coef=0.1, entropy=z, entropy_coef=0.0)
+    kw = dict(norms=_norms(), ref_logprobs=z, entropy=z,
+              settings=PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, kl_coef=0.1,
+                                          entropy_coef=0.0, use_reference=True))
     _, full = policy_loss(z, z, z, torch.ones(1, 4), **kw)
     loss, empty = policy_loss(z, z, z, torch.zeros(1, 4), **kw)
     assert list(full) == list(empty) and loss.item() == 0.0
@@ -355,8 +340,9 @@ def test_empty_pack_returns_the_same_names():
 def test_dual_clip_must_exceed_one():
     z = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        policy_loss(z, z, z, torch.ones(1, 1), norms=_norms(), agg_mode="token-mean", clip_ratio_low=0.2,
-                    clip_ratio_high=0.2, clip_ratio_c=0.9)
+        policy_loss(z, z, z, torch.ones(1, 1), norms=_norms(),
+                    settings=PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                                clip_ratio_c=0.9))
 
 
 @pytest.mark.parametrize("estimator", names.KL_ESTIMATORS)

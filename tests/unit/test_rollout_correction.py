@@ -8,6 +8,7 @@ import torch
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.dynamic_sampling import groups_with_signal
 from fsdptrain.metrics.typed import Kind, finalize, merge
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.rollout_correction import rollout_correction_weights, rollout_rejection_mask
 
@@ -118,9 +119,10 @@ def test_weights_multiply_the_pg_term_only():
     old = torch.tensor([[-1.0, -1.0]], dtype=F64)
     logp = old.clone().requires_grad_(True)
     loss, _ = policy_loss(logp, old, torch.ones(1, 2, dtype=F64), torch.ones(1, 2), norms=LossNormalizers(2, 1),
-                          agg_mode="token-sum", clip_ratio_low=0.2, clip_ratio_high=0.2,
-                          rollout_is_weights=torch.tensor([[2.0, 0.5]], dtype=F64),
-                          ref_logprobs=old - 1.0, kl_coef=1.0, kl_estimator="k1")
+                          settings=PolicyLossSettings(agg_mode="token-sum", clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                                      kl_coef=1.0, kl_estimator="k1", use_reference=True,
+                                                      use_is_weights=True),
+                          rollout_is_weights=torch.tensor([[2.0, 0.5]], dtype=F64), ref_logprobs=old - 1.0)
     loss.backward()
     assert loss.item() == pytest.approx(-2.5 + 2.0, abs=1e-12)
     torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 + 1.0, -0.5 + 1.0]], dtype=F64))
@@ -221,8 +223,9 @@ def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
         old, weights, mask, cu = old[0], weights[0], torch.tensor([1, 1, 1]), torch.tensor([0, 2])
     logp = old.clone().requires_grad_(True)
     loss, _ = policy_loss(logp, old, torch.ones_like(old), mask, norms=LossNormalizers(2, 1),
-                          agg_mode="seq-mean-token-mean", clip_ratio_low=0.4, clip_ratio_high=0.4,
-                          pg_loss_fn=gmpo_policy_loss, rollout_is_weights=weights, cu_seqlens=cu)
+                          settings=PolicyLossSettings(agg_mode="seq-mean-token-mean", clip_ratio_low=0.4,
+                                                      clip_ratio_high=0.4, pg_loss_fn=gmpo_policy_loss,
+                                                      use_is_weights=True), rollout_is_weights=weights, cu_seqlens=cu)
     loss.backward()
     assert loss.item() == pytest.approx(-1.0, abs=1e-12)
     torch.testing.assert_close(logp.grad.reshape(-1)[:2], torch.tensor([-0.5, -0.5], dtype=F64), rtol=0, atol=1e-12)

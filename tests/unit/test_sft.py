@@ -20,7 +20,8 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.rollout.turns import TurnCaps
 from tests.scripted_decoder import scripted_turns
-from fsdptrain.train.sft import SftLossSettings, as_minibatch, packed_sft_loss
+from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
+from fsdptrain.train.sft import as_minibatch
 from fsdptrain.train.step import accumulate_gradients, local_counts
 from tests.chatml import CHATML_NO_TOOLS, chatml_tokenizer
 

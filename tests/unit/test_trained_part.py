@@ -11,10 +11,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fsdptrain.config.compose import compose_config
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.metrics.typed import Metrics, Sum, finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.setup import build_part
 from fsdptrain.train.optim import NonFiniteGuard
-from fsdptrain.train.step import MiniBatch, packed_policy_loss, packed_value_loss, update_on_minibatch
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
+from fsdptrain.train.step import MiniBatch, update_on_minibatch
 from fsdptrain.train.trained_part import checkpointed_parts
 
 PROMPTS = [[1, 5, 9], [1, 7]]

@@ -28,16 +28,15 @@ from fsdptrain.model.loading import build_full_model
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import comparable, finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.train.step import (
-    MiniBatch,
-    accumulate_gradients,
+from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.train.pack_losses import (
     context_token_outputs,
-    global_normalizers,
     packed_policy_loss,
     packed_value_loss,
     policy_token_outputs,
 )
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers
 from tests.dist.workers.lora_checks import LORA, nudged
 from tests.dist.workers.report import report_and_exit
 from tests.dist.workers.train_step_checks import (

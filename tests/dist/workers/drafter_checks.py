@@ -30,20 +30,19 @@ from fsdptrain.model.loading import build_full_model
 from fsdptrain.model.drafter import DraftVocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.train.cotrain import (
-    CoTrainSettings,
-    DraftLossSettings,
-    DrafterUpdate,
-    global_normalizers_with_draft,
-    local_draft_counts,
-    packed_policy_and_draft_loss,
-    refresh_drafter,
-)
+from fsdptrain.train.cotrain import DrafterUpdate, global_normalizers_with_draft, local_draft_counts, refresh_drafter
 from fsdptrain.distributed.collectives import plan_agreed
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
-from fsdptrain.train.step import MiniBatch, accumulate_gradients, local_counts, optimizer_step, packed_policy_loss
+from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.train.pack_losses import (
+    CoTrainSettings,
+    DraftLossSettings,
+    packed_policy_and_draft_loss,
+    packed_policy_loss,
+)
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, local_counts, optimizer_step
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 

@@ -25,8 +25,9 @@ from fsdptrain.distributed.fsdp import gather_full_state_dict
 from fsdptrain.model.drafter_export import load_drafter
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.train.loop import Trainer
-from fsdptrain.train.step import packed_policy_loss, update_on_minibatch
+from fsdptrain.train.rl import Trainer
+from fsdptrain.train.pack_losses import packed_policy_loss
+from fsdptrain.train.step import update_on_minibatch
 from tests.dist.workers.report import report_and_exit
 
 

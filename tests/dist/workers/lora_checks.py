@@ -42,16 +42,11 @@ from fsdptrain.model.attention_switch import generation_attention, set_attention
 from fsdptrain.model.loading import TINY_CONFIG, build_full_model, trainable_parameters
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.train.step import (
-    MiniBatch,
-    accumulate_gradients,
-    global_normalizers,
-    optimizer_step,
-    packed_policy_loss,
-    packed_value_loss,
-)
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
+from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
 from tests.dist.workers.report import report_and_exit
 from tests.dist.workers.train_step_checks import (
     CONFIG,

@@ -23,7 +23,8 @@ from fsdptrain.distributed.fsdp import build_policy, gather_full_grads
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.loading import build_full_model
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.train.sft import SftLossSettings, as_minibatch, packed_sft_loss
+from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
+from fsdptrain.train.sft import as_minibatch
 from fsdptrain.train.step import accumulate_gradients, global_normalizers
 from tests.chatml import chatml_tokenizer
 from tests.dist.workers.report import report_and_exit, start_worker

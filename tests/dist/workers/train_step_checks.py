@@ -26,7 +26,7 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
-from fsdptrain.train.step import packed_policy_loss, packed_value_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.rl.policy import entropy_from_logits, policy_loss
 from fsdptrain.rl.value import value_loss
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads, gather_full_state_dict
@@ -103,11 +103,14 @@ def reference_step(model, kind: str, mode: str, batch, norms_counts):
     if kind == "policy":
         logits = out[:, :-1].float() / SETTINGS["temperature"]
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss, _ = policy_loss(logp, f["old_logprobs"], f["advantages"], mask, norms=norms, agg_mode=mode,
-                              clip_ratio_low=SETTINGS["clip_ratio_low"], clip_ratio_high=SETTINGS["clip_ratio_high"],
-                              clip_ratio_c=SETTINGS["clip_ratio_c"], ref_logprobs=f["ref_logprobs"],
-                              kl_coef=SETTINGS["kl_coef"], kl_estimator=SETTINGS["kl_estimator"],
-                              entropy=entropy_from_logits(logits), entropy_coef=SETTINGS["entropy_coef"])
+        loss, _ = policy_loss(logp, f["old_logprobs"], f["advantages"], mask, norms=norms,
+                              settings=PolicyLossSettings(agg_mode=mode, clip_ratio_low=SETTINGS["clip_ratio_low"],
+                                                          clip_ratio_high=SETTINGS["clip_ratio_high"],
+                                                          clip_ratio_c=SETTINGS["clip_ratio_c"],
+                                                          kl_coef=SETTINGS["kl_coef"],
+                                                          kl_estimator=SETTINGS["kl_estimator"],
+                                                          entropy_coef=SETTINGS["entropy_coef"], use_reference=True),
+                              ref_logprobs=f["ref_logprobs"], entropy=entropy_from_logits(logits))
     else:
         values = out[:, :-1, 0].float()
         loss, _ = value_loss(values, f["old_values"], f["returns"], mask, norms=norms, agg_mode=mode,

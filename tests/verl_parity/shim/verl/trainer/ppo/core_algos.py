@@ -22,6 +22,7 @@ from fsdptrain.rl.advantages import gae, grpo_advantages, rloo_advantages
 from fsdptrain.rl.aggregate import SeqLayout, agg_loss as _fs_agg_loss, count_tokens_and_seqs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import finalize
+from fsdptrain.rl.pg_losses import PolicyLossSettings
 from fsdptrain.rl.policy import policy_loss
 
 
@@ -104,11 +105,13 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
     """verl's (pg_loss, pg_metrics): fsdptrain's loss and its finalized metrics under verl's names."""
     clip = _attr(config, "clip_ratio", 0.2)
     num_tokens, num_seqs = count_tokens_and_seqs(response_mask)
+    settings = PolicyLossSettings(
+        agg_mode=loss_agg_mode, clip_ratio_low=_attr(config, "clip_ratio_low", clip),
+        clip_ratio_high=_attr(config, "clip_ratio_high", clip), clip_ratio_c=_attr(config, "clip_ratio_c", 3.0),
+        use_is_weights=rollout_is_weights is not None)
     loss, metrics = policy_loss(
         log_prob, old_log_prob, advantages, response_mask,
         norms=LossNormalizers(num_tokens, num_seqs, loss_scale_factor=_attr(config, "loss_scale_factor", None)),
-        agg_mode=loss_agg_mode, clip_ratio_low=_attr(config, "clip_ratio_low", clip),
-        clip_ratio_high=_attr(config, "clip_ratio_high", clip), clip_ratio_c=_attr(config, "clip_ratio_c", 3.0),
-        rollout_is_weights=rollout_is_weights)
+        settings=settings, rollout_is_weights=rollout_is_weights)
     values = finalize(metrics)
     return loss, {f"actor/{k}": v for k, v in values.items() if k != "pg_loss"}

@@ -3,9 +3,10 @@ checkpoint.
 
 :meth:`Trainer.run_step` reads top to bottom as the data path of docs/architecture.md and calls components only:
 the rollout source (fsdptrain/rollout/rollout_source.py), the experience passes (experience.py), the update of one
-mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py); :func:`_run` logs each step and saves
-checkpoints (fsdptrain/run/checkpointer.py). Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone prints
-and writes the run directory.
+mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py). The run flow shared with the SFT
+recipe (fsdptrain/run/runner.py: resume, the metrics lines, checkpoints, the export) drives it through the hooks
+at the end of :class:`Trainer`. Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone
+prints and writes the run directory.
 
 Optional features plug in as an :class:`Extension` (docs/architecture.md, "Extensions"): :func:`build_extensions` is
 their one registration. The policy and the critic are trained parts (trained_part.py: a model with its optimizer,
@@ -19,42 +20,30 @@ the group's global index within the step, so the mini-batches hold the same data
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Optional, Protocol
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from fsdptrain.config import validate_world
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
-from fsdptrain.storage.atomic import write_atomic
 from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.rl.packed_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
 from fsdptrain.run.perf import StepTimer, peak_tflops, phase, step_flops, throughput
-from fsdptrain.run.console import (
-    log,
-    print_samples,
-    print_start_report,
-    print_summary,
-    progress_columns,
-    quiet_known_warnings,
-    stats_line,
-)
-from fsdptrain.rollout.rollout_source import build_source, resolve_steps
-from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.run.outputs import MetricsFiles, write_samples
+from fsdptrain.run.console import print_samples, print_start_report, print_summary
+from fsdptrain.rollout.rollout_source import build_source
+from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
+from fsdptrain.run.outputs import write_samples
+from fsdptrain.run.runner import resolve_steps, run_recipe
 from fsdptrain.train.setup import build_models, loss_scale_factor, max_response_length, resolve_device_type, skips_old_passes, value_settings
 from fsdptrain.model.loading import build_tokenizer
-from fsdptrain.run.signals import StopRequest
 from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, replica_metrics
-from fsdptrain.run.trackers import Trackers
 from fsdptrain.train.trained_part import checkpointed_parts
 
 
@@ -104,7 +93,13 @@ def build_extensions(cfg: DictConfig, models, *, mesh, device: torch.device, num
 
 
 class Trainer:
-    """Owns the models, the rollout source, the extensions and the run directory for one ``fsdptrain train`` run."""
+    """Owns the models, the rollout source, the extensions and the run directory for one ``fsdptrain train`` run;
+    the RL recipe of the shared run flow (`fsdptrain.run.runner.Recipe`)."""
+
+    name = "train"
+    stats = (("reward/mean", "reward", ".3f"), ("perf/tokens_per_s", "tok/s", ".0f"), ("perf/step_s", "step", ".2f"),
+             ("perf/generate_s", "gen", ".2f"), ("perf/experience_s", "exp", ".2f"), ("perf/update_s", "upd", ".2f"),
+             ("actor/pg_loss", "pg", ".3g"), ("critic/vf_loss", "vf", ".3g"), ("actor/grad_norm", "|g|", ".3g"))
 
     def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
@@ -114,7 +109,8 @@ class Trainer:
         """This rank's CP group (docs/scaling.md): its ranks train the union of their rollouts, each row split."""
         self.tokenizer = build_tokenizer(cfg)
         self.source = build_source(cfg, self.tokenizer)
-        self.num_steps = resolve_steps(cfg, self.source.num_train_rows)
+        self.num_steps = resolve_steps(cfg, self.source.num_train_rows,
+                                       rows_per_step=cfg.rollout.prompts_per_step)
         self.models = build_models(cfg, self.tokenizer, mesh, self.device, num_steps=self.num_steps)
         self.policy_settings = self.models.policy_part.settings
         self.experience_settings = experience_settings(cfg, share_prompts=self.models.share_prompts)
@@ -124,6 +120,8 @@ class Trainer:
         self.peak_tflops = peak_tflops(cfg.perf.peak_tflops, self.device)
         self.kinds: dict[str, str] = {}
         """The kind of every typed metric logged so far (``Kind`` values)."""
+        self.eval_rewards: dict[int, float] = {}
+        """``eval/reward`` after each number of steps this run evaluated at, for the summary."""
         self.extensions = build_extensions(cfg, self.models, mesh=mesh, device=self.device, num_steps=self.num_steps)
 
     # -- one step ----------------------------------------------------------------------------------------------------
@@ -320,6 +318,42 @@ class Trainer:
         for extension in self.extensions:
             extension.export(run_dir)
 
+    # -- the run flow's hooks (fsdptrain/run/runner.py) --------------------------------------------------------------
+
+    def report_start(self) -> None:
+        cfg, models = self.cfg, self.models
+        print_start_report(cfg, world_size=self.info.world_size, device=self.device, mesh_shape=tuple(self.mesh.shape),
+                           backend=models.backend, policy=models.policy, dp_size=self.dp_size,
+                           share_prompts=("on" if models.share_prompts else "off") + f" ({models.share_prompts_why})",
+                           loss_scale_factor=self.loss_scale_factor, max_len=max_response_length(cfg),
+                           source_line=self.source.describe(self.num_steps))
+
+    def begin(self, start: int) -> None:
+        """A fresh run's ``eval/reward`` before any step (collective)."""
+        if self.can_evaluate() and start == 0:
+            self.eval_rewards[0] = self.evaluate()
+
+    def after_step(self, step: int, result: dict[str, float], *, first: bool, console) -> None:
+        """Keeps the step's ``eval/reward`` for the summary; rank 0 writes samples.jsonl every
+        ``logging.samples_every`` steps and shows the run's first samples."""
+        if "eval/reward" in result:
+            self.eval_rewards[step + 1] = result["eval/reward"]
+        samples, every = self.source.samples, self.cfg.logging.samples_every
+        if not (self.info.is_main and samples):
+            return
+        if every > 0 and step % every == 0:
+            write_samples(self.run_dir / "samples.jsonl", step, samples)
+        if first:
+            print_samples(console, step, samples)
+
+    def summarize(self, history: list[dict[str, float]]) -> None:
+        if self.info.is_main:
+            print_summary(history, self.eval_rewards)
+
+    def close(self) -> None:
+        """The source's reward worker processes end."""
+        self.source.close()
+
 
 def policy_length(rollout: Rollout) -> int:
     """The rollout's response tokens the policy sampled: the sum of its ``response_mask`` (its length without one)."""
@@ -337,76 +371,5 @@ def on_policy_deviation(values: dict[str, float]) -> Metrics:
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
-    """The ``fsdptrain train`` job on this rank; returns the exit code."""
-    quiet_known_warnings()
-    stop = StopRequest()
-    stop.install()
-    info = world.init_distributed(device_type=resolve_device_type(cfg))
-    replicate, shard = validate_world(cfg, info.world_size)
-    mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type, cp=cfg.parallel.cp)
-    random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    run_path = Path(run_dir).absolute()  # fixed now: the user's code may change the working directory later
-    trainer = Trainer(cfg, run_path, info, mesh)
-    try:  # the reward worker processes and the trackers end on every way out (errors, Ctrl-C, SIGTERM)
-        code = _run(trainer, stop)
-    finally:
-        trainer.source.close()
-    world.destroy_distributed()
-    return code
-
-
-def _run(trainer: Trainer, stop: StopRequest) -> int:
-    cfg, info, run_path, num_steps = trainer.cfg, trainer.info, trainer.run_dir, trainer.num_steps
-    start = resume(trainer.checkpointed, run_path, cfg=cfg, num_steps=num_steps, prepare=trainer.prepare_to_load)
-    metrics_path, samples_path = run_path / "metrics.jsonl", run_path / "samples.jsonl"
-    files = MetricsFiles(run_path, resumed=start > 0)
-    if info.is_main:
-        run_path.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_path / "config.yaml", OmegaConf.to_yaml(cfg))
-        keep_metrics_before(metrics_path, start)
-        keep_metrics_before(samples_path, start)
-    print_start_report(cfg, world_size=info.world_size, device=trainer.device, mesh_shape=tuple(trainer.mesh.shape),
-                       backend=trainer.models.backend, policy=trainer.models.policy, dp_size=trainer.dp_size,
-                       share_prompts=("on" if trainer.models.share_prompts else "off")
-                       + f" ({trainer.models.share_prompts_why})",
-                       loss_scale_factor=trainer.loss_scale_factor, max_len=max_response_length(cfg),
-                       source_line=trainer.source.describe(num_steps))
-    eval_rewards: dict[int, float] = {}
-    if trainer.can_evaluate() and start == 0:
-        eval_rewards[0] = trainer.evaluate()
-    history = []
-    trackers = Trackers(cfg, run_path, is_main=info.is_main)
-    show = info.is_main and cfg.logging.progress
-    from rich.progress import Progress
-
-    try:
-        with Progress(*progress_columns(), disable=not show, transient=False) as progress:
-            task = progress.add_task("train", total=num_steps, completed=start, stats="")
-            for step in range(start, num_steps):
-                result = trainer.run_step(step)
-                done = step + 1
-                if "eval/reward" in result:
-                    eval_rewards[done] = result["eval/reward"]
-                history.append(result)
-                every = cfg.logging.samples_every
-                if info.is_main:
-                    files.write(result, trainer.kinds)
-                    trackers.log(result)
-                    if trainer.source.samples and every > 0 and step % every == 0:
-                        write_samples(samples_path, step, trainer.source.samples)
-                    if step == start and trainer.source.samples:
-                        print_samples(progress.console if show else None, step, trainer.source.samples)
-                progress.update(task, advance=1, stats=stats_line(result))
-                if save_if_due(trainer.checkpointed, run_path, done, cfg=cfg, num_steps=num_steps,
-                               stopping=world.any_flag(stop.requested)):
-                    return 0
-    finally:
-        trackers.close()
-    if cfg.checkpoint.every > 0 and start < num_steps:  # else the resumed checkpoint is this one
-        save(trainer.checkpointed(), run_path, num_steps, cfg=cfg)
-    trainer.export(run_path)
-    if info.is_main and history:
-        print_summary(history, eval_rewards)
-    log(f"run directory: {run_path} (metrics.jsonl, export/)")
-    return 0
+    """The ``fsdptrain train`` job on this rank (the shared run flow over :class:`Trainer`); returns the exit code."""
+    return run_recipe(cfg, run_dir, Trainer, device_type=resolve_device_type(cfg))

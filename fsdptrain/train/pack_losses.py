@@ -1,0 +1,201 @@
+"""The per-pack losses of every trained model: one forward of the model over a packed row (docs/packing.md), then
+the loss of its outputs from `fsdptrain/rl/` (pure numerics), with the mini-batch's global normalisers.
+
+Each has the signature the update calls (`fsdptrain.train.step.accumulate_gradients`'s ``loss_fn``):
+``loss_fn(model, packed, targets, *, norms, settings) -> (loss, Metrics)``, where ``targets[i]`` belongs to the
+pack's i-th sequence and ``settings`` is the loss's settings object, built once per run:
+
+- RL: :func:`packed_policy_loss` (`fsdptrain.rl.pg_losses.PolicyLossSettings`) and :func:`packed_value_loss`
+  (`fsdptrain.rl.packed_loss.ValueLossSettings`), each also under context parallelism;
+- SFT: :func:`packed_sft_loss` (:class:`SftLossSettings`; `fsdptrain.rl.sft_loss.sft_loss`);
+- the co-trained drafter (docs/drafter.md): :func:`packed_policy_and_draft_loss` (policy + drafter from one policy
+  forward) and :func:`packed_draft_refresh_loss` (the drafter alone, the policy under no_grad), both
+  :class:`CoTrainSettings`.
+
+Legend: `_T` per-position tensors of one packed row, `_TH` `[T, H]`, `_DH` `[D, H]`, `_L` one context-parallel
+rank's positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fsdptrain.data.packing import PackedBatch
+from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
+from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
+from fsdptrain.model.forward import final_hidden_states, value_token_outputs
+from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.draft_loss import draft_loss, packed_draft_mask
+from fsdptrain.metrics.typed import Metrics
+from fsdptrain.rl.packed_loss import (
+    SeqTargets,
+    ValueLossSettings,
+    policy_loss_of_pack,
+    token_logprobs_entropy,
+    value_loss_of_pack,
+)
+from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.sft_loss import sft_loss
+
+
+# ---- RL: the policy and the critic -----------------------------------------------------------------------------------
+
+
+def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
+                         compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One forward of the policy over the packed row, then `token_logprobs_entropy` of its hidden states."""
+    head = model.get_output_embeddings()
+    return token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
+                                  temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """What `token_logprobs_entropy` reads of a row, at a context-parallel rank's positions (`[1, L]`)."""
+
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+
+
+def context_token_outputs(model, packed: PackedBatch, shard: ContextShard, *, temperature: float, chunk_size: int,
+                          compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`policy_token_outputs` under context parallelism: the forward and the head at this rank's positions, then
+    the whole row's `[T]` log-probs and entropy gathered from the CP group (each rank's gradient: its positions')."""
+    head = model.get_output_embeddings()
+    local = LocalRows(shard.split.take(packed.labels), shard.split.take(packed.response_mask))
+    logprobs_L, entropy_L = token_logprobs_entropy(final_hidden_states(model, packed, shard), head.weight, head.bias,
+                                                   local, temperature=temperature, chunk_size=chunk_size,
+                                                   compute_entropy=compute_entropy)
+    return shard.gather_tokens(logprobs_L), None if entropy_L is None else shard.gather_tokens(entropy_L)
+
+
+def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                       settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None,
+                       context: ContextGroup = NO_CONTEXT_PARALLEL) -> tuple[torch.Tensor, Metrics]:
+    """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
+    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`). Under
+    context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
+    if context.enabled:
+        assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
+        logprobs_T, entropy_T = context_token_outputs(model, packed, shard_row(packed, context),
+                                                      temperature=settings.temperature, chunk_size=settings.chunk_size)
+    else:
+        if hidden_TH is None:
+            hidden_TH = final_hidden_states(model, packed)
+        head = model.get_output_embeddings()
+        logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed,
+                                                       temperature=settings.temperature,
+                                                       chunk_size=settings.chunk_size)
+    return policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
+
+
+def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
+                      settings: ValueLossSettings, context: ContextGroup = NO_CONTEXT_PARALLEL
+                      ) -> tuple[torch.Tensor, Metrics]:
+    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`);
+    under context parallelism the values of this rank's positions, gathered into the row."""
+    if context.enabled:
+        shard = shard_row(packed, context)
+        values_T = shard.gather_tokens(value_token_outputs(model, packed, shard))
+    else:
+        values_T = value_token_outputs(model, packed)
+    return value_loss_of_pack(values_T, packed, targets, norms=norms, settings=settings)
+
+
+# ---- SFT -------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SftLossSettings:
+    """What the SFT loss needs besides the data and the normalisers."""
+
+    agg_mode: str
+    chunk_size: int
+
+
+@dataclass(frozen=True)
+class DemoTarget:
+    """A demonstration's per-token target: which response tokens are trained on (bool ``[R]``), as
+    `fsdptrain.rl.packed_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
+
+    response_mask: torch.Tensor
+
+
+def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *, norms: LossNormalizers,
+                    settings: SftLossSettings) -> tuple[torch.Tensor, Metrics]:
+    """The policy's forward over one pack, the fused log-probs of the trained tokens (`token_logprobs_entropy`, at
+    temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the targets are in the row's mask."""
+    logprobs_T, _ = policy_token_outputs(model, packed, temperature=1.0, chunk_size=settings.chunk_size,
+                                         compute_entropy=False)
+    return sft_loss(logprobs_T, packed.response_mask[0], norms=norms, agg_mode=settings.agg_mode,
+                    cu_seqlens=packed.cu_seqlens)
+
+
+# ---- the co-trained drafter -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftLossSettings:
+    """The draft loss's knobs (fixed per run): which tokens train it, its weight, the attention backend."""
+
+    on: str
+    loss_weight: float
+    backend: str
+
+
+@dataclass(frozen=True)
+class CoTrainSettings:
+    """What `packed_policy_and_draft_loss` needs besides the data and the policy's normalisers: the policy loss's
+    settings, the (sharded) drafter, the draft loss's settings and the mini-batch's draft normalisers."""
+
+    policy: PolicyLossSettings
+    drafter: nn.Module
+    draft: DraftLossSettings
+    draft_norms: LossNormalizers
+
+
+def packed_policy_and_draft_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *,
+                                 norms: LossNormalizers, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
+    """policy_loss + loss_weight * draft_loss of one pack, and both losses' metrics (the drafter's named
+    `drafter/*`). The agg mode, temperature and chunk size are the policy's."""
+    drafter, policy = settings.drafter, settings.policy
+    features = capture_policy_features(model, packed, feature_layers=drafter.feature_layers)
+    head = model.get_output_embeddings()
+    logprobs_T, entropy_T = token_logprobs_entropy(features.final_hidden_TH, head.weight, head.bias, packed,
+                                                   temperature=policy.temperature, chunk_size=policy.chunk_size)
+    loss, metrics = policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=policy)
+    d_loss, d_metrics = draft_loss_of_features(model, features, packed, settings)
+    return loss + settings.draft.loss_weight * d_loss, metrics.merge(d_metrics)
+
+
+def packed_draft_refresh_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *,
+                              norms: LossNormalizers, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
+    """loss_weight * draft_loss of one pack with the policy under no_grad: a refresh pass, run after the policy's
+    optimizer step, so the teacher is the policy that generates the next rollouts (docs/drafter.md, "Refresh
+    passes"). Same math, masks and normalisers as the joint pass; only the drafter gets gradients. `norms` and
+    `targets` are unused (the draft loss's normalisers are `settings.draft_norms`): the signature is the loss
+    functions' one."""
+    with torch.no_grad():
+        features = capture_policy_features(model, packed, feature_layers=settings.drafter.feature_layers)
+    d_loss, d_metrics = draft_loss_of_features(model, features, packed, settings)
+    return settings.draft.loss_weight * d_loss, d_metrics
+
+
+def draft_loss_of_features(model, features, packed: PackedBatch, settings: CoTrainSettings) -> tuple[Tensor, Metrics]:
+    """The draft loss of one pack and its metrics, from the captured (detached) policy features; the teacher is the
+    policy's draft-vocabulary rows, read while its root unit is still unsharded after the forward."""
+    drafter, policy = settings.drafter, settings.policy
+    teacher_DH, teacher_bias_D = teacher_head_rows(model, drafter)
+    with drafter.attention(settings.draft.backend):
+        draft_hidden_TH = run_drafter(drafter, features, packed)
+    mask_T = packed_draft_mask(packed, on=settings.draft.on).to(draft_hidden_TH.device)
+    # the drafter's root unit keeps its weights unsharded after forward, so its head reads as a plain tensor here
+    return draft_loss(
+        draft_hidden_TH, drafter.lm_head.weight, features.final_hidden_TH, teacher_DH, mask_T,
+        norms=settings.draft_norms, agg_mode=policy.agg_mode, cu_seqlens=packed.cu_seqlens,
+        temperature=policy.temperature, chunk_size=policy.chunk_size, teacher_bias_D=teacher_bias_D,
+    )
