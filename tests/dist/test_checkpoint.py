@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from fsdptrain.distributed import sharded_checkpoint as ckpt
+
+from fsdptrain.storage import checkpoint_folders as folders
 from tests.dist.launch import LaunchResult, launch
 
 WORKER = "ckpt_worker.py"
@@ -51,7 +53,7 @@ def crashed(runs) -> dict:
     finally:
         mp.undo()
     checkpoints = sorted(p.name for p in (runs["run_b"] / "checkpoints").iterdir())
-    latest = ckpt.latest_checkpoint(runs["run_b"])
+    latest = folders.latest_checkpoint(runs["run_b"])
     return {"result": result, "checkpoints_after_crash": checkpoints, "latest_after_crash": latest}
 
 
@@ -71,7 +73,7 @@ def test_rotation_keeps_the_newest_three(runs):
     # saves after steps 1, 2, 3, 4 with keep=3: step 1 went when step 4 arrived; no temp folder is left over
     assert names == ["step_00000002", "step_00000003", "step_00000004"]
     assert runs["train"].results[0]["latest"].endswith("step_00000004")
-    info = ckpt.checkpoint_info(runs["run_a"] / "checkpoints" / "step_00000002")
+    info = folders.checkpoint_info(runs["run_a"] / "checkpoints" / "step_00000002")
     assert info["step"] == 2 and info["world_size"] == 1
     assert info["models"] == ["critic", "policy"] and info["optimizers"] == ["critic", "policy"]
 
@@ -121,7 +123,7 @@ def test_crash_inside_the_writer_leaves_the_previous_checkpoint(runs, crashed):
     assert crashed["checkpoints_after_crash"] == [".tmp_step_00000005", "step_00000004"]
     half_written = runs["run_b"] / "checkpoints" / ".tmp_step_00000005"
     assert list(half_written.glob("*.distcp")), "the patch should kill the save after its data files were written"
-    assert not (half_written / ckpt.MARKER).exists()
+    assert not (half_written / folders.MARKER).exists()
     assert crashed["latest_after_crash"] == runs["run_b"] / "checkpoints" / "step_00000004"
 
 
@@ -150,9 +152,9 @@ def test_two_rank_save_writes_every_rank_and_rotates(runs, resharded):
     names = sorted(p.name for p in (runs["run_b"] / "checkpoints").iterdir())  # B/step_5 never completed
     assert names == ["step_00000004", "step_00000006"]
     step6 = runs["run_b"] / "checkpoints" / "step_00000006"
-    assert ckpt.checkpoint_info(step6)["world_size"] == 2
+    assert folders.checkpoint_info(step6)["world_size"] == 2
     assert (step6 / "rng_rank0.pt").is_file() and (step6 / "rng_rank1.pt").is_file()
-    extra = torch.load(step6 / ckpt.TRAINER_STATE, weights_only=True)["extra"]
+    extra = torch.load(step6 / folders.TRAINER_STATE, weights_only=True)["extra"]
     assert extra["step"] == 6 and extra["data_position"] == 24
 
 
@@ -192,32 +194,32 @@ def _fake_checkpoint(run_dir: Path, name: str, *, marker: bool) -> Path:
     path = run_dir / "checkpoints" / name
     path.mkdir(parents=True)
     if marker:
-        (path / ckpt.MARKER).write_text(json.dumps({"step": 0}))
+        (path / folders.MARKER).write_text(json.dumps({"step": 0}))
     return path
 
 
 def test_latest_checkpoint_ignores_incomplete_and_temp_folders(tmp_path):
-    assert ckpt.latest_checkpoint(tmp_path) is None
+    assert folders.latest_checkpoint(tmp_path) is None
     _fake_checkpoint(tmp_path, "step_00000002", marker=True)
     _fake_checkpoint(tmp_path, "step_00000010", marker=True)
     _fake_checkpoint(tmp_path, "step_00000011", marker=False)  # a folder without its marker is not complete
     _fake_checkpoint(tmp_path, ".tmp_step_00000012", marker=True)  # marker written, rename not done: temp
     _fake_checkpoint(tmp_path, "step_12", marker=True)  # not our naming
     # numeric order, not the order of creation: 10 > 2
-    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_00000010"
+    assert folders.latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_00000010"
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        ckpt.checkpoint_info(tmp_path / "checkpoints" / "step_00000011")
+        folders.checkpoint_info(tmp_path / "checkpoints" / "step_00000011")
 
 
 def test_prune_keeps_the_newest_and_drops_temp_folders(tmp_path):
     for step in (1, 3, 5, 7):
         _fake_checkpoint(tmp_path, f"step_{step:08d}", marker=True)
     _fake_checkpoint(tmp_path, ".tmp_step_00000009", marker=False)
-    deleted = ckpt.prune_checkpoints(tmp_path, keep=2)
+    deleted = folders.prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in deleted) == [".tmp_step_00000009", "step_00000001", "step_00000003"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000005", "step_00000007"]
     with pytest.raises(ValueError, match="keep must be >= 1"):
-        ckpt.prune_checkpoints(tmp_path, keep=0)
+        folders.prune_checkpoints(tmp_path, keep=0)
 
 
 def test_extra_must_be_plain_data(tmp_path):

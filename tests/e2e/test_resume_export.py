@@ -275,7 +275,7 @@ CRASH_IN_WRITER = """
 
 
 def test_crash_inside_the_writer_keeps_the_previous_checkpoint(reference, tmp_path):
-    from fsdptrain.distributed.sharded_checkpoint import latest_checkpoint
+    from fsdptrain.storage.checkpoint_folders import latest_checkpoint
 
     run_c = tmp_path / "runs" / "C"
     env = write_patch(tmp_path / "patch", CRASH_IN_WRITER)

@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdptrain.distributed.sharded_checkpoint import (
-    checkpoint_problem,
-    load_checkpoint,
-    newest_intact_checkpoint,
-    save_checkpoint,
-)
+from fsdptrain.distributed.sharded_checkpoint import load_checkpoint, save_checkpoint
+
+from fsdptrain.storage.checkpoint_folders import checkpoint_problem, newest_intact_checkpoint
 
 
 def _save(run_dir: Path, step: int) -> Path:
@@ -57,7 +54,7 @@ def test_a_planted_metadata_pickle_is_a_damaged_checkpoint_and_never_runs(two_ch
 @pytest.mark.parametrize("with_digests", [True, False])
 def test_the_metadata_reader_builds_only_checkpoint_classes(two_checkpoints, tmp_path, with_digests):
     older, newest = two_checkpoints
-    from fsdptrain.distributed.sharded_checkpoint import read_dcp_metadata
+    from fsdptrain.storage.checkpoint_folders import read_dcp_metadata
 
     assert type(read_dcp_metadata(older)).__name__ == "Metadata"
     marker = tmp_path / "code-ran"

@@ -15,7 +15,7 @@ import pytest
 
 from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.sharded_checkpoint import MARKER, prune_checkpoints
+from fsdptrain.storage.checkpoint_folders import MARKER, prune_checkpoints
 from fsdptrain.storage.atomic import append_line, read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.checks import safetensors_problem
 from fsdptrain.run.ownership import claim_run_dir, config_changes, lock_run_dir, record_config_change, run_id

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from fsdptrain.distributed import sharded_checkpoint as ckpt
+
+from fsdptrain.storage import checkpoint_folders as folders
 from fsdptrain.distributed import world
 from fsdptrain.distributed import fsdp as models
 from fsdptrain.train import optim
@@ -137,7 +139,7 @@ def phase_train(args, mesh, out: Path) -> dict:
             full = full_optimizer_state(trainables, optimizers)
             if torch.distributed.get_rank() == 0:
                 torch.save(full, out / "optim_at_2.pt")
-    results["latest"] = str(ckpt.latest_checkpoint(run_a))
+    results["latest"] = str(folders.latest_checkpoint(run_a))
     export_both(trainables, run_a, out)
     return results
 
@@ -156,7 +158,7 @@ def export_both(trainables, run_dir: Path, out: Path) -> None:
 
 def phase_resume_crash(args, mesh, out: Path) -> dict:
     trainables, optimizers, schedulers = build(mesh)
-    path = ckpt.checkpoint_dir(args.run_a, 2)
+    path = folders.checkpoint_dir(args.run_a, 2)
     extra = ckpt.load_checkpoint(path, models=trainables, optimizers=optimizers, schedulers=schedulers)
     results: dict = {"extra": extra, "rng_after_load": rng_fingerprint(), "steps": [],
                      "lr_after_load": {name: s.get_last_lr() for name, s in schedulers.items()}}
@@ -178,7 +180,7 @@ def phase_resume_crash(args, mesh, out: Path) -> dict:
 def phase_reshard(args, mesh, out: Path) -> dict:
     trainables, optimizers, schedulers = build(mesh)
     run_b = Path(args.run_b)
-    path = ckpt.latest_checkpoint(run_b)
+    path = folders.latest_checkpoint(run_b)
     extra = ckpt.load_checkpoint(path, models=trainables, optimizers=optimizers, schedulers=schedulers)
     results: dict = {"resumed_from": str(path), "extra": extra, "rng_after_load": rng_fingerprint(), "steps": [],
                      "temp_dirs_after_load": sorted(p.name for p in (run_b / "checkpoints").glob(".tmp_*"))}

@@ -201,7 +201,7 @@ def _saved_elements(path: Path) -> dict[str, int]:
     """Tensor elements the checkpoint holds, by top-level part (models, optimizers)."""
     import math
 
-    from fsdptrain.distributed.sharded_checkpoint import read_dcp_metadata
+    from fsdptrain.storage.checkpoint_folders import read_dcp_metadata
 
     out: dict[str, int] = {}
     for key, item in read_dcp_metadata(path).state_dict_metadata.items():
