@@ -21,6 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
+from fsdptrain.preflight import (
+    check_command_source,
+    check_inputs,
+    check_run_dir,
+    check_sft_inputs,
+    check_train_inputs,
+    check_training_data,
+    check_user_functions,
+)
 
 # Never reach the network: a model name that is not a local folder is a usage error (fsdptrain/model/checks.py).
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -89,81 +98,6 @@ def _refuse_hydra_flags(overrides: List[str], print_cfg: bool) -> None:
                         f"config; drop {item!r}")
 
 
-def _check_user_functions(cfg: DictConfig) -> None:
-    """Load every user function the config names (an advantage estimator, a policy loss) and check its signature,
-    here in the parent, so a typo or a function that does not fit is one line and exit 2."""
-    from fsdptrain.registry.names import USER_FUNCTION_FIELDS
-    from fsdptrain.registry.plugins import registered
-    from fsdptrain.registry.user_functions import check_signature, load_callable
-
-    for key, required in USER_FUNCTION_FIELDS.items():
-        spec = str(OmegaConf.select(cfg, key))
-        if ":" in spec:
-            check_signature(load_callable(spec, what=key), spec=spec, what=key, required=required)
-        elif spec in registered(key):  # a name a plugin registered (validation imported algorithm.plugins)
-            check_signature(registered(key)[spec], spec=spec, what=key, required=required)
-
-
-def _preflight(cfg: DictConfig) -> None:
-    """What the parent can check before any rank starts: data paths are local, the reward functions load with their
-    signatures, each reward model folder is a one-label sequence classifier with a tokenizer (this imports torch), the
-    trackers' libraries are installed. Raises ConfigError."""
-    if cfg.data.source == "jsonl":
-        return
-    from fsdptrain.config import multi_turn, reward_specs
-    from fsdptrain.rewards.loading import load_reward_functions
-    from fsdptrain.run.trackers import missing_backend_message
-
-    if cfg.data.source == "prompts":
-        from fsdptrain.data.prompt_files import check_local_paths
-
-        def plain(value):
-            return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-        check_local_paths(plain(cfg.data.path), what="data.path")
-        if cfg.data.eval_path is not None:
-            check_local_paths(plain(cfg.data.eval_path), what="data.eval_path")
-    weights = None if cfg.reward.weights is None else list(cfg.reward.weights)
-    if reward_specs(cfg):
-        load_reward_functions(reward_specs(cfg), weights)
-    if cfg.reward.models:  # headers and tokenizers only; transformers (and torch) load just for this
-        from fsdptrain.model.reward_model import load_reward_model_spec
-
-        for path in cfg.reward.models:
-            load_reward_model_spec(path)
-    if multi_turn(cfg):
-        from fsdptrain.rollout.multi_turn import check_multi_turn
-
-        check_multi_turn(cfg)
-    missing = missing_backend_message(cfg.logging.backends)
-    if missing is not None:
-        raise ConfigError(missing)
-
-
-def _preflight_sft(cfg: DictConfig) -> None:
-    """``fsdptrain sft``'s checks in the parent: the data paths are local, and every demonstration renders within
-    the token budget with an assistant turn to train on (this loads the tokenizer, so torch), so a bad row is one
-    line and exit 2 before any run folder exists (docs/sft.md)."""
-    from fsdptrain.data.prompt_files import check_local_paths
-    from fsdptrain.model.loading import build_tokenizer
-    from fsdptrain.train.sft import load_sft_rows
-    from fsdptrain.run.trackers import missing_backend_message
-
-    def plain(value):
-        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-
-    check_local_paths(plain(cfg.data.path), what="data.path")
-    if cfg.data.eval_path is not None:
-        check_local_paths(plain(cfg.data.eval_path), what="data.eval_path")
-    from fsdptrain.preflight import check_inputs
-
-    check_inputs(cfg)  # the model folder first: its tokenizer renders the rows
-    load_sft_rows(cfg, build_tokenizer(cfg))
-    missing = missing_backend_message(cfg.logging.backends)
-    if missing is not None:
-        raise ConfigError(missing)
-
-
 def _sft_overrides(overrides: List[str]) -> List[str]:
     """``fsdptrain sft``'s overrides: the ``data=sft`` preset first (a user's ``data=...`` replaces it); an
     ``algorithm`` choice or setting is refused, since supervised fine-tuning has none."""
@@ -176,19 +110,8 @@ def _sft_overrides(overrides: List[str]) -> List[str]:
     return list(overrides) if has_data else ["data=sft", *overrides]
 
 
-def _check_command_source(command: str, cfg: DictConfig) -> None:
-    """``data.source=sft`` is ``fsdptrain sft``'s (and check-metrics'), and ``fsdptrain sft`` reads nothing else."""
-    if command == "sft" and cfg.data.source != "sft":
-        raise ConfigError(f"fsdptrain sft reads demonstrations: data.source={cfg.data.source} is for fsdptrain "
-                          "train; drop the data=... override (fsdptrain sft selects data=sft)")
-    if command in ("train", "check-reward") and cfg.data.source == "sft":
-        raise ConfigError(f"data.source=sft (demonstrations) is for fsdptrain sft, not fsdptrain {command}: run "
-                          "fsdptrain sft model.path=... data.path=... (docs/sft.md)")
-
-
 def _claim_run_dir(cfg: DictConfig, run_dir: Path) -> None:
     """Check, lock and claim the run directory for this run (rank 0 under torchrun; the parent otherwise)."""
-    from fsdptrain.preflight import check_run_dir
     from fsdptrain.run.ownership import claim_run_dir, lock_run_dir, refuse_foreign_folder
 
     where = f"trainer.run_dir={run_dir}" if cfg.trainer.run_dir is not None else f"trainer.run_name={run_dir.name}"
@@ -211,12 +134,12 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         if command == "sft":
             overrides = _sft_overrides(overrides or [])
         cfg = compose_config(overrides or [], config_dir=config_dir, config_name=config_name)
-        _check_command_source(command, cfg)
+        check_command_source(command, cfg)
         world_size = torchrun_world_size() if under_torchrun() else nproc
         validate_world(cfg, world_size)
-        _check_user_functions(cfg)
+        check_user_functions(cfg)
         if command in ("train", "check-reward"):
-            _preflight(cfg)
+            check_train_inputs(cfg)
     except ConfigError as err:
         _fail_usage(str(err))
     if print_cfg:
@@ -224,15 +147,11 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         raise typer.Exit(0)
     run_dir = str(_run_dir(cfg))
     try:
-        from fsdptrain.preflight import check_inputs
-
         if command == "sft":
-            _preflight_sft(cfg)
+            check_sft_inputs(cfg)
         else:
             check_inputs(cfg)
         if command == "train":
-            from fsdptrain.preflight import check_training_data
-
             check_training_data(cfg)  # the rows and the token budget, before the run folder is claimed
         if command in ("train", "sft") and env_rank() == 0:
             _claim_run_dir(cfg, Path(run_dir))

@@ -1,6 +1,8 @@
 """Checks of everything the user points at, in the CLI's parent before any rank starts (one line, exit 2, once).
 
-Model folders, data files and their rows, the run directory, output paths, the device and the attention backend. Under
+Model folders, data files and their rows, the user's functions (rewards, estimators, losses, tools), reward model
+folders, trackers, which command reads which data source, the run directory, output paths, the device and the
+attention backend: ``check_train_inputs`` and ``check_sft_inputs`` gather what each command needs. Under
 ``--nproc N`` a mistake is reported once by the parent instead of as a collective error from every rank. Torch is
 imported only to check a device or backend the user named.
 """
@@ -12,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError
 
@@ -204,3 +206,85 @@ def check_device(cfg: DictConfig) -> None:
     if cfg.model.attn_backend not in available:
         raise ConfigError(f"model.attn_backend={cfg.model.attn_backend} is not available on {device} for "
                           f"{cfg.parallel.param_dtype}; available here: {', '.join(available)} (or auto)")
+
+
+def check_user_functions(cfg: DictConfig) -> None:
+    """Load every user function the config names (an advantage estimator, a policy loss) and check its signature,
+    here in the parent, so a typo or a function that does not fit is one line and exit 2."""
+    from fsdptrain.registry.names import USER_FUNCTION_FIELDS
+    from fsdptrain.registry.plugins import registered
+    from fsdptrain.registry.user_functions import check_signature, load_callable
+
+    for key, required in USER_FUNCTION_FIELDS.items():
+        spec = str(OmegaConf.select(cfg, key))
+        if ":" in spec:
+            check_signature(load_callable(spec, what=key), spec=spec, what=key, required=required)
+        elif spec in registered(key):  # a name a plugin registered (validation imported algorithm.plugins)
+            check_signature(registered(key)[spec], spec=spec, what=key, required=required)
+
+
+def check_train_inputs(cfg: DictConfig) -> None:
+    """What the parent can check before any rank starts: data paths are local, the reward functions load with their
+    signatures, each reward model folder is a one-label sequence classifier with a tokenizer (this imports torch), the
+    trackers' libraries are installed. Raises ConfigError."""
+    if cfg.data.source == "jsonl":
+        return
+    from fsdptrain.config import multi_turn, reward_specs
+    from fsdptrain.rewards.loading import load_reward_functions
+    from fsdptrain.run.trackers import missing_backend_message
+
+    if cfg.data.source == "prompts":
+        _check_data_paths(cfg)
+    weights = None if cfg.reward.weights is None else list(cfg.reward.weights)
+    if reward_specs(cfg):
+        load_reward_functions(reward_specs(cfg), weights)
+    if cfg.reward.models:  # headers and tokenizers only; transformers (and torch) load just for this
+        from fsdptrain.model.reward_model import load_reward_model_spec
+
+        for path in cfg.reward.models:
+            load_reward_model_spec(path)
+    if multi_turn(cfg):
+        from fsdptrain.rollout.multi_turn import check_multi_turn
+
+        check_multi_turn(cfg)
+    missing = missing_backend_message(cfg.logging.backends)
+    if missing is not None:
+        raise ConfigError(missing)
+
+
+def check_sft_inputs(cfg: DictConfig) -> None:
+    """``fsdptrain sft``'s checks in the parent: the data paths are local, and every demonstration renders within
+    the token budget with an assistant turn to train on (this loads the tokenizer, so torch), so a bad row is one
+    line and exit 2 before any run folder exists (docs/sft.md)."""
+    from fsdptrain.model.loading import build_tokenizer
+    from fsdptrain.run.trackers import missing_backend_message
+    from fsdptrain.train.sft import load_sft_rows
+
+    _check_data_paths(cfg)
+    check_inputs(cfg)  # the model folder first: its tokenizer renders the rows
+    load_sft_rows(cfg, build_tokenizer(cfg))
+    missing = missing_backend_message(cfg.logging.backends)
+    if missing is not None:
+        raise ConfigError(missing)
+
+
+def check_command_source(command: str, cfg: DictConfig) -> None:
+    """``data.source=sft`` is ``fsdptrain sft``'s (and check-metrics'), and ``fsdptrain sft`` reads nothing else."""
+    if command == "sft" and cfg.data.source != "sft":
+        raise ConfigError(f"fsdptrain sft reads demonstrations: data.source={cfg.data.source} is for fsdptrain "
+                          "train; drop the data=... override (fsdptrain sft selects data=sft)")
+    if command in ("train", "check-reward") and cfg.data.source == "sft":
+        raise ConfigError(f"data.source=sft (demonstrations) is for fsdptrain sft, not fsdptrain {command}: run "
+                          "fsdptrain sft model.path=... data.path=... (docs/sft.md)")
+
+
+def _check_data_paths(cfg: DictConfig) -> None:
+    """``data.path`` and ``data.eval_path`` name local files (ConfigError otherwise)."""
+    from fsdptrain.data.prompt_files import check_local_paths
+
+    def plain(value):
+        return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+    check_local_paths(plain(cfg.data.path), what="data.path")
+    if cfg.data.eval_path is not None:
+        check_local_paths(plain(cfg.data.eval_path), what="data.eval_path")
