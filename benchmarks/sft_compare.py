@@ -86,7 +86,7 @@ def write_inputs(args, work: Path) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     from fsdptrain.data.demonstrations import DemoKeys, load_demonstrations
-    from fsdptrain.data.prompts import EpochOrder
+    from fsdptrain.data.epoch_order import EpochOrder
 
     rows = [json.loads(line) for line in (EXAMPLE / "train.jsonl").read_text().splitlines()]
     chats = work / "chats.jsonl"

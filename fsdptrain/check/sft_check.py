@@ -41,7 +41,7 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import grad_scale_report
 from fsdptrain.metrics.typed import comparable, merge_all
 from fsdptrain.rl.sft_loss import sft_loss
-from fsdptrain.data.prompts import EpochOrder
+from fsdptrain.data.epoch_order import EpochOrder
 from fsdptrain.train.setup import build_policy_model, resolve_device_type
 from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError, reward_specs
 from fsdptrain.data.prompt_tasks import digit_task_rows
-from fsdptrain.data.prompts import EpochOrder, PromptRow, drop_long_prompts, hold_out_eval, load_prompts
+from fsdptrain.data.epoch_order import EpochOrder
+from fsdptrain.data.prompts import PromptRow, drop_long_prompts, hold_out_eval, load_prompts
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rewards.loading import load_reward_functions

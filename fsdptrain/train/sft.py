@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.data.demonstrations import DemoKeys, Demonstration, load_demonstrations
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.data.prompts import EpochOrder
+from fsdptrain.data.epoch_order import EpochOrder
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.rl.aggregate import LossNormalizers
