@@ -54,8 +54,8 @@ def worker(args) -> None:
     from fsdptrain.distributed.context_parallel import build_context_group
     from fsdptrain.distributed.fsdp import build_policy
     from fsdptrain.model.attention_switch import set_attention
-    from fsdptrain.rl.packed_loss import SeqTargets
-    from fsdptrain.rl.pg_losses import PolicyLossSettings
+    from fsdptrain.rl.fused_loss import SeqTargets
+    from fsdptrain.rl.pg_terms import PolicyLossSettings
     from fsdptrain.train.pack_losses import packed_policy_loss
     from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers
 

@@ -124,8 +124,8 @@ def generation(args, *, prompts: int = 32, new_tokens: int = 16) -> dict:
 
 def update(args, *, seqs: int = 16, length: int = 64) -> dict:
     from fsdptrain.model.attention_switch import set_attention
-    from fsdptrain.rl.packed_loss import SeqTargets
-    from fsdptrain.rl.pg_losses import PolicyLossSettings
+    from fsdptrain.rl.fused_loss import SeqTargets
+    from fsdptrain.rl.pg_terms import PolicyLossSettings
     from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
     from fsdptrain.train.pack_losses import packed_policy_loss
     from fsdptrain.train.step import MiniBatch, update_on_minibatch

@@ -38,8 +38,8 @@ from fsdptrain.config.schema import LossConfig
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
-from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}

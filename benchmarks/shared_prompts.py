@@ -90,8 +90,8 @@ def run_variant(args) -> None:
     from fsdptrain.config.schema import LossConfig, TrainerConfig
     from fsdptrain.model.attention_switch import set_attention
     from fsdptrain.rl.aggregate import LossNormalizers
-    from fsdptrain.rl.packed_loss import SeqTargets
-    from fsdptrain.rl.pg_losses import PolicyLossSettings
+    from fsdptrain.rl.fused_loss import SeqTargets
+    from fsdptrain.rl.pg_terms import PolicyLossSettings
     from fsdptrain.train.pack_losses import packed_policy_loss
     from fsdptrain.train.step import MiniBatch, accumulate_gradients
 

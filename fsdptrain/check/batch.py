@@ -58,7 +58,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values, policy_logprobs
 from fsdptrain.train.rl import Trainer

@@ -30,7 +30,7 @@ from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import ACCEPT_WINDOW, soft_cross_entropy_from_logits
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
 from fsdptrain.metrics.typed import Metrics
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import CoTrainSettings, DraftLossSettings, packed_policy_and_draft_loss
 from fsdptrain.train.step import MiniBatch
 

@@ -56,10 +56,10 @@ from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.metrics.typed import Metrics, close_minibatch, comparable, finalize, merge_all
-from fsdptrain.rl.packed_loss import ValueLossSettings
-from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.fused_loss import ValueLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
+from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 from fsdptrain.train import step
 from fsdptrain.train.step import MiniBatch
 

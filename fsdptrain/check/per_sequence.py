@@ -13,10 +13,10 @@ from torch import Tensor
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Metrics, merge_all
-from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
-from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
+from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 
 
 def _sequence_ids(prompt_ids: Sequence[int], response_ids: Sequence[int], device) -> Tensor:

@@ -25,7 +25,7 @@ from fsdptrain.model.drafter import capture_policy_features
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
 from fsdptrain.metrics.typed import Mean, Metrics
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.pack_losses import (
     CoTrainSettings,

@@ -51,7 +51,7 @@ from fsdptrain.rl.estimator_registry import (
 )
 from fsdptrain.rl.distill import DistillSettings, distill_advantages, distill_metrics
 from fsdptrain.metrics.typed import Max, Mean, Metrics, merge_all
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.rl.rollout_correction import (
     RejectionSettings,
     off_policy_diagnostics,

@@ -5,8 +5,8 @@ Each has the signature the update calls (`fsdptrain.train.step.accumulate_gradie
 ``loss_fn(model, packed, targets, *, norms, settings) -> (loss, Metrics)``, where ``targets[i]`` belongs to the
 pack's i-th sequence and ``settings`` is the loss's settings object, built once per run:
 
-- RL: :func:`packed_policy_loss` (`fsdptrain.rl.pg_losses.PolicyLossSettings`) and :func:`packed_value_loss`
-  (`fsdptrain.rl.packed_loss.ValueLossSettings`), each also under context parallelism;
+- RL: :func:`packed_policy_loss` (`fsdptrain.rl.pg_terms.PolicyLossSettings`) and :func:`packed_value_loss`
+  (`fsdptrain.rl.fused_loss.ValueLossSettings`), each also under context parallelism;
 - SFT: :func:`packed_sft_loss` (:class:`SftLossSettings`; `fsdptrain.rl.sft_loss.sft_loss`);
 - the co-trained drafter (docs/drafter.md): :func:`packed_policy_and_draft_loss` (policy + drafter from one policy
   forward) and :func:`packed_draft_refresh_loss` (the drafter alone, the policy under no_grad), both
@@ -31,14 +31,14 @@ from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, packed_draft_mask
 from fsdptrain.metrics.typed import Metrics
-from fsdptrain.rl.packed_loss import (
+from fsdptrain.rl.fused_loss import (
     SeqTargets,
     ValueLossSettings,
     policy_loss_of_pack,
     token_logprobs_entropy,
     value_loss_of_pack,
 )
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.rl.sft_loss import sft_loss
 
 
@@ -77,7 +77,7 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
                        settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None,
                        context: ContextGroup = NO_CONTEXT_PARALLEL) -> tuple[torch.Tensor, Metrics]:
     """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
-    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`). Under
+    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.fused_loss`). Under
     context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
     if context.enabled:
         assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
@@ -96,7 +96,7 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
 def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
                       settings: ValueLossSettings, context: ContextGroup = NO_CONTEXT_PARALLEL
                       ) -> tuple[torch.Tensor, Metrics]:
-    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`);
+    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.fused_loss`);
     under context parallelism the values of this rank's positions, gathered into the row."""
     if context.enabled:
         shard = shard_row(packed, context)
@@ -120,7 +120,7 @@ class SftLossSettings:
 @dataclass(frozen=True)
 class DemoTarget:
     """A demonstration's per-token target: which response tokens are trained on (bool ``[R]``), as
-    `fsdptrain.rl.packed_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
+    `fsdptrain.rl.fused_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
 
     response_mask: torch.Tensor
 

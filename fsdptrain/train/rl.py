@@ -31,7 +31,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
 from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups

@@ -24,12 +24,12 @@ from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.loading import DTYPES, TINY_CONFIG, model_path
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
-from fsdptrain.rl.pg_losses import PolicyLossSettings, resolve_policy_loss
+from fsdptrain.rl.pg_terms import PolicyLossSettings, resolve_policy_loss
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import LossFn
 from fsdptrain.train.trained_part import TrainedPart
-from fsdptrain.rl.packed_loss import ValueLossSettings
+from fsdptrain.rl.fused_loss import ValueLossSettings
 
 
 

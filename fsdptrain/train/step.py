@@ -32,8 +32,8 @@ from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextG
 from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Diagnostic, Mean, Metrics, Sum, merge_all
-from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
 from fsdptrain.train.pack_losses import packed_policy_loss
 

@@ -27,7 +27,7 @@ from fsdptrain.data import shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.model import attention_backends
 from fsdptrain.model.loading import decoder_layers
-from fsdptrain.rl import aggregate, policy, value
+from fsdptrain.rl import aggregate, policy_loss, value_loss
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.metrics.typed import Kind, Max, Mean, Metrics, Min, finalize
 from tests.planted_bugs import (
@@ -226,7 +226,7 @@ def _local_counts_agg(original):
 
 
 def test_catches_token_mean_normalised_per_micro_batch(ppo, monkeypatch):
-    for module in (policy, value):
+    for module in (policy_loss, value_loss):
         monkeypatch.setattr(module, "agg_loss_with", _local_counts_agg(aggregate.agg_loss_with))
     failures = _failing(run_checks(ppo, "token-mean", update=False))
     assert "actor/loss [micro-batches=2]" in failures
@@ -262,7 +262,7 @@ def test_catches_a_missing_dp_size_factor(ppo, monkeypatch):
                                 loss_scale_factor=norms.loss_scale_factor)
         return original(loss_mat, loss_mask, mode, no_dp, cu_seqlens=cu_seqlens)
 
-    for module in (policy, value):
+    for module in (policy_loss, value_loss):
         monkeypatch.setattr(module, "agg_loss_with", without_dp)
     failures = _failing(run_checks(ppo, "seq-mean-token-sum"))
     assert "actor/grad_norm [simulated dp=2]" in failures
@@ -325,17 +325,17 @@ def test_catches_dual_clip_off(ppo, monkeypatch):
 
 
 def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
-    monkeypatch.setitem(policy._KL, "k3", lambda d, kl_clamp: (torch.exp(d) - d - 1).clamp(-10, 10))  # sign of d
+    monkeypatch.setitem(policy_loss._KL, "k3", lambda d, kl_clamp: (torch.exp(d) - d - 1).clamp(-10, 10))  # sign of d
     failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/kl [off-policy: packed budget=" in failures
     assert "off-policy/actor/kl_loss [off-policy: simulated dp=2]" in failures
 
 
 def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
-    from fsdptrain.rl import packed_loss
+    from fsdptrain.rl import fused_loss
 
-    original = packed_loss.chunked_logprobs_entropy
-    monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",
+    original = fused_loss.chunked_logprobs_entropy
+    monkeypatch.setattr(fused_loss, "chunked_logprobs_entropy",
                         lambda *a, temperature, **k: original(*a, temperature=1.0, **k))
     failures = _failing(run_checks(ppo, experience=False, update=False))
     assert "off-policy/actor/entropy [off-policy: packed budget=" in failures

@@ -21,8 +21,8 @@ from fsdptrain.train.pack_losses import DraftLossSettings
 from fsdptrain.train.cotrain import DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
-from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss
 from fsdptrain.train.step import MiniBatch, update_on_minibatch
 

@@ -10,8 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.pack_losses import packed_policy_loss
 from fsdptrain.train.step import MiniBatch, update_on_minibatch

@@ -1,4 +1,4 @@
-"""The output head runs at the response-scoring positions only (fsdptrain/rl/packed_loss.py
+"""The output head runs at the response-scoring positions only (fsdptrain/rl/fused_loss.py
 `token_logprobs_entropy`): at those positions the log-probs and entropies, and the gradients they give the hidden
 states and the head, are the whole row's; every other position holds 0 and gets no gradient."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.rl import packed_loss
+from fsdptrain.rl import fused_loss
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 
 PROMPTS = [[1, 5, 9, 4, 4], [1, 7], [1, 3, 3, 8, 2, 6, 6]]
@@ -25,8 +25,8 @@ def test_head_sees_only_scored_positions_and_their_values_are_the_whole_rows(mon
         seen_rows.append(hidden.shape[0])
         return chunked_logprobs_entropy(hidden, *args, **kwargs)
 
-    monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy", counting)
-    logprobs_T, entropy_T = packed_loss.token_logprobs_entropy(hidden_TH, weight_VH, None, packed, temperature=0.7,
+    monkeypatch.setattr(fused_loss, "chunked_logprobs_entropy", counting)
+    logprobs_T, entropy_T = fused_loss.token_logprobs_entropy(hidden_TH, weight_VH, None, packed, temperature=0.7,
                                                                chunk_size=3)
     assert seen_rows == [sum(map(len, RESPONSES))]  # 7 scored positions of a 24-token row
     mask_T = packed.response_mask[0]

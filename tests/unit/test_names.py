@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdptrain.registry import names
-from fsdptrain.rl import policy
+from fsdptrain.rl import policy_loss
 from fsdptrain.rl.aggregate import agg_loss
 
 # Two padded sequences: s = (1 + 2, 3) = (3, 3), c = (2, 1); N = 3 tokens, S = 2 sequences, width 3.
@@ -23,7 +23,7 @@ AGG_BY_HAND = {
 
 
 def test_kl_registry_keys_are_the_names():
-    assert tuple(policy._KL) == names.KL_ESTIMATORS
+    assert tuple(policy_loss._KL) == names.KL_ESTIMATORS
 
 
 def test_agg_modes_are_the_names():

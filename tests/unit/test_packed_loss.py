@@ -13,8 +13,8 @@ from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings, scatter_responses
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings, scatter_responses
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from tests.backend_calls import call_counts, reset_call_counts
 

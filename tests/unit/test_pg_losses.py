@@ -9,7 +9,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.registry.names import POLICY_LOSSES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Kind, finalize
-from fsdptrain.rl.pg_losses import (
+from fsdptrain.rl.pg_terms import (
     POLICY_LOSS_REGISTRY,
     PolicyLossSettings,
     cispo_policy_loss,
@@ -18,7 +18,7 @@ from fsdptrain.rl.pg_losses import (
     resolve_policy_loss,
     vanilla_policy_loss,
 )
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.policy_loss import policy_loss
 
 F64 = torch.float64
 LOG = math.log

@@ -10,8 +10,8 @@ from fsdptrain.registry import names
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Kind, close_minibatch, finalize, merge_all
-from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, kl_penalty, policy_loss
+from fsdptrain.rl.pg_terms import PolicyLossSettings
+from fsdptrain.rl.policy_loss import entropy_from_logits, kl_penalty, policy_loss
 
 LOG = math.log
 

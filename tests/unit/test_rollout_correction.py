@@ -8,8 +8,8 @@ import torch
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.dynamic_sampling import groups_with_signal
 from fsdptrain.metrics.typed import Kind, finalize, merge
-from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.pg_terms import PolicyLossSettings
+from fsdptrain.rl.policy_loss import policy_loss
 from fsdptrain.rl.rollout_correction import rollout_correction_weights, rollout_rejection_mask
 
 F64 = torch.float64
@@ -213,7 +213,7 @@ def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
     """issue 29's example: on-policy r = 1, A = 1, token weights [0.5, 2] -> geomean sqrt(0.5 * 2) = 1, loss -1.0
     (the arithmetic mean 1.25 gave -1.25); gradient -A R w_geo / c = -1/2 per token under seq-mean-token-mean. A third,
     masked token with weight 9 changes nothing."""
-    from fsdptrain.rl.pg_losses import gmpo_policy_loss
+    from fsdptrain.rl.pg_terms import gmpo_policy_loss
 
     old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
     weights = torch.tensor([[0.5, 2.0, 9.0]], dtype=F64)
@@ -234,7 +234,7 @@ def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
 def test_gmpo_weights_by_hand_zero_and_unequal():
     """w = [0.25, 1] -> geomean 0.5 on both tokens; a mis-zeroed token zeroes its sequence; vanilla keeps w_t."""
     from fsdptrain.rl.aggregate import SeqLayout
-    from fsdptrain.rl.pg_losses import gmpo_policy_loss, vanilla_policy_loss, weigh_by_rollout_is
+    from fsdptrain.rl.pg_terms import gmpo_policy_loss, vanilla_policy_loss, weigh_by_rollout_is
 
     layout = SeqLayout((2, 2), None, torch.device("cpu"))
     valid = torch.ones(2, 2, dtype=torch.bool)

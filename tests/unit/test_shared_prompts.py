@@ -25,8 +25,8 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import finalize
-from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss, policy_token_outputs
 from tests.backend_calls import call_counts, reset_call_counts
 from tests.unit.varlen_standins import cpu_kernel, make_flash_attn_varlen_func

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fsdptrain.config.compose import compose_config
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.metrics.typed import Metrics, Sum, finalize
-from fsdptrain.rl.packed_loss import SeqTargets, ValueLossSettings
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.setup import build_part
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss

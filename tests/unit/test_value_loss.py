@@ -7,7 +7,7 @@ import torch
 
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Kind, finalize, merge_all
-from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.value_loss import value_loss
 
 F64 = torch.float64
 

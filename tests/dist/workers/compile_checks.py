@@ -24,7 +24,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads
 from fsdptrain.generation.generate import generate_responses
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.pack_losses import packed_policy_loss
 from fsdptrain.generation.block import generation
 from fsdptrain.train.setup import build_models, policy_settings

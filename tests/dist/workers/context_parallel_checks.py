@@ -28,8 +28,8 @@ from fsdptrain.model.loading import build_full_model
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import comparable, finalize
-from fsdptrain.rl.packed_loss import ValueLossSettings
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import ValueLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import (
     context_token_outputs,
     packed_policy_loss,

@@ -34,8 +34,8 @@ from fsdptrain.train.cotrain import DrafterUpdate, global_normalizers_with_draft
 from fsdptrain.distributed.collectives import plan_agreed
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.rl.packed_loss import SeqTargets
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import SeqTargets
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import (
     CoTrainSettings,
     DraftLossSettings,

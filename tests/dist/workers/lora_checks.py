@@ -42,8 +42,8 @@ from fsdptrain.model.attention_switch import generation_attention, set_attention
 from fsdptrain.model.loading import TINY_CONFIG, build_full_model, trainable_parameters
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import ValueLossSettings
-from fsdptrain.rl.pg_losses import PolicyLossSettings
+from fsdptrain.rl.fused_loss import ValueLossSettings
+from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step

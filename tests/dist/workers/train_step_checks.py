@@ -25,10 +25,10 @@ from tests.dist.workers.report import report_and_exit
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads, gather_full_state_dict
 from fsdptrain.model.loading import build_full_model
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer

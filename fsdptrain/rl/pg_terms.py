@@ -198,7 +198,7 @@ POLICY_LOSS_REGISTRY: dict[str, PolicyLossFn] = {
 @dataclass(frozen=True)
 class PolicyLossSettings:
     """The policy loss's settings, built once from the config (`fsdptrain.train.setup.policy_settings`) and passed
-    down whole: to the packed row's log-probs (`temperature`, `chunk_size`), to `fsdptrain.rl.policy.policy_loss`
+    down whole: to the packed row's log-probs (`temperature`, `chunk_size`), to `fsdptrain.rl.policy_loss.policy_loss`
     (the aggregation, KL and entropy terms) and to the pg term (`pg_loss_fn`: a built-in or a user's function).
 
     `clip_ratio_low`/`clip_ratio_high`: the clip range [1 - low, 1 + high] of the ratio (vanilla, CISPO), or of the

@@ -22,9 +22,9 @@ from torch import Tensor
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 from fsdptrain.metrics.typed import Metrics
-from fsdptrain.rl.pg_losses import PolicyLossSettings
-from fsdptrain.rl.policy import policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.pg_terms import PolicyLossSettings
+from fsdptrain.rl.policy_loss import policy_loss
+from fsdptrain.rl.value_loss import value_loss
 
 
 class PackedRow(Protocol):

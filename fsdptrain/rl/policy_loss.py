@@ -1,4 +1,4 @@
-"""Policy loss: a policy-gradient term (`pg_losses`: PPO's clipped surrogate by default), KL penalty, entropy.
+"""Policy loss: a policy-gradient term (`pg_terms`: PPO's clipped surrogate by default), KL penalty, entropy.
 
 Tensors are per token in one of two layouts: padded `[B, T]` (a row is a sequence) or packed `[T]`/`[1, T]` with
 `cu_seqlens` (a segment is a sequence). Every term is aggregated with `agg_loss`, so the same mode and global
@@ -17,7 +17,7 @@ from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
 from fsdptrain.metrics.typed import Loss, Mean, Metrics
-from fsdptrain.rl.pg_losses import PolicyLossSettings, weigh_by_rollout_is
+from fsdptrain.rl.pg_terms import PolicyLossSettings, weigh_by_rollout_is
 
 
 def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
@@ -100,15 +100,15 @@ def policy_loss(
     rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`,
-    with every knob read from `settings` (`fsdptrain.rl.pg_losses.PolicyLossSettings`).
+    with every knob read from `settings` (`fsdptrain.rl.pg_terms.PolicyLossSettings`).
 
-    The per-token pg term is `settings.pg_loss_fn(..., settings=settings)` (`fsdptrain.rl.pg_losses`: vanilla PPO
+    The per-token pg term is `settings.pg_loss_fn(..., settings=settings)` (`fsdptrain.rl.pg_terms`: vanilla PPO
     by default, with `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's
     function); see `vanilla_policy_loss` for the clipped surrogate. The KL term, iff `settings.use_reference` (then
     `ref_logprobs` is required), is `kl_penalty(logp, ref_logp, kl_estimator, kl_clamp=kl_clamp)`.
     `rollout_is_weights` (detached; `rollout_correction_weights`; required iff `settings.use_is_weights`) multiply
     the per-token pg term before it is aggregated (not the KL or entropy terms); GMPO takes their geometric mean per
-    sequence (`fsdptrain.rl.pg_losses.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
+    sequence (`fsdptrain.rl.pg_terms.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
     masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current
     policy (see `entropy_from_logits`).
 
@@ -116,7 +116,7 @@ def policy_loss(
         pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the
             mini-batch's value; kl_loss is before kl_coef; present iff `settings.use_reference`.
         the pg term's own metrics; for every built-in: pg_clipfrac, pg_clipfrac_lower, ppo_kl (MEAN) and
-            probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.rl.pg_losses`).
+            probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.rl.pg_terms`).
         kl (MEAN): the KL estimator per token (iff `settings.use_reference`); entropy (MEAN, iff `entropy`).
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """
