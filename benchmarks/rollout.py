@@ -21,7 +21,7 @@ the generation log-probs recorded, as fsdptrain/rollout/single_turn.py asks), mu
 
 **Equal work.** A ratio over different work is not a ratio of engine speed: an engine that draws longer samples
 generates more tokens and runs more forwards. In ``tools`` both engines sample every trajectory's turn from the same
-row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.generation.generate.RowSeededSampling`, one call per
+row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.generation.row_sampling.RowSeededSampling`, one call per
 group and turn as the sampler makes them), so they generate the same trajectories; every pair checks it, id for id,
 and the run stops if they part. ``real`` and ``tiny`` run ``generate`` as the single-turn sampler does (one seeded
 stream for the whole batch, torch's multinomial): other draws, other lengths. Their rows report in how many pairs the

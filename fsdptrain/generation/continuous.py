@@ -1,5 +1,8 @@
 """The continuous rollout engine (docs/rollout.md): every request of this rank decoded in one loop, a row leaving
-the batch at the step it ends, waiting rows entering as room frees, a row's cache kept for its next turn.
+the batch at the step it ends, waiting rows entering as room frees, a row's cache kept for its next turn. This module
+is the scheduler; the caches it holds are fsdptrain/generation/kv_cache.py's, the attention that reads a group's
+prompt once is fsdptrain/generation/shared_prefix.py's, and the draw of each token is
+fsdptrain/generation/row_sampling.py's.
 
 A :class:`Request` is one turn of one trajectory: the ids to prefill (the whole prompt on the first turn; only the
 new tokens -- the last sampled token, the tool message and the template's separators -- on a later turn, onto the
@@ -12,15 +15,14 @@ new tokens -- the last sampled token, the tool message and the template's separa
   arrival order, while the live batch holds fewer than
   ``max_live_rows`` rows and fewer than ``max_live_tokens`` cache positions (rows x width of the padded batch); an
   empty batch always admits one request, so no request waits forever;
-- **the cache** is one padded batch, right-aligned: per layer a keys and a values buffer [rows, heads, capacity, dim]
-  whose capacity grows by whole blocks of ``CACHE_BLOCK`` columns (:class:`_BufferLayer`: a decode step writes its
-  column in place, no per-step copy of the cache). When rows leave, a live row from above moves into each freed slot
-  (one row copied per layer) and the buffers are narrowed to the live rows, the columns every remaining row pads cut
-  (views: the memory goes at the next rebuild, at most a block of tokens later). Every rebuild (a buffer growing, rows
-  entering, realigning) replaces the buffers one tensor at a time, so it holds at most one layer's keys or values
-  twice. Its memory is live rows x (the longest live row's own tokens + less than a block) plus each live group's
-  shared prompt once, never batch x (prompt + max_new_tokens). A request's kept cache is dropped as soon as it is
-  copied into the batch;
+- **the cache** is one padded batch, right-aligned, in buffers that grow by whole blocks of ``CACHE_BLOCK`` columns
+  (:class:`BufferLayer`: a decode step writes its column in place, no per-step copy of the cache). When rows leave, a
+  live row from above moves into each freed slot (one row copied per layer) and the buffers are narrowed to the live
+  rows, the columns every remaining row pads cut (views: the memory goes at the next rebuild, at most a block of
+  tokens later). Every rebuild (a buffer growing, rows entering, realigning) replaces the buffers one tensor at a
+  time, so it holds at most one layer's keys or values twice. Its memory is live rows x (the longest live row's own
+  tokens + less than a block) plus each live group's shared prompt once, never batch x (prompt + max_new_tokens). A
+  request's kept cache is dropped as soon as it is copied into the batch;
 - **a prefill inside the decode step**: rows that enter while others are live are prefilled in the live rows'
   decode forward (one packed sequence [1, tokens]: each live row's token, then each entering row's new ids;
   :meth:`ContinuousEngine._decode_entering`), on the CPU's exact shapes with the shared-prefix attention in use;
@@ -28,22 +30,19 @@ new tokens -- the last sampled token, the tool message and the template's separa
 - **shapes**: exact on the CPU; on CUDA (``bucketed``) each decode forward runs at :func:`decode_shape`'s bucket of
   rows and cache columns, so that it can be captured or compiled once per bucket;
 - **shared prompts**: requests with no kept cache whose prompts repeat (a GRPO group) get their prompt's cache, all
-  but the last token, from one forward per distinct prompt. That cache is held once per group, not per row
-  (:class:`_PrefixStack`): the batch's buffers hold each row's own tokens only, a kept cache points at its group's
-  prefix, and the engine runs the model on its own attention function (``SHARED_PREFIX_ATTENTION``, registered
-  with transformers' AttentionInterface; sdpa in any forward without prefixes) that takes one softmax over
-  [prefix ; own keys] (:class:`_SharedPrefixes`). Models whose attention is not plain (sliding windows,
-  soft-capping, sinks) or not dispatched through the interface keep a copy of the prefix in every row;
+  but the last token, from one forward per distinct prompt. From ``SHARED_PREFIX_MIN_TOKENS`` cached tokens up, and
+  where the model's attention allows it, that cache is held once per group, not per row: the batch's buffers hold
+  each row's own tokens only, a kept cache points at its group's prefix, and the engine runs the model on the
+  shared-prefix attention (``SHARED_PREFIX_ATTENTION``) for the duration of ``run``; otherwise each row holds a copy
+  of its prefix;
 - **callbacks**: ``on_finish(finished)`` is called once per step with the rows that left at it and returns their
   follow-ups: requests, or ``concurrent.futures.Future`` objects each of a request, a list of them or None (tools
   running on a thread while the other rows decode; polled at every step).
 
-Sampling is row-seeded (:class:`fsdptrain.generation.generate.RowSeededSampling`, the same Gumbel-max draw from the same
-per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens
-depend on its prompt, its seed and the weights only, never on which rows share its batch, how many, when it entered,
-or on which rank. ``seed`` None decodes greedily. The behaviour log-prob of each sampled token is
-``log_softmax(logits / temperature)`` of the generating forward at that token: after temperature, before top-p (the
-distribution the training forward scores at ``rollout.temperature``).
+Sampling is row-seeded (:func:`sample_rows`, each seeded row's noise a :class:`RowNoise` made at its first token): a
+row's tokens depend on its prompt, its seed and the weights only, never on which rows share its batch, how many, when
+it entered, or on which rank. ``seed`` None decodes greedily. Each token's behaviour log-prob is the generating
+forward's ``log_softmax(logits / temperature)`` at it.
 """
 
 from __future__ import annotations
@@ -57,54 +56,36 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.cache_utils import Cache
 
 from fsdptrain.generation.block import generation
 from fsdptrain.generation.decoder import Generated, OnFinish, Request, Sampling, active_recorder
+from fsdptrain.generation.kv_cache import (
+    BUCKETED_CACHE_BLOCK,
+    CACHE_BLOCK,
+    BufferLayer,
+    KeptCache,
+    PackedLayer,
+    left_pad_ids,
+    pad_left,
+    position_ids,
+    right_align,
+    right_aligned_mask,
+    round_up,
+    row_cache,
+    stack_kept,
+)
+from fsdptrain.generation.row_sampling import NOISE_ROW_VALUES, NOISE_STEPS, RowNoise, sample_rows
+from fsdptrain.generation.shared_prefix import (
+    SHARED_PREFIX_ATTENTION,
+    SHARED_PREFIX_MIN_TOKENS,
+    FusedAttention,
+    PrefixStack,
+    SharedPrefixes,
+    can_share_prefixes,
+    register_shared_prefix_attention,
+)
 from fsdptrain.model.attention_switch import generation_attention
-
-CACHE_BLOCK = 16
-"""Cache columns allocated at a time on the CPU: a row's cache grows by one copy per block of tokens, and holds
-less than a block of unused columns."""
-BUCKETED_CACHE_BLOCK = 64
-"""The same where the decode step's shapes are bucketed (CUDA): its cache width is a multiple of this."""
-SHARED_PREFIX_MIN_TOKENS = 16
-"""A group's prompt is held once only from this many cached tokens (a cache block) up: a shorter one is copied into
-each of its rows, whose few columns cost less than the shared-prefix attention's fixed cost per forward (the default
-tiny task's 3-token prefixes: 12.3 ms a 64-row rollout shared, 10.1 ms copied, one thread; docs/rollout.md)."""
-PREFILL_CHUNK_VALUES = 1 << 16
-"""A prefill onto shared prefixes copies each row's prefix keys and values for its attention, this many values
-(rows x (prefix + own columns) x kv heads x head_dim) at a time, one layer at a time."""
-NOISE_STEPS = 16
-NOISE_ROW_VALUES = 1 << 14
-"""A row's sampling noise is drawn up to ``NOISE_STEPS`` tokens at a time, at most ``NOISE_ROW_VALUES`` values (64
-KiB of float32 a row: 16 tokens of a 1024-entry vocabulary; one token at a time from 16384 entries up)."""
-SAMPLE_CHUNK_VALUES = 1 << 20
-"""Uniforms drawn and used together, rows x vocabulary (8 MiB of float64): a 49152-entry vocabulary is sampled 21
-rows at a time, not in one [rows, vocab] block; a small one all rows at once."""
-
-
-@dataclass
-class KeptCache:
-    """One row's keys and values, one ``(keys, values)`` pair of shape [heads, length, head_dim] per layer, for every
-    token of its conversation but the last sampled one (which the next turn prefills). ``prefix``: the shared cache
-    of its group's prompt, which comes before ``layers`` and is held once for all the group's rows."""
-
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-    prefix: Optional["KeptCache"] = None
-
-    @property
-    def length(self) -> int:
-        """The row's own positions (its shared prefix not counted)."""
-        return self.layers[0][0].shape[1]
-
-    @property
-    def num_tokens(self) -> int:
-        """Every position the cache covers, the shared prefix included: the next token's position id."""
-        return self.length + (self.prefix.num_tokens if self.prefix is not None else 0)
 
 
 @dataclass
@@ -120,6 +101,17 @@ class EngineStats:
     num_row_steps: int = 0
     max_live_rows: int = 0
     max_cache_positions: int = 0
+
+
+def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tuple[int, int]:
+    """The (rows, cache columns) a decode forward of ``num_rows`` live rows over ``width`` cache columns (the new
+    token's included) runs at. On the CPU (not ``bucketed``) exactly those. Bucketed (CUDA), so that a captured CUDA
+    graph or a compiled step meets few shapes: rows rounded up to a power of two up to 8 and to a multiple of 8
+    beyond, columns to a multiple of ``block``."""
+    if not bucketed:
+        return num_rows, width
+    rows = 1 << max(num_rows - 1, 0).bit_length() if num_rows <= 8 else round_up(num_rows, 8)
+    return rows, round_up(width, block)
 
 
 @dataclass
@@ -152,7 +144,7 @@ class ContinuousEngine:
         self.bucketed = self.device.type == "cuda" if bucketed is None else bucketed
         self.block = BUCKETED_CACHE_BLOCK if self.bucketed else CACHE_BLOCK
         self.cache_name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        self.share_prefixes = _can_share_prefixes(model)
+        self.share_prefixes = can_share_prefixes(model)
         self.min_shared_prefix = min_shared_prefix
         self.fuse_prefills = fuse_prefills
         self._sharing = False  # this run holds long prompts once (``run``)
@@ -160,11 +152,11 @@ class ContinuousEngine:
         self._recorder = None  # the recorder of this run's `recording` block (fsdptrain/generation/decoder.py)
         self._rows: list[_Row] = []
         self._num_ended = 0  # rows of the batch that ended since the last ``_leave``
-        self._shared: Optional[tuple] = None  # ((stack, ids of the rows' prefixes), _SharedPrefixes, prefixes)
+        self._shared: Optional[tuple] = None  # ((stack, ids of the rows' prefixes), SharedPrefixes, prefixes)
         self._layers: list[list[torch.Tensor]] = []  # live batch, [keys, values] each [rows, heads, capacity, dim]
         self._mask: Optional[torch.Tensor] = None  # [rows, width]: every row ends at the last column
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
-        self._stack: Optional[_PrefixStack] = None  # the live rows' shared prefixes, one copy each
+        self._stack: Optional[PrefixStack] = None  # the live rows' shared prefixes, one copy each
 
     @property
     def device(self) -> torch.device:
@@ -184,7 +176,7 @@ class ContinuousEngine:
         self._sharing = self.share_prefixes and any(
             r.kept is None and len(r.new_ids) - 1 >= self.min_shared_prefix for r in requests)
         if self._sharing:
-            _register_shared_prefix_attention()
+            register_shared_prefix_attention()
             attention = generation_attention(self.model, SHARED_PREFIX_ATTENTION)
         try:
             with attention:
@@ -278,10 +270,10 @@ class ContinuousEngine:
         return out
 
     def _forward_prefixes(self, prefixes: list[tuple[int, ...]]) -> list[KeptCache]:
-        ids, mask = _left_pad([list(p) for p in prefixes], self.pad_id, self.device)
-        layers, _ = self._forward(ids, mask, _positions(mask), None, 0, prefixes=[None] * len(prefixes))
+        ids, mask = left_pad_ids([list(p) for p in prefixes], self.pad_id, self.device)
+        layers, _ = self._forward(ids, mask, position_ids(mask), None, 0, prefixes=[None] * len(prefixes))
         self.stats.num_prefill_forwards += 1
-        return [_row_cache(layers, mask, r) for r in range(len(prefixes))]
+        return [row_cache(layers, mask, r) for r in range(len(prefixes))]
 
     def _prefill(self, entering: list[Request]) -> None:
         """One forward over the entering rows (each its kept cache, if any, then its new ids), their first token
@@ -291,21 +283,21 @@ class ContinuousEngine:
         kept_len = [r.kept.length if r.kept else 0 for r in entering]
         prefixes = [r.kept.prefix if r.kept else None for r in entering]
         prefix_len = [p.num_tokens if p is not None else 0 for p in prefixes]
-        ids, new_mask = _left_pad([r.new_ids for r in entering], self.pad_id, device)
+        ids, new_mask = left_pad_ids([r.new_ids for r in entering], self.pad_id, device)
         width = max(kept_len)
         layers, cache_mask = None, torch.zeros(len(entering), 0, dtype=torch.long, device=device)
         if width > 0:
-            capacity = _round_up(width + ids.shape[1], self.block)
-            layers, cache_mask = _stack_kept([r.kept for r in entering], width, capacity, device)
+            capacity = round_up(width + ids.shape[1], self.block)
+            layers, cache_mask = stack_kept([r.kept for r in entering], width, capacity, device)
         for r in entering:
             r.kept = None
         mask = torch.cat([cache_mask, new_mask], dim=1)
-        positions = _positions(mask)[:, width:] + torch.tensor(prefix_len, device=device)[:, None]
+        positions = position_ids(mask)[:, width:] + torch.tensor(prefix_len, device=device)[:, None]
         layers, logits = self._forward(ids, mask, positions, layers, width, prefixes=prefixes)
         self.stats.num_prefill_forwards += 1
         rows = [_Row(r, length=p + k + len(r.new_ids), prefix=prefix)
                 for r, k, p, prefix in zip(entering, kept_len, prefix_len, prefixes)]
-        mask = _right_align(layers, mask, self.block)
+        mask = right_align(layers, mask, self.block)
         self._join(rows, layers, mask)
         self._sample(rows, logits)
 
@@ -322,11 +314,11 @@ class ContinuousEngine:
             for part in range(2):
                 ref = old[part]
                 joined = ref.new_zeros(self._rows_at(num_live + len(rows)), ref.shape[1],
-                                       _round_up(width + 1, self.block), ref.shape[3])
+                                       round_up(width + 1, self.block), ref.shape[3])
                 joined[:num_live, :, width - live:width] = old[part][:num_live, :, :live]
                 joined[num_live:num_live + len(rows), :, width - new:width] = entering[part][:len(rows), :, :new]
                 old[part], entering[part] = joined, None  # both sources freed here, one tensor at a time
-        self._mask = torch.cat([_pad_left(self._mask, width, 1), _pad_left(mask, width, 1)])
+        self._mask = torch.cat([pad_left(self._mask, width, 1), pad_left(mask, width, 1)])
         self._rows = self._rows + rows
 
     # decoding --------------------------------------------------------------------------------------------------
@@ -374,8 +366,8 @@ class ContinuousEngine:
         """One forward for a decode step and a prefill: every live row's next token and each entering row's new ids
         (onto its kept cache) packed into one sequence [1, tokens], no padding. The entering rows' kept caches join
         the batch first (one rebuild, as ``_join``), right-aligned so that after the forward every row ends at the
-        same column; the forward writes each token's keys and values to its row and column (``_PackedLayer``); the
-        attention (``_FusedAttention``) runs the live rows' queries as a decode step and the entering rows' as a
+        same column; the forward writes each token's keys and values to its row and column (``PackedLayer``); the
+        attention (``FusedAttention``) runs the live rows' queries as a decode step and the entering rows' as a
         prefill. Every row samples one token: the live rows their next, the entering rows their first."""
         device = self.device
         live, num_live = self._rows, len(self._rows)
@@ -385,7 +377,7 @@ class ContinuousEngine:
         new_len = [len(r.new_ids) for r in entering]
         width = self._mask.shape[1]
         end = max(width + 1, max(k + n for k, n in zip(kept_len, new_len)))  # every row's last column + 1
-        capacity = _round_up(end + 1, self.block)
+        capacity = round_up(end + 1, self.block)
         for layer, pair in enumerate(self._layers):
             for part in range(2):
                 ref = pair[part]
@@ -399,8 +391,8 @@ class ContinuousEngine:
             r.kept = None
         ones = torch.ones(num_live, 1, dtype=self._mask.dtype, device=device)
         self._mask = torch.cat([
-            torch.cat([_pad_left(self._mask, end - 1, 1), ones], 1),
-            _right_aligned_mask([k + n for k, n in zip(kept_len, new_len)], end, device)])
+            torch.cat([pad_left(self._mask, end - 1, 1), ones], 1),
+            right_aligned_mask([k + n for k, n in zip(kept_len, new_len)], end, device)])
         rows = [_Row(r, length=p + k + n, prefix=prefix)
                 for r, k, n, p, prefix in zip(entering, kept_len, new_len, prefix_len, prefixes)]
         self._rows = live + rows
@@ -410,9 +402,9 @@ class ContinuousEngine:
         row_of = list(range(num_live)) + [num_live + e for e, n in enumerate(new_len) for _ in range(n)]
         column_of = [end - 1] * num_live + [end - n + j for n in new_len for j in range(n)]
         last = list(range(num_live)) + list(itertools.accumulate(new_len, initial=num_live - 1))[1:]
-        attention = _FusedAttention(self._shared_for([r.prefix for r in live]),
-                                    _SharedPrefixes(self._stack, prefixes), self._mask, new_len)
-        cache = Cache(layers=[_PackedLayer(k, v, end, torch.tensor(row_of, device=device),
+        attention = FusedAttention(self._shared_for([r.prefix for r in live]),
+                                    SharedPrefixes(self._stack, prefixes), self._mask, new_len)
+        cache = Cache(layers=[PackedLayer(k, v, end, torch.tensor(row_of, device=device),
                                            torch.tensor(column_of, device=device)) for k, v in self._layers])
         self._layers = []
         self._layers, logits = self._run_model(
@@ -447,7 +439,7 @@ class ContinuousEngine:
         self._num_ended = 0
         gone = [i for i, r in enumerate(self._rows) if r.ended]
         out = [Generated(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
-                        kept=_row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
+                        kept=row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
         num_rows = len(self._rows) - len(gone)
         if num_rows == 0:
@@ -480,10 +472,10 @@ class ContinuousEngine:
         and the last position's logits."""
         shared = self._shared_for(prefixes) if any(p is not None for p in prefixes) else None
         if layers:
-            cache = Cache(layers=[_BufferLayer(k, v, length, self.block, expose) for k, v in layers])
+            cache = Cache(layers=[BufferLayer(k, v, length, self.block, expose) for k, v in layers])
             layers.clear()  # the cache's layers hold the only references, so a buffer that grows frees its old one
         else:
-            cache = Cache(layer_class_to_replicate=lambda: _BufferLayer(block=self.block))
+            cache = Cache(layer_class_to_replicate=lambda: BufferLayer(block=self.block))
         model_mask = mask
         if ids.shape[1] == 1 and not expose:  # a decode step's mask is the padding mask: built here, not per forward
             model_mask = mask.bool()[:, None, None, :]  # by transformers' mask functions (a quarter of a tiny step)
@@ -506,26 +498,26 @@ class ContinuousEngine:
         self.stats.max_cache_positions = max(self.stats.max_cache_positions, rows * width + held)
         return layers, out.logits
 
-    def _shared_for(self, prefixes: list[Optional[KeptCache]]) -> "_SharedPrefixes":
+    def _shared_for(self, prefixes: list[Optional[KeptCache]]) -> "SharedPrefixes":
         """The forward's rows (their ``prefixes``) in the prefix stack; the decode steps between two changes of the
         batch share one."""
         self._stack = self._stack_with(prefixes)
         key = (self._stack, [id(p) for p in prefixes])
         if self._shared is None or self._shared[0] != key:
             # the prefixes held with it, so that no id in its key is reused by another object while it is kept
-            self._shared = (key, _SharedPrefixes(self._stack, prefixes), prefixes)
+            self._shared = (key, SharedPrefixes(self._stack, prefixes), prefixes)
         shared = self._shared[1]
         shared.num_calls = 0
         return shared
 
-    def _stack_with(self, prefixes: list[Optional[KeptCache]]) -> "_PrefixStack":
+    def _stack_with(self, prefixes: list[Optional[KeptCache]]) -> "PrefixStack":
         """The prefix stack holding ``prefixes`` (and the live rows' own): the current one when it holds them and
         nothing else, else rebuilt (the old one freed first)."""
         wanted = {id(p): p for p in prefixes + [r.prefix for r in self._rows] if p is not None}
         if self._stack is not None and self._stack.ids == set(wanted):
             return self._stack
         self._stack = None
-        return _PrefixStack(list(wanted.values()))
+        return PrefixStack(list(wanted.values()))
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
         vocab = logits.shape[-1]
@@ -564,436 +556,3 @@ class ContinuousDecoder:
                                   temperature=sampling.temperature, top_p=sampling.top_p,
                                   max_live_rows=rollout.max_live_rows, max_live_tokens=rollout.max_live_tokens)
         return engine.run(list(requests), on_finish)
-
-
-class _PackedLayer(DynamicLayer):
-    """One layer of a fused decode-and-prefill forward's cache (``ContinuousEngine._decode_entering``): the
-    buffers [rows, heads, capacity, dim] and, per packed token, its row and column; ``update`` writes each token's
-    keys and values there and returns the buffers' first ``end`` columns (the cache's ``buffers`` after it)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, end: int, rows: torch.Tensor,
-                 columns: torch.Tensor):
-        super().__init__()
-        self.buffers, self.end, self.rows, self.columns = (keys, values), end, rows, columns
-        self.device, self.is_initialized, self.length = keys.device, True, end
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = self.buffers
-        keys[self.rows, :, self.columns] = key_states[0].transpose(0, 1)  # [tokens, heads, dim]
-        values[self.rows, :, self.columns] = value_states[0].transpose(0, 1)
-        self.keys, self.values = keys[:, :, :self.end], values[:, :, :self.end]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-class _BufferLayer(DynamicLayer):
-    """One layer of the engine's cache: keys and values in buffers [rows, heads, capacity, dim] used up to column
-    ``length``. ``update`` writes the new states in place and returns views of the used columns (``expose``: of
-    every column, the caller masking the unused ones, so the shapes stay those of the buffers); a full buffer grows to
-    the next multiple of ``block`` columns (one copy per block of tokens, where DynamicLayer concatenates, a copy of
-    the layer per token)."""
-
-    def __init__(self, keys: Optional[torch.Tensor] = None, values: Optional[torch.Tensor] = None, length: int = 0,
-                 block: int = CACHE_BLOCK, expose: bool = False):
-        super().__init__()
-        self.buffers, self.length, self.block, self.expose = (keys, values), length, block, expose
-        if keys is not None:
-            self.device, self.is_initialized = keys.device, True
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device, self.is_initialized, self.length = key_states.device, True, 0
-        self.buffers = (key_states[:, :, :0], value_states[:, :, :0])
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.buffers[0].shape[2]:
-            # one tensor at a time, this layer holding the only reference: the old buffer is freed before the next grows
-            self.keys = self.values = None
-            buffers = list(self.buffers)
-            self.buffers = ()
-            for part in range(2):
-                buffers[part] = _grown(buffers[part], self.length, _round_up(end, self.block))
-            self.buffers = tuple(buffers)
-        keys, values = self.buffers
-        keys[:, :, self.length:end] = key_states
-        values[:, :, self.length:end] = value_states
-        self.length = end
-        shown = keys.shape[2] if self.expose else end
-        self.keys, self.values = keys[:, :, :shown], values[:, :, :shown]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length if self.is_initialized else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if self.expose:
-            return self.buffers[0].shape[2], 0
-        return super().get_mask_sizes(query_length)
-
-
-def _can_share_prefixes(model) -> bool:
-    """Whether a group's prompt cache can be held once (attention over [shared prefix ; own tokens]): the model's
-    attention goes through transformers' AttentionInterface and is plain softmax attention over every earlier
-    position (no sliding-window layer, no logit soft-capping, no attention sinks). Otherwise each row holds its own
-    copy of its group's prompt cache, as before."""
-    if not isinstance(model, PreTrainedModel) or not model._can_set_attn_implementation():
-        return False
-    config = model.config.get_text_config()
-    plain = all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
-    return (plain and getattr(config, "attn_logit_softcapping", None) is None
-            and not any(hasattr(m, "sinks") for m in model.modules()))
-
-
-SHARED_PREFIX_ATTENTION = "fsdptrain_shared_prefix"
-"""The attention the engine runs the model on: sdpa, except in a forward given ``shared_prefixes``."""
-
-
-def _register_shared_prefix_attention() -> None:
-    if SHARED_PREFIX_ATTENTION not in AttentionInterface():
-        AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
-        AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
-
-
-def shared_prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                            shared_prefixes: Optional["_SharedPrefixes"] = None, **kwargs):
-    """transformers' attention interface: sdpa over the cache's keys, or (``shared_prefixes`` given) one softmax
-    over each row's shared prefix and its own keys."""
-    if shared_prefixes is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    return shared_prefixes.attend(module.layer_idx, query, key, value, attention_mask,
-                                  query.shape[-1] ** -0.5 if scaling is None else scaling), None
-
-
-class _PrefixStack:
-    """Distinct shared prefixes, one copy each: per layer keys and values [kv heads, prefixes, width, dim] (the
-    layout the decode step's matmul batches over), prefix g in columns [0, its length) (``valid``)."""
-
-    def __init__(self, prefixes: list[KeptCache]):
-        self.ids = {id(p) for p in prefixes}
-        self.index = {id(p): g for g, p in enumerate(prefixes)}
-        width = max(p.length for p in prefixes)
-        ref = prefixes[0].layers[0][0]
-        self.layers = []
-        for layer in range(len(prefixes[0].layers)):
-            pair = []
-            for part in range(2):
-                stacked = ref.new_zeros(ref.shape[0], len(prefixes), width, ref.shape[2])
-                for g, p in enumerate(prefixes):
-                    stacked[:, g, :p.length] = p.layers[layer][part]
-                pair.append(stacked)
-            self.layers.append(pair)
-        lengths = torch.tensor([p.length for p in prefixes], device=ref.device)
-        self.valid = torch.arange(width, device=ref.device) < lengths[:, None]
-        self.num_positions = len(prefixes) * width
-
-
-class _SharedPrefixes:
-    """One forward's rows and their prefixes in the stack. Attention for a row (``attend``): one softmax over
-    [its prefix's keys ; its own keys]. The prefix part is one matmul batched over (kv head, prefix), each prefix's
-    rows gathered into its slots [kv heads, prefixes, slots x queries, dim]: the prefix is read once per forward and
-    never copied per row. The own part is a batched matmul over the rows' own keys. A row without a prefix takes a
-    slot of prefix 0 with every prefix column masked, so its prefix part is exactly zero."""
-
-    def __init__(self, stack: _PrefixStack, prefixes: list[Optional[KeptCache]]):
-        self.stack, self.num_calls = stack, 0
-        groups = [stack.index[id(p)] if p is not None else -1 for p in prefixes]
-        members: dict[int, int] = {}
-        slot_of_row = []
-        for g in groups:
-            g = max(g, 0)
-            slot_of_row.append((g, members.get(g, 0)))
-            members[g] = members.get(g, 0) + 1
-        self.num_groups, self.per_group = stack.valid.shape[0], max(members.values())
-        slots = [g * self.per_group + j for g, j in slot_of_row]
-        row_of_slot = [0] * (self.num_groups * self.per_group)  # an empty slot reads row 0: its result is never read
-        for row, slot in enumerate(slots):
-            row_of_slot[slot] = row
-        device = stack.valid.device
-        self.slot, self.row_of_slot = torch.tensor(slots, device=device), torch.tensor(row_of_slot, device=device)
-        self.groups = torch.tensor(groups, device=device)
-        self.visible = stack.valid[self.groups.clamp(min=0)] & (self.groups >= 0)[:, None]  # [rows, width]
-        self._bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (own mask, its additive bias)
-
-    def _bias_for(self, mask: torch.Tensor, dtype) -> torch.Tensor:
-        """[rows, 1, 1, width + own]: 0 where a row sees the key, -inf elsewhere (the same for every layer)."""
-        if self._bias is None or self._bias[0] is not mask:
-            visible = torch.cat([self.visible[:, None, None, :], mask.expand(len(self.visible), 1, 1, -1)], dim=-1)
-            bias = torch.zeros(visible.shape, dtype=dtype, device=mask.device).masked_fill_(~visible, float("-inf"))
-            self._bias = (mask, bias)
-        return self._bias[1]
-
-    def attend(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
-        """``query`` [rows, heads, q, dim], the rows' own ``key``/``value`` [rows, kv heads, own, dim], ``mask``
-        over the own keys (transformers' bool [rows, 1, q, own], or None: every key visible, causal when q == own).
-        Returns [rows, q, heads, dim] as transformers' attention functions do."""
-        self.num_calls += 1
-        num_rows, heads, q_len, dim = query.shape
-        kv_heads, own = key.shape[1], key.shape[2]
-        if mask is None:  # transformers leaves it out when every key is visible (causal when q == own)
-            mask = torch.ones(q_len, own, dtype=torch.bool, device=query.device).tril(own - q_len)[None, None]
-        if q_len > 1:
-            return self._attend_gathered(layer, query, key, value, mask.bool(), scaling)
-        n = heads // kv_heads  # query head h reads kv head h // n
-        keys, values = self.stack.layers[layer]
-        width, grouped = keys.shape[2], (kv_heads, self.num_groups, self.per_group * n, dim)
-        q = query.reshape(num_rows, kv_heads, n, dim) * scaling
-        in_slots = q.transpose(0, 1).index_select(1, self.row_of_slot).view(grouped)
-        scores_prefix = (in_slots @ keys.transpose(-1, -2)).view(kv_heads, -1, n, width).index_select(1, self.slot)
-        scores = torch.cat([scores_prefix.transpose(0, 1), q @ key.transpose(-1, -2)], dim=-1)
-        probs = torch.softmax(scores + self._bias_for(mask.bool(), scores.dtype), dim=-1)
-        out = probs[..., width:] @ value
-        probs_in_slots = probs[..., :width].transpose(0, 1).index_select(1, self.row_of_slot).view(
-            kv_heads, self.num_groups, self.per_group * n, width)
-        from_prefix = (probs_in_slots @ values).view(kv_heads, -1, n, dim).index_select(1, self.slot)
-        out = out + from_prefix.transpose(0, 1)
-        return out.view(num_rows, heads, 1, dim).transpose(1, 2).contiguous()
-
-    def _attend_gathered(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
-        """A prefill (several queries a row, rare): sdpa over [prefix ; own keys] with each row's prefix copied
-        to it, a chunk of rows at a time (``PREFILL_CHUNK_VALUES``), so the copies stay small and transient."""
-        keys, values = self.stack.layers[layer]
-        num_rows, kv_heads, own, dim = key.shape
-        chunk = max(1, PREFILL_CHUNK_VALUES // ((keys.shape[2] + own) * kv_heads * dim))
-        mask = mask.expand(num_rows, 1, *mask.shape[2:])
-        out = []
-        for start in range(0, num_rows, chunk):
-            rows = slice(start, start + chunk)
-            group = self.groups[rows].clamp(min=0)
-            k = torch.cat([keys[:, group].transpose(0, 1), key[rows]], dim=2)
-            v = torch.cat([values[:, group].transpose(0, 1), value[rows]], dim=2)
-            m = torch.cat([self.visible[rows, None, None, :].expand(-1, 1, mask.shape[2], -1), mask[rows]], dim=-1)
-            out.append(torch.nn.functional.scaled_dot_product_attention(
-                query[rows], k, v, attn_mask=m, scale=scaling, enable_gqa=query.shape[1] != kv_heads))
-        return torch.cat(out).transpose(1, 2).contiguous()
-
-
-class _FusedAttention:
-    """The attention of a fused decode-and-prefill forward: queries packed [1, heads, tokens, dim], each live row's
-    one token first, then each entering row's new tokens. The live rows' queries attend as a decode step
-    (``live``, :meth:`_SharedPrefixes.attend`), the entering rows' as a prefill (``entering``: left-padded to the
-    longest, a pad query reading its row's first real token and that token's keys, its output dropped), over the
-    batch's keys ``mask`` [rows, columns] shows (each entering row causally up to its own column). Returns [1,
-    tokens, heads, dim]."""
-
-    def __init__(self, live: "_SharedPrefixes", entering: "_SharedPrefixes", mask: torch.Tensor,
-                 new_len: list[int]):
-        self.live, self.entering, self.num_calls = live, entering, 0
-        self.num_live, self.longest = mask.shape[0] - len(new_len), max(new_len)
-        device, width, longest = mask.device, mask.shape[1], self.longest
-        starts = itertools.accumulate(new_len, initial=self.num_live)
-        self.query_index = torch.tensor([start + max(i - (longest - n), 0) for start, n in zip(starts, new_len)
-                                         for i in range(longest)], device=device)
-        self.out_index = torch.tensor([e * longest + longest - n + j for e, n in enumerate(new_len)
-                                       for j in range(n)], device=device)
-        visible = mask.bool()
-        self.live_mask = visible[:self.num_live, None, None, :]
-        last_column = torch.tensor([[width - longest + max(i, longest - n) for i in range(longest)]
-                                    for n in new_len], device=device)  # [entering, longest]
-        causal = torch.arange(width, device=device) <= last_column[:, :, None]
-        self.entering_mask = visible[self.num_live:, None, None, :] & causal[:, None]  # [entering, 1, longest, width]
-        self.mask_placeholder = visible[:1, None, None, :1]  # a 4D mask: transformers hands it on as it is
-
-    def attend(self, layer: int, query, key, value, mask, scaling: float) -> torch.Tensor:
-        self.num_calls += 1
-        live, heads, dim = self.num_live, query.shape[1], query.shape[3]
-        packed = query[0]  # [heads, tokens, dim]
-        out_live = self.live.attend(layer, packed[:, :live].transpose(0, 1)[:, :, None], key[:live], value[:live],
-                                    self.live_mask, scaling)  # [live, 1, heads, dim]
-        entering = packed.index_select(1, self.query_index).view(heads, -1, self.longest, dim).transpose(0, 1)
-        out_entering = self.entering.attend(layer, entering, key[live:], value[live:], self.entering_mask, scaling)
-        out_entering = out_entering.reshape(-1, heads, dim).index_select(0, self.out_index)
-        return torch.cat([out_live[:, 0], out_entering])[None]
-
-
-def decode_shape(num_rows: int, width: int, *, bucketed: bool, block: int) -> tuple[int, int]:
-    """The (rows, cache columns) a decode forward of ``num_rows`` live rows over ``width`` cache columns (the new
-    token's included) runs at. On the CPU (not ``bucketed``) exactly those. Bucketed (CUDA), so that a captured CUDA
-    graph or a compiled step meets few shapes: rows rounded up to a power of two up to 8 and to a multiple of 8
-    beyond, columns to a multiple of ``block``."""
-    if not bucketed:
-        return num_rows, width
-    rows = 1 << max(num_rows - 1, 0).bit_length() if num_rows <= 8 else _round_up(num_rows, 8)
-    return rows, _round_up(width, block)
-
-
-class RowNoise:
-    """One row's Gumbel noise ``-log(-log(u))`` (float32, as the draw adds it) of its generator's float64
-    uniforms, one vocabulary's worth per token, drawn ``steps`` tokens at a time: torch's CPU and CUDA generators give
-    the same stream drawn in one piece or token by token (a unit test checks it), so a row's tokens are those of one
-    draw per token, for one ``torch.rand`` call and two logarithms per chunk instead of per token.
-
-    ``total``: the most tokens the row can draw (its cap). The first chunk is drawn at once, and the generator (2.5
-    KiB of state on the CPU) is dropped as soon as the chunks drawn cover ``total``: a short row (the default task's
-    6 tokens) holds only its noise, not a generator beside it."""
-
-    def __init__(self, seed: int, vocab: int, steps: int, device: torch.device, total: Optional[int] = None):
-        self.generator: Optional[torch.Generator] = torch.Generator(device=device).manual_seed(int(seed))
-        self.vocab, self.steps, self.device = vocab, max(1, steps), device
-        self.total, self.left = total, total  # tokens not yet drawn (None: no bound)
-        self.chunk: list[torch.Tensor] = []  # the chunk's tokens, views made in one call (not one select a step)
-        self.at = 0
-        self._draw()
-
-    def _draw(self) -> None:
-        if self.generator is None:
-            raise RuntimeError(f"RowNoise: a token drawn beyond its total of {self.total}")
-        u = torch.rand(self.steps, self.vocab, generator=self.generator, device=self.device, dtype=torch.float64)
-        u = u.clamp(torch.finfo(torch.float64).tiny, 1.0 - 1e-16)
-        self.chunk, self.at = (-torch.log(-torch.log(u))).float().unbind(0), 0
-        if self.left is not None:
-            self.left -= self.steps
-            if self.left <= 0:
-                self.generator = None
-
-    def next(self) -> torch.Tensor:
-        if self.at == len(self.chunk):
-            self._draw()
-        self.at += 1
-        return self.chunk[self.at - 1]
-
-
-def sample_rows(logits: torch.Tensor, noises: list[Optional[RowNoise]], *, temperature: float,
-                top_p: float) -> tuple[list[int], list[float]]:
-    """Each row's next token and its behaviour log-prob (``log_softmax(logits / temperature)`` at the token).
-
-    A row with noise draws by :class:`fsdptrain.generation.generate.RowSeededSampling`'s Gumbel-max (one float64
-    uniform per vocabulary entry from its generator, :class:`RowNoise`; with ``top_p`` < 1 the draw is over the
-    nucleus, as transformers' ``TopPLogitsWarper`` cuts it); a row without takes the argmax of its logits (greedy, its
-    log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` values (each row's draw is
-    its own, so the chunking changes no token); only the noise is gathered row by row."""
-    scores = logits.float()
-    if None not in noises and len(noises) * scores.shape[-1] <= SAMPLE_CHUNK_VALUES:  # the usual step: one chunk
-        logp = torch.log_softmax(scores / temperature, dim=-1)
-        drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
-        chosen = (drawn + torch.stack([noise.next() for noise in noises])).argmax(-1)
-        return chosen.tolist(), logp.gather(1, chosen[:, None])[:, 0].tolist()
-    tokens = scores.argmax(-1)
-    values = torch.empty(scores.shape[0], dtype=scores.dtype, device=scores.device)
-    greedy = [r for r, g in enumerate(noises) if g is None]
-    if greedy:
-        index = torch.tensor(greedy, device=scores.device)
-        picked = tokens.index_select(0, index)[:, None]
-        values[index] = torch.log_softmax(scores.index_select(0, index), -1).gather(1, picked)[:, 0]
-    seeded = [r for r, g in enumerate(noises) if g is not None]
-    chunk = max(1, SAMPLE_CHUNK_VALUES // scores.shape[-1])
-    for start in range(0, len(seeded), chunk):
-        rows = seeded[start:start + chunk]
-        index = torch.tensor(rows, device=scores.device)
-        logp = torch.log_softmax(scores.index_select(0, index) / temperature, dim=-1)
-        drawn = logp if top_p >= 1.0 else torch.stack([_nucleus(row, top_p) for row in logp])
-        chosen = (drawn + torch.stack([noises[r].next() for r in rows])).argmax(-1)
-        tokens[index] = chosen
-        values[index] = logp.gather(1, chosen[:, None])[:, 0]
-    return tokens.tolist(), values.tolist()
-
-
-def _nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``logp`` renormalised over the smallest set whose probability reaches ``top_p`` (-inf outside)."""
-    sorted_logp, order = torch.sort(logp, descending=False)
-    cut = sorted_logp.exp().cumsum(-1) <= 1 - top_p
-    cut[-1] = False
-    masked = logp.clone()
-    masked[order[cut]] = float("-inf")
-    return torch.log_softmax(masked, dim=-1)
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-def _grown(buffer: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
-    """``buffer``'s first ``used`` columns in a zeroed buffer of ``capacity`` columns."""
-    grown = buffer.new_zeros(*buffer.shape[:2], capacity, buffer.shape[3])
-    grown[:, :, :used] = buffer[:, :, :used]
-    return grown
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """``generate``'s position ids: the count of real tokens before each position (pads get 1)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], device=device)
-    return ids, _right_aligned_mask([len(r) for r in rows], width, device)
-
-
-def _right_aligned_mask(lengths: list[int], width: int, device) -> torch.Tensor:
-    """[rows, width]: 1 on each row's last ``lengths[row]`` columns."""
-    lengths_ = torch.tensor(lengths, device=device)
-    return (torch.arange(width, device=device) >= width - lengths_[:, None]).long()
-
-
-def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _stack_kept(kept: list[Optional[KeptCache]], width: int, capacity: int, device):
-    """The kept caches as one batch right-aligned to column ``width`` (rows without one are all padding), in
-    buffers of ``capacity`` columns, and its mask [rows, width]."""
-    template = next(k for k in kept if k is not None)
-    rows_of: dict[int, list[int]] = {}  # a shared prompt's cache is one object: copied to all its rows at once
-    for row, k in enumerate(kept):
-        if k is not None:
-            rows_of.setdefault(id(k), []).append(row)
-    by_id = {id(k): k for k in kept if k is not None}
-    layers = []
-    for layer in range(len(template.layers)):
-        pair = []
-        for part in range(2):
-            ref = template.layers[layer][part]
-            buffer = ref.new_zeros(len(kept), ref.shape[0], capacity, ref.shape[2])
-            for key, rows in rows_of.items():
-                k = by_id[key]
-                index = slice(rows[0], rows[-1] + 1) if _consecutive(rows) else rows
-                buffer[index, :, width - k.length:width] = k.layers[layer][part]
-            pair.append(buffer)
-        layers.append(pair)
-    return layers, _right_aligned_mask([k.length if k else 0 for k in kept], width, device)
-
-
-def _consecutive(rows: list[int]) -> bool:
-    return rows[-1] - rows[0] == len(rows) - 1
-
-
-def _row_cache(layers, mask: torch.Tensor, row: int, prefix: Optional[KeptCache] = None) -> KeptCache:
-    """A copy of ``row``'s real positions (the last ``mask[row].sum()`` columns of ``mask``'s width), after
-    ``prefix``."""
-    width, length = mask.shape[1], int(mask[row].sum())
-    return KeptCache([tuple(t[row, :, width - length:width].clone(memory_format=torch.contiguous_format)
-                            for t in pair) for pair in layers], prefix=prefix)
-
-
-def _right_align(layers: list[list[torch.Tensor]], mask: torch.Tensor, block: int) -> torch.Tensor:
-    """Each row's real positions moved to the right end (no hole between a kept cache and the new ids), the columns
-    every row pads cut; ``layers`` are replaced in place, one tensor at a time. The new mask."""
-    lengths = mask.sum(1)
-    width = int(lengths.max())
-    columns = torch.arange(mask.shape[1], device=mask.device)
-    if bool((mask.bool() == (columns >= mask.shape[1] - lengths[:, None])).all()):
-        cut = mask.shape[1] - width
-        for pair in layers:
-            for part in range(2):
-                pair[part] = pair[part][:, :, cut:]
-        return mask[:, cut:]
-    real = [mask[r].bool() for r in range(mask.shape[0])]
-    for pair in layers:
-        for part in range(2):
-            old = pair[part][:, :, :mask.shape[1]]
-            aligned = old.new_zeros(*old.shape[:2], _round_up(width + 1, block), old.shape[3])
-            for r, keep in enumerate(real):
-                aligned[r, :, width - int(lengths[r]):width] = old[r][:, keep]
-            pair[part] = aligned
-    return _right_aligned_mask(lengths.tolist(), width, mask.device)

@@ -25,6 +25,7 @@ from fsdptrain.generation.decoder import (
     active_recorder,
     decode_in_batches,
 )
+from fsdptrain.generation.row_sampling import RowSeededSampling
 
 
 class GenerationLogprobs(LogitsProcessor):
@@ -50,27 +51,6 @@ class GenerationLogprobs(LogitsProcessor):
             self.steps.append(self.pending.gather(1, sequences[:, -1:]).squeeze(1))
             self.pending = None
         return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
-
-
-class RowSeededSampling(LogitsProcessor):
-    """Sampling at ``temperature`` where row r draws from its own generator seeded with ``seeds[r]``, by the
-    Gumbel-max trick: with G_v = -log(-log U_v), U_v ~ U(0, 1) i.i.d., argmax_v (log_softmax(z / T)_v + G_v) is an
-    exact draw from softmax(z / T). Under greedy decoding this processor turns the argmax into that draw. A row's
-    tokens depend on its prompt, its seed and the model only, never on the other rows of the batch (how many, in
-    what order, on which rank), and torch's global RNG is never touched. Each decoding step draws one uniform per
-    vocabulary entry from every row's generator (float64, kept inside (0, 1))."""
-
-    def __init__(self, seeds: Sequence[int], *, temperature: float, device: torch.device):
-        self.temperature = temperature
-        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        assert scores.shape[0] == len(self.generators), "one seed per row of the batch"
-        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        tiny = torch.finfo(torch.float64).tiny
-        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device, dtype=torch.float64)
-                         for g in self.generators]).clamp(tiny, 1.0 - 1e-16)
-        return logp + (-torch.log(-torch.log(u))).to(logp.dtype)
 
 
 @torch.no_grad()

@@ -92,7 +92,7 @@ def test_eval_sample_seeds_depend_on_the_step_prompt_and_sample_only():
 def test_row_seeded_sampling_draws_each_row_from_its_own_generator():
     """The processor's output for a row is log_softmax(z / T) + Gumbel noise from that row's generator alone: the
     same row in another batch, next to other rows, gets the same scores; the global RNG is untouched."""
-    from fsdptrain.generation.generate import RowSeededSampling
+    from fsdptrain.generation.row_sampling import RowSeededSampling
 
     z = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, -1.0]])
     state = torch.get_rng_state()

@@ -12,8 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.generate import generate_responses
-from fsdptrain.generation.continuous import ContinuousEngine, RowNoise, decode_shape
+from fsdptrain.generation.continuous import ContinuousEngine, decode_shape
 from fsdptrain.generation.decoder import Request
+from fsdptrain.generation.row_sampling import RowNoise
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
