@@ -175,41 +175,35 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
     raise typer.Exit(code)
 
 
-@app.command(
-    context_settings={"ignore_unknown_options": True},
+def _config_command(name: str, *, short_help: str, help: str) -> None:
+    """Register ``fsdptrain <name> [overrides]``: a command that composes the config and runs ``name`` on the ranks,
+    with the options every such command takes (``--config-dir``, ``--config-name``, ``--cfg``, ``--nproc``)."""
+
+    def command(
+        overrides: Optional[List[str]] = OVERRIDES,
+        config_dir: Optional[str] = CONFIG_DIR,
+        config_name: str = CONFIG_NAME,
+        print_cfg: bool = PRINT_CFG,
+        nproc: int = NPROC,
+    ) -> None:
+        _dispatch(name, overrides, config_dir, config_name, print_cfg, nproc)
+
+    app.command(name, context_settings={"ignore_unknown_options": True}, short_help=short_help, help=help)(command)
+
+
+_config_command(
+    "train",
     short_help="Train with PPO or GRPO. e.g. fsdptrain train algorithm=grpo trainer.steps=5",
+    help="Train a policy (and a value model for PPO) with PPO or GRPO.\n\n"
+    "Example: fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5",
 )
-def train(
-    overrides: Optional[List[str]] = OVERRIDES,
-    config_dir: Optional[str] = CONFIG_DIR,
-    config_name: str = CONFIG_NAME,
-    print_cfg: bool = PRINT_CFG,
-    nproc: int = NPROC,
-) -> None:
-    """Train a policy (and a value model for PPO) with PPO or GRPO.
-
-    Example: fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5
-    """
-    _dispatch("train", overrides, config_dir, config_name, print_cfg, nproc)
-
-
-@app.command(
-    context_settings={"ignore_unknown_options": True},
+_config_command(
+    "sft",
     short_help="Supervised fine-tuning on demonstrations. e.g. fsdptrain sft model.path=DIR data.path=chats.jsonl",
+    help="Fine-tune the policy on demonstrations: chats (messages, tool calls included) or prompt + completion rows, "
+    "the loss on the assistant's (the completion's) tokens only (docs/sft.md).\n\n"
+    "Example: fsdptrain sft model.path=DIR data.path=chats.jsonl data.eval_path=held_out.jsonl trainer.steps=100",
 )
-def sft(
-    overrides: Optional[List[str]] = OVERRIDES,
-    config_dir: Optional[str] = CONFIG_DIR,
-    config_name: str = CONFIG_NAME,
-    print_cfg: bool = PRINT_CFG,
-    nproc: int = NPROC,
-) -> None:
-    """Fine-tune the policy on demonstrations: chats (messages, tool calls included) or prompt + completion rows,
-    the loss on the assistant's (the completion's) tokens only (docs/sft.md).
-
-    Example: fsdptrain sft model.path=DIR data.path=chats.jsonl data.eval_path=held_out.jsonl trainer.steps=100
-    """
-    _dispatch("sft", overrides, config_dir, config_name, print_cfg, nproc)
 
 
 @app.command(
@@ -241,26 +235,15 @@ def check_metrics(
     _dispatch("check-metrics", overrides, config_dir, config_name, print_cfg, nproc, options)
 
 
-@app.command(
+_config_command(
     "check-reward",
-    context_settings={"ignore_unknown_options": True},
     short_help="Try the reward on the current model's samples. e.g. fsdptrain check-reward data=prompts ...",
+    help="Load the data and reward functions, sample rollout.n completions for a few prompts with the current model "
+    "(no training) and print each function's spread, a few samples and the time per call.\n\n"
+    "Exits 1 when every prompt group scored all-equal (GRPO's group baseline would learn nothing), 0 otherwise.\n\n"
+    # rich reads [...] as markup: the bracket is escaped so that the example prints as typed
+    "Example: fsdptrain check-reward data=prompts data.path=train.jsonl 'reward.functions=\\[exact_match]'",
 )
-def check_reward(
-    overrides: Optional[List[str]] = OVERRIDES,
-    config_dir: Optional[str] = CONFIG_DIR,
-    config_name: str = CONFIG_NAME,
-    print_cfg: bool = PRINT_CFG,
-    nproc: int = NPROC,
-) -> None:
-    """Load the data and reward functions, sample rollout.n completions for a few prompts with the current model (no
-    training) and print each function's spread, a few samples and the time per call.
-
-    Exits 1 when every prompt group scored all-equal (GRPO's group baseline would learn nothing), 0 otherwise.
-
-    Example: fsdptrain check-reward data=prompts data.path=train.jsonl 'reward.functions=[exact_match]'
-    """
-    _dispatch("check-reward", overrides, config_dir, config_name, print_cfg, nproc)
 
 
 @app.command(short_help="Plot a run's metrics to a PNG. e.g. fsdptrain plot runs/my-run")

@@ -23,6 +23,17 @@ def test_help_lists_commands_with_examples(cli):
     assert "fsdptrain check-metrics" in result.stdout
 
 
+@pytest.mark.parametrize("command, example", [
+    ("train", "fsdptrain train algorithm=grpo loss.agg_mode=token-sum trainer.steps=5"),
+    ("sft", "fsdptrain sft model.path=DIR data.path=chats.jsonl"),
+    ("check-reward", "'reward.functions=[exact_match]'"),  # rich once read [exact_match] as markup and dropped it
+])
+def test_each_command_help_prints_its_example_as_typed(cli, command, example):
+    result = cli(command, "--help", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert example in result.stdout
+
+
 def test_importing_cli_does_not_import_torch():
     code = "import sys, fsdptrain.cli; assert 'torch' not in sys.modules, 'torch imported'; print('clean')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
