@@ -143,9 +143,7 @@ def policy_loss_of_pack(logprobs_T: Tensor, entropy_T: Optional[Tensor], packed:
         is_weights_T = scatter_responses([t.is_weights for t in targets], packed, device=device)
     return policy_loss(
         logprobs_T,
-        old_or_current([t.old_logprobs for t in targets], logprobs_T, packed),
-        scatter_responses([t.advantages for t in targets], packed, device=device),
-        packed.response_mask[0],
+        *_on_row(logprobs_T, [t.old_logprobs for t in targets], [t.advantages for t in targets], packed),
         norms=norms,
         settings=settings,
         cu_seqlens=packed.cu_seqlens,
@@ -159,14 +157,20 @@ def value_loss_of_pack(values_T: Tensor, packed: PackedRow, targets: Sequence[Se
                        norms: LossNormalizers, settings: ValueLossSettings) -> tuple[Tensor, Metrics]:
     """The clipped value loss of one pack from its per-token values `[T]`, with the mini-batch's global normalisers,
     and its metrics."""
-    device = packed.input_ids.device
     return value_loss(
         values_T,
-        old_or_current([t.old_values for t in targets], values_T, packed),
-        scatter_responses([t.returns for t in targets], packed, device=device),
-        packed.response_mask[0],
+        *_on_row(values_T, [t.old_values for t in targets], [t.returns for t in targets], packed),
         norms=norms,
         agg_mode=settings.agg_mode,
         cliprange_value=settings.cliprange_value,
         cu_seqlens=packed.cu_seqlens,
     )
+
+
+def _on_row(current_T: Tensor, old_R: Sequence[Optional[Tensor]], targets_R: Sequence[Tensor],
+            packed: PackedRow) -> tuple[Tensor, Tensor, Tensor]:
+    """What a loss of one pack reads beside its current per-token values `[T]`: the old ones (the current ones where
+    a sequence has none: `old_or_current`), the per-sequence targets scattered onto the row, and the response mask."""
+    device = packed.input_ids.device
+    return (old_or_current(old_R, current_T, packed), scatter_responses(targets_R, packed, device=device),
+            packed.response_mask[0])
