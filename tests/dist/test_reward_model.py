@@ -11,7 +11,7 @@ import pytest
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from tests.dist.launch import launch
-from tests.reward_models import save_policy_shaped_reward_model, save_reward_model
+from tests.helpers.reward_model_folders import save_policy_shaped_reward_model, save_reward_model
 
 TOL = 1e-5
 

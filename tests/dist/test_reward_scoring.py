@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.dist.launch import launch, run_single
-from tests.reward_models import CHAT_TEMPLATE, char_tokenizer, save_reward_model
+from tests.helpers.reward_model_folders import CHAT_TEMPLATE, char_tokenizer, save_reward_model
 
 TOL = 1e-5
 

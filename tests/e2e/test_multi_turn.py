@@ -1,5 +1,5 @@
 """Multi-turn training end to end (docs/multi-turn.md): the real CLI trains a tiny model written here, whose
-character-level ChatML tokenizer (tests/chatml.py) holds a whole tool call as one added token, so a random policy
+character-level ChatML tokenizer (tests/helpers/chatml_tokenizer.py) holds a whole tool call as one added token, so a random policy
 calls tools from the first step; with a tool and with an environment class; resume after step 2 equals the
 uninterrupted run; 1 and 2 ranks give the same metrics."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chatml import chatml_tokenizer
 from tests.conftest import metric_kinds, without_diagnostics
+from tests.helpers.chatml_tokenizer import chatml_tokenizer
 
 ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 INCREMENT_CALL = '<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>'
@@ -214,7 +214,7 @@ def test_a_multi_turn_run_with_a_reward_model_trains_on_its_scores_of_the_conver
 
     from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, reward_input_ids
     from tests.conftest import run_cli
-    from tests.reward_models import CHAT_TEMPLATE, char_tokenizer, save_reward_model
+    from tests.helpers.reward_model_folders import CHAT_TEMPLATE, char_tokenizer, save_reward_model
 
     write_inputs(tmp_path)
     reward_model = save_reward_model(tmp_path / "rm", tokenizer=char_tokenizer(CHAT_TEMPLATE), seed=3)

@@ -33,7 +33,7 @@ from fsdptrain.rl.policy import policy_loss
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, packed_draft_mask
 from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, scatter_responses, token_logprobs_entropy
 from fsdptrain.train.step import packed_policy_loss
-from tests.backend_calls import call_counts, reset_call_counts
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 
 VOCAB = 32
 # the fourth and sixth sequences are shorter than the shift (lengths 2 and 1), the fifth has a one-token response

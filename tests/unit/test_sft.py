@@ -21,7 +21,7 @@ from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.rollout.turns import TurnCaps, run_turns
 from fsdptrain.train.sft import SftLossSettings, as_minibatch, packed_sft_loss
 from fsdptrain.train.step import accumulate_gradients, local_counts
-from tests.chatml import CHATML_NO_TOOLS, chatml_tokenizer
+from tests.helpers.chatml_tokenizer import CHATML_NO_TOOLS, chatml_tokenizer
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ADD = {"type": "function", "function": {"name": "add", "description": "Add.",

@@ -24,7 +24,7 @@ from fsdptrain.model.build import build_full_model
 from fsdptrain.rl.metrics import finalize
 from fsdptrain.train.sft import SftLossSettings, as_minibatch, packed_sft_loss
 from fsdptrain.train.step import accumulate_gradients, global_normalizers
-from tests.chatml import chatml_tokenizer
+from tests.helpers.chatml_tokenizer import chatml_tokenizer
 from tests.dist.workers.report import dist_worker
 from tests.unit.test_sft import CHATS, hand_loss
 

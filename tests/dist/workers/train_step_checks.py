@@ -29,7 +29,7 @@ from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_f
 from fsdptrain.model.build import build_full_model
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
-from tests.backend_calls import call_counts, reset_call_counts
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
