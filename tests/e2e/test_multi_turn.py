@@ -75,14 +75,11 @@ def ran_a_tool(prompts, completions, completion_ids, **kwargs):
 def write_inputs(folder: Path) -> Path:
     """The model folder, the prompts, the tools, the environment and the rewards, under ``folder``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers.tiny_llama import tiny_llama
 
     tokenizer = chatml_tokenizer(extra_tokens=(ADD_CALL, INCREMENT_CALL))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(len(tokenizer), max_position_embeddings=1024)
     with torch.no_grad():
         # A large constant first embedding dimension makes every final hidden state point about the same way, so
         # lm_head's first column acts as a bias: the two call tokens and EOS get about 14% each, any other token

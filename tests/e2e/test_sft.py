@@ -28,16 +28,11 @@ def chat(a: int, b: int) -> dict:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers.tiny_llama import tiny_llama
 
     folder = tmp_path_factory.mktemp("sft")
     tokenizer = chatml_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder / "model")
+    tiny_llama(len(tokenizer), max_position_embeddings=512).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     rows = [{"messages": TOOL_CHAT}, {"prompt": "7+1=", "completion": "8"}] + [chat(a, b) for a in range(3)
                                                                                 for b in range(2)]

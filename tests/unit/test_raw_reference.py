@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from fsdptrain.check.raw_reference import (
     EngineRun,
@@ -27,6 +27,7 @@ from fsdptrain.model.generate import generate_responses
 from fsdptrain.rollout import engine as engine_module
 from fsdptrain.rollout.continuous import generate_continuous
 from fsdptrain.rollout.engine import ContinuousEngine
+from tests.helpers.tiny_llama import tiny_llama
 
 EOS = 2
 
@@ -90,11 +91,7 @@ def test_checks_fail_on_a_different_cut_and_a_different_reward():
 
 
 def _tiny_model(tokenizer) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny_llama(len(tokenizer), eos_token_id=EOS, attn_implementation="sdpa")
 
 
 def test_the_recorded_generate_cuts_as_the_sampler_does():

@@ -8,11 +8,11 @@ import concurrent.futures
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.model.generate import generate_responses
 from fsdptrain.rollout.engine import ContinuousEngine, Request, RowNoise, decode_shape
+from tests.helpers.tiny_llama import tiny_llama
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
@@ -20,11 +20,8 @@ NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = load_bundled_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config), tokenizer
+    return tiny_llama(len(tokenizer), num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+                      attn_implementation="sdpa"), tokenizer
 
 
 PROMPTS = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 =", "sort 9 8 7 6 5 ="]
