@@ -120,10 +120,24 @@ def assert_close_rows(got: list[dict], want: list[dict], *, tol: float) -> None:
             assert abs(g[key] - w[key]) <= tol * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
 
 
+def assert_resumed_and_two_ranks_match(tmp_path: Path, args: tuple[str, ...], reference: list[dict]) -> None:
+    """Run `one` (checkpointed at step 2, its rows `reference`) resumed from step 2 with `args`, then again on two
+    ranks: the resumed run gives its last rows and the two-rank run all of them."""
+    from tests.conftest import run_cli
+    from tests.e2e.test_resume_export import copy_checkpoint
+
+    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
+    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
+    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+
+
 @pytest.mark.slow
 def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
     from tests.conftest import run_cli
-    from tests.e2e.test_resume_export import copy_checkpoint
 
     write_inputs(tmp_path)
     # the sampled evaluation runs the turns too (after steps 2 and 3), the same on 2 ranks as on 1
@@ -143,15 +157,7 @@ def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
     assert any(m["role"] == "tool" for s in samples for m in s["turns"])
     # the first step's printout shows the calls (the first of a turn may be either tool, as the engine samples it)
     assert re.search(r"calls (add|increment)\(\{", one.stdout) and 'add({"a": 2, "b": 3})' in one.stdout
-
-    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
-    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
-
-    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+    assert_resumed_and_two_ranks_match(tmp_path, args, reference)
 
 
 @pytest.mark.slow

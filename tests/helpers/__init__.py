@@ -7,5 +7,6 @@
 - reward_model_folders: tiny Llama / Qwen2 reward-model folders with a character-level tokenizer.
 - teacher_folders: tiny distillation teachers saved with save_pretrained.
 - tiny_gguf: a tiny Llama written as a GGUF file, the way llama.cpp's converter writes one.
+- tiny_llama: a seeded tiny random LlamaForCausalLM, the one many tests build.
 - varlen_kernel_standins: CPU stand-ins for the varlen attention kernels, written from their documentation.
 """

@@ -10,7 +10,6 @@ assert the comparison fails, so the equalities here can fail.
 
 import pytest
 import torch
-from torch import nn
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -33,6 +32,7 @@ from tests.helpers.varlen_kernel_standins import (
     make_varlen_attn,
     make_varlen_attn_torch_2_9,
 )
+from tests.unit.test_attention import _cu, _Layer
 
 BACKENDS = {"flash_attn": flash_attn_attention, "torch_varlen": torch_varlen_attention}
 _KERNEL_ATTR = {"flash_attn": "flash_kernel", "torch_varlen": "torch_varlen_kernel"}
@@ -50,16 +50,6 @@ def _install(monkeypatch, backend, fn):
 def backend(request, monkeypatch):
     _install(monkeypatch, request.param, _MAKERS[request.param]())
     return request.param
-
-
-class _Layer(nn.Module):
-    def __init__(self, is_causal=True):
-        super().__init__()
-        self.is_causal = is_causal
-
-
-def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def _qkv(total, num_heads=4, num_kv_heads=4, head_dim=8, seed=0):
