@@ -54,7 +54,7 @@ def worker(args) -> None:
     from fsdptrain.distributed.context_parallel import build_context_group
     from fsdptrain.distributed.fsdp import build_policy
     from fsdptrain.model.attention_switch import set_attention
-    from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+    from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
     from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, packed_policy_loss
 
     torch.set_num_threads(1)

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.distributed import world
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.rl.draft_loss import draft_loss
 from fsdptrain.rl.draft_loss import packed_draft_mask
-from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.train.cotrain import global_normalizers_with_draft, local_draft_counts
-from fsdptrain.train.loop import Trainer
+from fsdptrain.train.rl import Trainer
 from fsdptrain.run.console import quiet_known_warnings
 
 METRICS = ("drafter/accept_prob", "drafter/expected_accept_len@3", "drafter/top1_agreement", "drafter/loss")

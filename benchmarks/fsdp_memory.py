@@ -39,7 +39,7 @@ def _local_bytes(tensor) -> int:
 
 def model_config(*, hidden: int, layers: int, vocab: int) -> dict:
     """The measured model (the benchmark's medium model by default): qwen2 (q, k, v biases), untied head."""
-    from fsdptrain.model.build import TINY_CONFIG
+    from fsdptrain.model.loading import TINY_CONFIG
 
     return {**TINY_CONFIG, "model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden,
             "intermediate_size": 4 * hidden, "num_hidden_layers": layers, "num_attention_heads": 8,

@@ -32,10 +32,10 @@ def worker(args) -> None:
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
     from fsdptrain.distributed import world
     from fsdptrain.distributed.fsdp import build_policy
-    from fsdptrain.distributed.gather import gathered_weights
+    from fsdptrain.generation.gather import gathered_weights
     from fsdptrain.model.attention_switch import generation_attention
-    from fsdptrain.model.build import TINY_CONFIG
-    from fsdptrain.model.generate import generate_responses
+    from fsdptrain.model.loading import TINY_CONFIG
+    from fsdptrain.generation.generate import generate_responses
 
     torch.set_num_threads(1)
     info = world.init_distributed(device_type="cpu")

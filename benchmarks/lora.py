@@ -45,7 +45,7 @@ def _parse(argv):
 
 def _model(args, *, lora: bool):
     """The medium model (vocab 512), with adapters of rank r (alpha 2r, all-linear) when ``lora``."""
-    from fsdptrain.model.build import TINY_CONFIG, build_full_model
+    from fsdptrain.model.loading import TINY_CONFIG, build_full_model
     from fsdptrain.model.lora import LoraSettings
 
     config = {**TINY_CONFIG, "vocab_size": 512, "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden,
@@ -71,7 +71,7 @@ def memory_ratio(config: dict, *, r: int) -> dict:
         ratio    = (2 N + 16 A) / (16 N)          N base parameters, A adapter parameters
         ratio_kl = (2 N + 16 A) / (16 N + 2 N)    full fine-tuning's reference copy in bf16; LoRA's is the policy
     """
-    from fsdptrain.model.build import meta_model, resolve_config
+    from fsdptrain.model.loading import meta_model, resolve_config
     from fsdptrain.model.lora import LoraSettings
 
     model = meta_model("policy", resolve_config(path=None, config=config),
@@ -124,7 +124,7 @@ def generation(args, *, prompts: int = 32, new_tokens: int = 16) -> dict:
 
 def update(args, *, seqs: int = 16, length: int = 64) -> dict:
     from fsdptrain.model.attention_switch import set_attention
-    from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+    from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
     from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
     from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
 

@@ -38,7 +38,7 @@ from fsdptrain.config.schema import LossConfig
 from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy, naive_logprobs_entropy
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
 from fsdptrain.train.step import packed_policy_loss
 
 METHODS = {"chunked": chunked_logprobs_entropy, "naive": naive_logprobs_entropy}

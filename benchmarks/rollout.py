@@ -17,11 +17,11 @@ Workloads (issue 38, item 4):
 ``generate`` runs as the samplers run it: single-turn one ``generate`` call for all rows (each prompt prefilled once,
 the generation log-probs recorded, as fsdptrain/rollout/single_turn.py asks), multi-turn one call per group and turn
 (fsdptrain/rollout/multi_turn.py). ``continuous`` runs every row of the workload through one
-:class:`fsdptrain.rollout.engine.ContinuousEngine` loop.
+:class:`fsdptrain.generation.continuous.ContinuousEngine` loop.
 
 **Equal work.** A ratio over different work is not a ratio of engine speed: an engine that draws longer samples
 generates more tokens and runs more forwards. In ``tools`` both engines sample every trajectory's turn from the same
-row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.model.generate.RowSeededSampling`, one call per
+row seed (``generate`` through ``row_seeds``, :class:`fsdptrain.generation.generate.RowSeededSampling`, one call per
 group and turn as the sampler makes them), so they generate the same trajectories; every pair checks it, id for id,
 and the run stops if they part. ``real`` and ``tiny`` run ``generate`` as the single-turn sampler does (one seeded
 stream for the whole batch, torch's multinomial): other draws, other lengths. Their rows report in how many pairs the
@@ -129,10 +129,10 @@ def load_tiny(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import torch
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.data.prompt_tasks import digit_task_rows
     from fsdptrain.data.prompts import PromptRow, prompt_token_ids
-    from fsdptrain.train.build import build_tokenizer, tiny_model_config
+    from fsdptrain.train.setup import build_tokenizer, tiny_model_config
 
     cfg = compose_config([])
     tokenizer = build_tokenizer(cfg)
@@ -150,9 +150,9 @@ def single_turn(args):
     returns per row (trajectory) its policy tokens and its response ids."""
     import torch
 
-    from fsdptrain.model.generate import generate_responses
+    from fsdptrain.generation.generate import generate_responses
     from fsdptrain.rollout.continuous import generate_continuous
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
 
     model, tokenizer, prompts, n, max_new = (load_real if args.workload == "real" else load_tiny)(args)
     model.eval()
@@ -181,9 +181,9 @@ def multi_turn(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdptrain.data.conversation import ChatTurns
-    from fsdptrain.model.generate import generate_responses
+    from fsdptrain.generation.generate import generate_responses
     from fsdptrain.rollout.continuous import run_turns_continuous
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
     from fsdptrain.rollout.tools import ToolCall, ToolCaller, load_tools
     from fsdptrain.rollout.turns import TurnCaps, run_turns
     from tests.e2e.test_multi_turn import write_inputs
@@ -251,7 +251,7 @@ def logprob_gap() -> None:
     import torch
 
     from fsdptrain.rollout.continuous import generate_continuous
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
 
     model, tok, prompts, n, max_new = load_tiny(None)
     for dtype in (torch.float32, torch.bfloat16):

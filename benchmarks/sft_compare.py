@@ -86,13 +86,13 @@ def write_inputs(args, work: Path) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
     from fsdptrain.data.demonstrations import DemoKeys, load_demonstrations
-    from fsdptrain.data.prompts import EpochOrder
+    from fsdptrain.data.epoch_order import EpochOrder
 
     rows = [json.loads(line) for line in (EXAMPLE / "train.jsonl").read_text().splitlines()]
     chats = work / "chats.jsonl"
     chats.write_text("".join(json.dumps(chat) + "\n" for chat in two_turn_chats(rows)))
     gguf = Path(args.gguf).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # as fsdptrain/train/build.py
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # as fsdptrain/train/setup.py
     demos = load_demonstrations(str(chats), tokenizer=tokenizer, keys=DemoKeys(), token_budget=args.token_budget)
     order = EpochOrder(len(demos), seed=args.seed).take(args.rows * args.steps)
     tokenized = work / "tokenized.jsonl"

@@ -90,7 +90,7 @@ def run_variant(args) -> None:
     from fsdptrain.config.schema import LossConfig, TrainerConfig
     from fsdptrain.model.attention_switch import set_attention
     from fsdptrain.rl.aggregate import LossNormalizers
-    from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+    from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
     from fsdptrain.train.step import MiniBatch, accumulate_gradients, packed_policy_loss
 
     gguf = Path(args.gguf).resolve()

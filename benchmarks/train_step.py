@@ -9,7 +9,7 @@ One step = experience + update, policy and value, the same passes on both sides:
 
 packed (what the trainer runs, minus FSDP2's wrapping): the experience through `policy_logprobs` / `critic_values`
 (fsdptrain/train/experience.py), the update through `update_on_minibatch` with `packed_policy_loss` /
-`packed_value_loss` (fsdptrain/train/step.py, fsdptrain/rl/packed_loss.py): the sequences planned into rows under
+`packed_value_loss` (fsdptrain/train/step.py, fsdptrain/rl/fused_loss.py): the sequences planned into rows under
 `trainer.token_budget` (2048), each row one forward with position_ids on the varlen backend (`sdpa_segments` on the
 CPU), the output head applied chunk by chunk by `chunked_logprobs_entropy` (the schema's `loss.logprob_chunk_size`),
 which also gives the entropy the trainer logs, the losses once per row.
@@ -48,10 +48,10 @@ from transformers.utils import logging as hf_logging
 
 from fsdptrain.config.schema import LossConfig, TrainerConfig
 from fsdptrain.data.packing import pad_sequences
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
-from fsdptrain.model.build import build_full_model
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.model.loading import build_full_model
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.train.experience import critic_values, policy_logprobs
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss

@@ -27,7 +27,7 @@ The settings, and how each maps between the two:
 | token-level loss normalisation | `loss.agg_mode=token-mean` (mean over all response tokens of the step) | `loss_type="dapo"` (sum over tokens / the batch's token count) |
 | PPO clip 0.2 (inactive: one on-policy update, ratio 1) | `algorithm.clip_ratio_low/high=0.2` | `epsilon=0.2` |
 | fp32, no gradient checkpointing | `parallel.param_dtype=float32`, `parallel.activation_checkpointing=false` | `bf16=False`, `gradient_checkpointing=False` |
-| dropout off | always (fsdptrain/model/build.py) | `disable_dropout=True` (the model has none) |
+| dropout off | always (fsdptrain/model/loading.py) | `disable_dropout=True` (the model has none) |
 
 Left different: each side samples prompts from the same file with its own shuffling (the reward curves are compared
 over seeds, not prompt for prompt); the group std is fsdptrain's (docs/algorithms.md) vs TRL's `std + 1e-4`;
@@ -107,7 +107,7 @@ def time_steps(recipe: type, log: StepLog, record) -> None:
 
 
 def run_fsdptrain(args, log: StepLog) -> None:
-    from fsdptrain.train import loop
+    from fsdptrain.train import rl
 
     run_dir = Path(tempfile.mkdtemp(prefix="trl-compare-fsdptrain-"))
     time_steps(loop.Trainer, log, lambda result: {

@@ -19,7 +19,7 @@ from typing import List, Optional
 import typer
 from omegaconf import DictConfig, OmegaConf
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
 
 # Never reach the network: a model name that is not a local folder is a usage error (fsdptrain/model/checks.py).
@@ -145,7 +145,7 @@ def _preflight_sft(cfg: DictConfig) -> None:
     the token budget with an assistant turn to train on (this loads the tokenizer, so torch), so a bad row is one
     line and exit 2 before any run folder exists (docs/sft.md)."""
     from fsdptrain.data.prompt_files import check_local_paths
-    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.train.setup import build_tokenizer
     from fsdptrain.train.sft import load_rows
     from fsdptrain.run.trackers import missing_backend_message
 

@@ -45,12 +45,12 @@ def check_training_data(cfg: DictConfig) -> None:
     ``rollout.max_new_tokens``. A multi-turn prompt is rendered with the tools by the ranks (its budget is checked
     there)."""
     from fsdptrain.config import multi_turn
-    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.train.setup import build_tokenizer
 
     tokenizer = build_tokenizer(cfg)
     budget, max_new = cfg.trainer.token_budget, cfg.rollout.max_new_tokens
     if cfg.data.source == "jsonl":
-        from fsdptrain.data.offline import load_jsonl_rollouts
+        from fsdptrain.data.offline_rollouts import load_jsonl_rollouts
 
         rollouts, _ = load_jsonl_rollouts(cfg.data.path, tokenizer, max_response_length=max_new,
                                           skip_bad_rows=cfg.data.skip_bad_rows)
@@ -78,8 +78,8 @@ def check_teacher(cfg: DictConfig) -> None:
     from transformers import AutoTokenizer
 
     from fsdptrain.model.checks import check_gguf_file, check_model_folder, check_tokenizer_fits, vocabulary_mismatch
-    from fsdptrain.model.source import is_gguf, pretrained_args
-    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.model.location import is_gguf, pretrained_args
+    from fsdptrain.train.setup import build_tokenizer
 
     key, teacher = "algorithm.distill.teacher", cfg.algorithm.distill.teacher
     if is_gguf(teacher):
@@ -105,9 +105,9 @@ def check_lora_targets(cfg: DictConfig) -> None:
     if importlib.util.find_spec("peft") is None:
         raise ConfigError(PEFT_MISSING)
     from fsdptrain.config.lora_rules import target_module_names
-    from fsdptrain.model.build import meta_model, resolve_config
+    from fsdptrain.model.loading import meta_model, resolve_config
     from fsdptrain.model.lora import resolve_target_modules
-    from fsdptrain.train.build import build_tokenizer, tiny_model_config
+    from fsdptrain.train.setup import build_tokenizer, tiny_model_config
 
     source = (dict(path=cfg.model.path, config=None) if cfg.model.path is not None else
               dict(path=None, config=tiny_model_config(cfg, build_tokenizer(cfg))))

@@ -43,7 +43,7 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
 
         import_plugins(list(cfg.algorithm.plugins))  # their registered names, before anything resolves one
         if command == "train":
-            from fsdptrain.train.loop import train
+            from fsdptrain.train.rl import train
 
             return train(cfg, run_dir)
         if command == "sft":
@@ -51,7 +51,7 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
 
             return sft(cfg, run_dir)
         if command == "check-reward":
-            from fsdptrain.check.reward import check_reward
+            from fsdptrain.train.check_reward import check_reward
 
             return check_reward(cfg)
         from fsdptrain.check.run import check_metrics

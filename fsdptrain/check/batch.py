@@ -1,7 +1,7 @@
 """check-metrics, part 1: the models and the one mini-batch of experience every layout is checked on.
 
 The mini-batch is made exactly as ``fsdptrain train`` makes its first one (the same
-:class:`~fsdptrain.train.loop.Trainer`,
+:class:`~fsdptrain.train.rl.Trainer`,
 experience source and collective experience passes), from the resolved config with two changes that only shrink it:
 ``rollout.prompts_per_step`` is capped at ``check.num_prompts`` and the step has one mini-batch. Each rank keeps its
 own share (the product path's input) and also gathers the whole mini-batch, which every rank runs in the single-process
@@ -55,15 +55,15 @@ from fsdptrain.check.raw_reference import (
     reference_rewards,
 )
 from fsdptrain.config import ConfigError, reward_specs
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
-from fsdptrain.rl.metrics import finalize
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.metrics.typed import finalize
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.drafter_setup import draft_vocab_size
 from fsdptrain.train.experience import critic_values, policy_logprobs
-from fsdptrain.train.loop import Trainer
+from fsdptrain.train.rl import Trainer
 from fsdptrain.train.step import MiniBatch
 
 VALUE_MARGIN = 1.0  # after the shift every value is at most -VALUE_MARGIN

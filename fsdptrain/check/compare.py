@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fsdptrain.rl.metrics import Kind
+from fsdptrain.metrics.typed import Kind
 
 EXTREMA = ("probs_ratio", "values")  # name_min <= name_mean <= name_max
 FRACTIONS = ("pg_clipfrac", "pg_clipfrac_lower", "vf_clipfrac", "response_length/truncated_frac")

@@ -29,8 +29,8 @@ from fsdptrain.model.drafter import build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import ACCEPT_WINDOW, soft_cross_entropy_from_logits
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
-from fsdptrain.rl.metrics import Metrics
-from fsdptrain.rl.packed_loss import PolicyLossSettings
+from fsdptrain.metrics.typed import Metrics
+from fsdptrain.rl.fused_loss import PolicyLossSettings
 from fsdptrain.train.cotrain import CoTrainSettings, DraftLossSettings, packed_policy_and_draft_loss
 from fsdptrain.train.step import MiniBatch
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with
 from fsdptrain.rl.draft_loss import draft_metrics, soft_cross_entropy_from_logits
-from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.metrics.typed import Metrics, merge_all
 
 
 def sequence_draft_mask(num_prompt: int, num_tokens: int, on: str, response_mask=None) -> Tensor:

@@ -1,6 +1,6 @@
 """check-metrics, part 5: the experience reference. Rewards, advantages and returns of every sequence recomputed
 straight from their definitions, in float64 Python loops, without `fsdptrain.rl.advantages` or
-`fsdptrain.rl.adv_estimators`, over the whole gathered batch (so whitening uses the global moments by construction).
+`fsdptrain.rl.estimator_registry`, over the whole gathered batch (so whitening uses the global moments by construction).
 
 Definitions (docs/algorithms.md), per sequence i with response tokens t = 0..T-1, outcome score s_i, prompt group g:
     r_t = [t = T-1] s_i - kl_in_reward_coef * (old_logp_t - ref_logp_t)

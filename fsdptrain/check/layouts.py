@@ -52,13 +52,13 @@ from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group
 from fsdptrain.distributed.fsdp import held_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
-from fsdptrain.model.build import trainable_parameters
+from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
-from fsdptrain.rl.metrics import Metrics, close_minibatch, comparable, finalize, merge_all
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.metrics.buffers import ReduceBuffers, Schema, flatten, unflatten
+from fsdptrain.metrics.typed import Metrics, close_minibatch, comparable, finalize, merge_all
+from fsdptrain.rl.fused_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 from fsdptrain.train import step
 from fsdptrain.train.step import MiniBatch
 

@@ -26,7 +26,7 @@ from fsdptrain.check.compare import Check
 from fsdptrain.check.per_sequence import reference_policy_outputs
 from fsdptrain.check.experience_reference import OracleSettings, SeqInputs, max_difference, oracle_experience
 from fsdptrain.distributed import world
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
 from fsdptrain.train.experience import estimate_advantages, rollout_masks, token_rewards
 

@@ -12,10 +12,10 @@ from torch import Tensor
 
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Metrics, merge_all
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.metrics.typed import Metrics, merge_all
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 
 
 def _sequence_ids(prompt_ids: Sequence[int], response_ids: Sequence[int], device) -> Tensor:

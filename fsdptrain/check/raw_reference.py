@@ -10,7 +10,7 @@ reference recomputes before the layouts"):
 - prompt: the row's ids where ``generate``'s attention mask is 1 (its left padding dropped); with the continuous
   engine, the ids of the row's request as the sampler handed it to ``ContinuousEngine.run``;
 - response: the new tokens ``generate`` returned for the row (the continuous engine: the tokens
-  ``fsdptrain.rollout.engine.sample_rows`` drew for the request, in order), up to and including the first EOS; a row
+  ``fsdptrain.generation.continuous.sample_rows`` drew for the request, in order), up to and including the first EOS; a row
   with no EOS among them is truncated, and its response is all of them (at most ``rollout.max_new_tokens``);
 - the policy's tokens: every response token of a single-turn sample, its EOS included (the check's multi-turn
   fixture mask where the check gave one);
@@ -98,10 +98,10 @@ class EngineRun:
 @contextlib.contextmanager
 def recording_engine() -> Iterator[list[EngineRun]]:
     """Within the block, every ``ContinuousEngine.run`` is recorded into the yielded list: its requests as given,
-    and each token ``fsdptrain.rollout.engine.sample_rows`` returned, under the key of the row it was drawn for
+    and each token ``fsdptrain.generation.continuous.sample_rows`` returned, under the key of the row it was drawn for
     (``ContinuousEngine._sample`` names the rows, ``sample_rows`` draws their tokens in that order). The engine's
     own methods run unchanged; they are restored after the block."""
-    from fsdptrain.rollout import engine as engine_module
+    from fsdptrain.generation import continuous as engine_module
 
     runs: list[EngineRun] = []
     keys_of_draws: list[list[Hashable]] = []  # the rows of the _sample call in progress

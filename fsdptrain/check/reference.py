@@ -17,7 +17,7 @@ Its metrics are taken directly over all valid tokens of the batch (a min is the 
 token-weighted mean a plain sum over a count, the explained variance from the whole vectors), never through
 ``agg_loss``, the ``Metric`` merges or the rank reduction that the layouts use, so a bug there cannot hide in both.
 The per-token formulas (PPO clip, dual clip, GSPO ratio, the KL estimators, clipped value error) are written here
-from their definitions; the entropy is reused from ``fsdptrain.rl.policy``. A policy loss other than vanilla PPO (a
+from their definitions; the entropy is reused from ``fsdptrain.rl.policy_loss``. A policy loss other than vanilla PPO (a
 built-in or a user's) runs its own per-token function on each sequence alone, its metrics merged over sequences;
 the rollout-correction weights, written here from their definitions (:func:`reference_is_weights`), multiply the
 per-token pg term.
@@ -36,9 +36,9 @@ from fsdptrain.check.batch import IsCorrection, RolloutFacts
 from fsdptrain.check.per_sequence import reference_policy_outputs, reference_values
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
-from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
-from fsdptrain.rl.pg_losses import PgTermSettings
+from fsdptrain.metrics.typed import finalize, merge_all
+from fsdptrain.rl.fused_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.pg_terms import PgTermSettings
 from fsdptrain.train.step import MiniBatch
 
 EV_DEGENERATE = 1e-10  # Var(R) below this fraction of E[R^2]: explained variance is ill-conditioned, not compared

@@ -78,8 +78,8 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import held_grads, reset_after_error, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
-from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.train.build import resolve_device_type, resolve_share_prompts
+from fsdptrain.metrics.typed import comparable, finalize
+from fsdptrain.train.setup import resolve_device_type, resolve_share_prompts
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 
 ROLLOUT_PREFIXES = ("reward/", "response_length/", "batch/")

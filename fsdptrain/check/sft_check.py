@@ -39,10 +39,10 @@ from fsdptrain.distributed.fsdp import held_grads, reset_after_error, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import grad_scale_report
-from fsdptrain.rl.metrics import comparable, merge_all
+from fsdptrain.metrics.typed import comparable, merge_all
 from fsdptrain.rl.sft_loss import sft_loss
-from fsdptrain.data.prompts import EpochOrder
-from fsdptrain.train.build import build_policy_model, build_tokenizer, resolve_device_type
+from fsdptrain.data.epoch_order import EpochOrder
+from fsdptrain.train.setup import build_policy_model, build_tokenizer, resolve_device_type
 from fsdptrain.train.sft import SftLossSettings, as_minibatch, load_rows, packed_sft_loss, sft_loss_scale_factor
 from fsdptrain.train.step import MiniBatch
 

@@ -47,8 +47,8 @@ from fsdptrain.check.compare import Outcome
 from fsdptrain.check.layouts import clip_coefficient, grad_norm
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy
 from fsdptrain.distributed.fsdp import held_grads, reshard_all, zero_grads
-from fsdptrain.model.build import trainable_parameters
-from fsdptrain.rl.metrics import comparable, finalize
+from fsdptrain.model.loading import trainable_parameters
+from fsdptrain.metrics.typed import comparable, finalize
 from fsdptrain.train.step import MiniBatch
 
 LOSSES = ("pg_loss", "kl_loss", "vf_loss")

@@ -12,7 +12,7 @@ A pack is one row `[1, T]` holding several sequences back to back (docs/packing.
     response mask is 1): the one mask the losses, their normalisers and every metric read (docs/packing.md).
 
 So a sequence with prompt length P >= 1 and response length R has its R response tokens scored at its positions
-P-1 .. P+R-2. A response mask (one 0/1 entry per response token, `fsdptrain.data.rollout.Rollout.response_mask`;
+P-1 .. P+R-2. A response mask (one 0/1 entry per response token, `fsdptrain.data.rollout_record.Rollout.response_mask`;
 None = all ones) takes the tokens a tool, the environment or a chat separator wrote out of `response_mask` and
 leaves `response_positions` as it is. A masked padding tail may follow the last sequence (`pad_to`); it is its own attention segment
 (position ids restart at 0 there) so it can never see, or be seen by, a real sequence.

@@ -6,7 +6,7 @@ answer words joined by single spaces, so the reward ``word_match`` (:mod:`fsdptr
 the original digit-task reward (kept as the oracle in tests/helpers/digit_tasks_oracle.py) exactly: the share of answer words the completion gets right position by position.
 
 Departure from the old stream: rows are a finite, seeded list visited epoch by epoch
-(:class:`fsdptrain.data.prompts.EpochOrder`), not a fresh random prompt per step; with 10 or 1000 possible prompts per
+(:class:`fsdptrain.data.epoch_order.EpochOrder`), not a fresh random prompt per step; with 10 or 1000 possible prompts per
 task, a few thousand rows cover every prompt many times.
 """
 

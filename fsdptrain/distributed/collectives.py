@@ -4,7 +4,7 @@ Both are collective (every rank calls them in the same order) and both exist so 
 forwards and reduces the same numbers: :func:`plan_agreed` gives every rank as many packs as the busiest rank needs
 (FSDP's collectives line up; a rank with less work runs empty packs), and :func:`reduce_metrics` checks that every
 rank holds the same metric schema before reducing the buffers by position (docs/metrics.md). The metric containers
-come from ``fsdptrain.rl.metrics`` / ``fsdptrain.rl.metric_buffers``: the one part of ``rl/`` this package may import.
+come from ``fsdptrain.metrics.typed`` / ``fsdptrain.metrics.buffers``: the one part of ``rl/`` this package may import.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackPlan, TokenIds, plan_packs
 from fsdptrain.data.shared_prompts import expand_units, shared_prompt_units
 from fsdptrain.distributed import world
-from fsdptrain.rl.metric_buffers import Schema, describe, flatten, unflatten
-from fsdptrain.rl.metrics import Metrics
+from fsdptrain.metrics.buffers import Schema, describe, flatten, unflatten
+from fsdptrain.metrics.typed import Metrics
 
 
 def plan_agreed(lengths: Sequence[int], token_budget: int) -> PackPlan:

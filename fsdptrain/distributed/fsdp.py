@@ -1,6 +1,6 @@
 """Hugging Face policy, value and reference models, sharded with FSDP2.
 
-fsdptrain/model/build.py builds the models; this module applies parallelism to them, in this order:
+fsdptrain/model/loading.py builds the models; this module applies parallelism to them, in this order:
 
     rank 0: the full fp32 model on the CPU (from `path`, or from a config and the seed) -> its state dict
     every rank: the same architecture on the meta device -> parallelize (activation checkpointing, then
@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from fsdptrain.distributed import world
-from fsdptrain.model.build import (
+from fsdptrain.model.loading import (
     build_full_model,
     clean_name,
     decoder_layers,
@@ -175,7 +175,7 @@ def parallelize(
     stay fp32); reduce_dtype: the dtype of the gradient reduce-scatter. cpu_offload keeps sharded parameters,
     gradients and optimizer state on the CPU (pinned memory, so it needs an accelerator to be worth it). compile:
     torch.compile each decoder layer in place (torchtitan's way) with ``compile_backend``; generation runs them eagerly
-    (see `generation` in fsdptrain/rollout/sampling.py).
+    (see `generation` in fsdptrain/generation/block.py).
     """
     # Checkpointing before fully_shard: the wrapper must sit inside the layer's FSDP unit.
     if activation_checkpointing:

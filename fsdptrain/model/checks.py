@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 from fsdptrain.config import ConfigError
-from fsdptrain.model.source import gguf_package_problem, is_gguf, model_location
+from fsdptrain.model.location import gguf_package_problem, is_gguf, model_location
 from fsdptrain.registry.errors import first_line
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")

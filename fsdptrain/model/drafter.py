@@ -53,7 +53,7 @@ from transformers.models.llama.modeling_llama import (
 
 from fsdptrain.data.packing import PackedBatch
 from fsdptrain.model.attention_switch import packed_model_inputs
-from fsdptrain.model.build import decoder_layers
+from fsdptrain.model.loading import decoder_layers
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:

@@ -4,7 +4,7 @@ The adapters are injected into the transformers model in place (`peft.inject_ada
 class and its forward; each adapted ``nn.Linear`` becomes peft's ``lora.Linear`` holding ``base_layer``, ``lora_A``
 and ``lora_B``), before fsdptrain/distributed/fsdp.py shards it. peft freezes every other weight; the value model's
 head is made trainable again (``LoraSettings.trainable_head``). Which parameters train is then read from
-``requires_grad`` alone (`fsdptrain.model.build.trainable_parameters`).
+``requires_grad`` alone (`fsdptrain.model.loading.trainable_parameters`).
 
 ``lora_B`` starts at zero (peft's default), so a model with fresh adapters computes exactly what its base does.
 peft is an optional extra (``pip install 'fsdptrain[lora]'``): it is imported only when adapters are asked for.
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fsdptrain.model.build import decoder_layers
+from fsdptrain.model.loading import decoder_layers
 
 PEFT_MISSING = "model.lora.r > 0 needs peft, which is not installed: pip install 'fsdptrain[lora]'"
 """The one line a run with adapters but without peft stops with."""
@@ -40,7 +40,7 @@ class LoraSettings:
     trainable_head: bool = False
 
     def apply_to(self, model: nn.Module, *, seed: int) -> nn.Module:
-        """`apply_lora` with these settings (what fsdptrain/model/build.py calls, without importing this module)."""
+        """`apply_lora` with these settings (what fsdptrain/model/loading.py calls, without importing this module)."""
         return apply_lora(model, self, seed=seed)
 
 

@@ -10,7 +10,7 @@ it, raised on every rank before any weight is read (the checks read headers only
 Scoring departs from transformers' own head in one way: `*ForSequenceClassification.forward` pools at the last token
 that is not `pad_token_id`, which in a packed row is the row's end (or a pad token inside a sequence). Here the score
 head's output is captured for every position and read at each sequence's own last token, `cu_seqlens[1:] - 1`.
-The FSDP2-sharded build (a frozen model like the reference model) is in fsdptrain/distributed/reward_model.py.
+The FSDP2-sharded build (a frozen model like the reference model) is in fsdptrain/distributed/fsdp_reward_models.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from fsdptrain.data.conversation import render_ids, render_ids_as_data, without_
 from fsdptrain.data.packing import PackedBatch, pack_sequences
 from fsdptrain.model.attention_backends import BACKENDS
 from fsdptrain.model.attention_switch import packed_model_inputs
-from fsdptrain.model.build import zero_dropout_in_config, zero_dropout_modules
+from fsdptrain.model.loading import zero_dropout_in_config, zero_dropout_modules
 from fsdptrain.model.checks import WEIGHT_FILES, check_no_remote_code
 from fsdptrain.registry.errors import first_line
 

@@ -1,4 +1,4 @@
-"""Reward metrics of one rank's scored samples, as typed :mod:`fsdptrain.rl.metrics` metrics that reduce exactly.
+"""Reward metrics of one rank's scored samples, as typed :mod:`fsdptrain.metrics.typed` metrics that reduce exactly.
 
 Every metric is built from additive statistics, so merging micro-batches and the trainer's rank reduction
 (``flatten`` / ``all_reduce`` / ``unflatten``) give the numbers one process would compute over the whole step:
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from fsdptrain.rewards.runner import RewardScores
-from fsdptrain.rl.metrics import Derived, Mean, Metrics, Sum, std_from_moments
+from fsdptrain.metrics.typed import Derived, Mean, Metrics, Sum, std_from_moments
 
 
 def reward_metrics(scores: RewardScores, *, groups: Sequence[int]) -> Metrics:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from fsdptrain.rl.metrics import Max, Mean, Metrics
+from fsdptrain.metrics.typed import Max, Mean, Metrics
 
 
 @dataclass(frozen=True)

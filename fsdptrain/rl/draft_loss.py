@@ -37,8 +37,8 @@ from torch import Tensor
 
 from fsdptrain.registry.names import DRAFT_ON
 from fsdptrain.rl.aggregate import LossNormalizers, agg_loss_with, check_mode, count_tokens_and_seqs
-from fsdptrain.rl.metrics import Loss, Mean, Metrics
-from fsdptrain.rl.packed_loss import PackedRow
+from fsdptrain.metrics.typed import Loss, Mean, Metrics
+from fsdptrain.rl.fused_loss import PackedRow
 
 ACCEPT_WINDOW = 3
 _LEN_KEY = f"drafter/expected_accept_len@{ACCEPT_WINDOW}"

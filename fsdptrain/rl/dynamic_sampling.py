@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.metrics import Mean, Metrics, Sum
+from fsdptrain.metrics.typed import Mean, Metrics, Sum
 
 
 def groups_with_signal(scores_N: Tensor, group_ids_N: Tensor) -> tuple[Tensor, Tensor, Metrics]:

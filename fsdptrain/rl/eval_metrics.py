@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Optional
 
-from fsdptrain.rl.metrics import Mean, Metrics
+from fsdptrain.metrics.typed import Mean, Metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

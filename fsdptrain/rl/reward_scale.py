@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fsdptrain.registry.errors import ConfigError
 from fsdptrain.rl.advantages import mean_var, moment_stats, whiten
-from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
+from fsdptrain.metrics.typed import Derived, Max, Mean, Metrics, Min, std_from_moments
 
 NORMALIZE_MODES = ("none", "batch", "running")
 

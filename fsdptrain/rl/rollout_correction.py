@@ -28,7 +28,7 @@ from fsdptrain.registry.names import (
     ROLLOUT_REJECTION_LEVELS,
 )
 from fsdptrain.rl.aggregate import SeqLayout, masked
-from fsdptrain.rl.metrics import Derived, Max, Mean, Metrics, Min, std_from_moments
+from fsdptrain.metrics.typed import Derived, Max, Mean, Metrics, Min, std_from_moments
 
 
 def rollout_correction_weights(

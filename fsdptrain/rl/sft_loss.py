@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.rl.metrics import Loss, Mean, Metrics
+from fsdptrain.metrics.typed import Loss, Mean, Metrics
 
 
 def sft_loss(logprobs_T: Tensor, mask_T: Tensor, *, norms: LossNormalizers, agg_mode: str,

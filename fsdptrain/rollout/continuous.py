@@ -1,4 +1,4 @@
-"""``rollout.engine=continuous``: the samplers' rollouts through :class:`fsdptrain.rollout.engine.ContinuousEngine`
+"""``rollout.engine=continuous``: the samplers' rollouts through :class:`fsdptrain.generation.continuous.ContinuousEngine`
 (docs/rollout.md).
 
 Single-turn: every sample of this rank's groups is one request, each prompt's shared part prefilled once. Multi-turn:
@@ -21,7 +21,7 @@ import random
 from typing import Callable, Optional, Sequence
 
 from fsdptrain.data.conversation import ChatTurns
-from fsdptrain.rollout.engine import ContinuousEngine, Finished, Request
+from fsdptrain.generation.continuous import ContinuousEngine, Finished, Request
 from fsdptrain.rollout.turns import Trajectory, TurnCaps, append_tool_results, finish_turn
 
 

@@ -17,8 +17,8 @@ from fsdptrain.rewards.builtin import comparable_answers
 from fsdptrain.rewards.loading import RewardFunction
 from fsdptrain.rewards.runner import RewardBatch, RewardScores
 from fsdptrain.rl.eval_metrics import sampled_eval_metrics
-from fsdptrain.rl.metrics import Metrics
-from fsdptrain.rollout.samples import Samples
+from fsdptrain.metrics.typed import Metrics
+from fsdptrain.rollout.sampler import Samples
 
 SampleAndScore = Callable[..., tuple[Samples, RewardBatch, RewardScores, Metrics]]
 """``PromptSource.sample_and_score``: ``(mine, *, repeat, mode, step, round_index, rank) -> (samples, batch, scores,

@@ -31,12 +31,12 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config import ConfigError
 from fsdptrain.data.conversation import ChatTurns
 from fsdptrain.data.prompts import PromptRow
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum
+from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum
 from fsdptrain.rollout.continuous import make_engine, row_seed, run_turns_continuous
-from fsdptrain.rollout.samples import SampleMode, Samples
-from fsdptrain.rollout.sampling import eval_sample_seed, generation
+from fsdptrain.rollout.sampler import SampleMode, Samples
+from fsdptrain.generation.block import eval_sample_seed, generation
 from fsdptrain.rollout.tools import (
     ENVIRONMENT_REWARD_SPEC,
     Environment,
@@ -50,8 +50,8 @@ from fsdptrain.rollout.tools import (
     tool_pool,
 )
 from fsdptrain.rollout.turns import TRUNCATION_CAUSES, Trajectory, TurnCaps, run_turns
-from fsdptrain.train.build import Models
-from fsdptrain.train.perf import phase
+from fsdptrain.train.setup import Models
+from fsdptrain.run.perf import phase
 
 
 def load_user_tools(cfg: DictConfig) -> tuple[list[Tool], Optional[Environment]]:
@@ -69,7 +69,7 @@ def load_user_tools(cfg: DictConfig) -> tuple[list[Tool], Optional[Environment]]
 def check_multi_turn(cfg: DictConfig) -> None:
     """What the CLI checks before any rank starts: the tools and environment load, and the tokenizer's chat template
     renders tools and is prefix-preserving."""
-    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.train.setup import build_tokenizer
 
     tools, environment = load_user_tools(cfg)
     ChatTurns(build_tokenizer(cfg), tool_schemas(tools, environment))

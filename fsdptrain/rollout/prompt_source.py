@@ -23,21 +23,21 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError, reward_specs
 from fsdptrain.data.prompt_tasks import digit_task_rows
-from fsdptrain.data.prompts import EpochOrder, PromptRow, drop_long_prompts, hold_out_eval, load_prompts
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.epoch_order import EpochOrder, PromptRow, drop_long_prompts, hold_out_eval, load_prompts
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
-from fsdptrain.rl.metrics import Max, Metrics, merge_all
+from fsdptrain.metrics.typed import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.rollout.evaluation import greedy_reward, sampled_eval
-from fsdptrain.rollout.samples import Sampler, SampleMode, Samples
-from fsdptrain.rollout.sampling import NUM_SAMPLES_SHOWN
+from fsdptrain.rollout.sampler import Sampler, SampleMode, Samples
+from fsdptrain.generation.block import NUM_SAMPLES_SHOWN
 from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
 from fsdptrain.rollout.single_turn import SingleTurnSampler
-from fsdptrain.train.build import Models
-from fsdptrain.train.perf import phase
+from fsdptrain.train.setup import Models
+from fsdptrain.run.perf import phase
 from fsdptrain.run.signals import user_code
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import reshard_all
 from fsdptrain.model.reward_model import reward_input_ids, score_sequences
-from fsdptrain.rl.metrics import Metrics, merge_all
+from fsdptrain.metrics.typed import Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments, combine, scale_scores, score_metrics, score_moments
 from fsdptrain.distributed.collectives import plan_agreed
 

@@ -13,12 +13,12 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from fsdptrain.data.prompts import PromptRow, prompt_token_ids
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 from fsdptrain.rewards.loading import RewardFunction
 from fsdptrain.rollout.continuous import generate_continuous, make_engine, row_seed
-from fsdptrain.rollout.samples import SampleMode, Samples
-from fsdptrain.rollout.sampling import eval_sample_seed, generation, sampling_seed
-from fsdptrain.train.build import Models
+from fsdptrain.rollout.sampler import SampleMode, Samples
+from fsdptrain.generation.block import eval_sample_seed, generation, sampling_seed
+from fsdptrain.train.setup import Models
 
 
 class SingleTurnSampler:

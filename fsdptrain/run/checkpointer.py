@@ -14,7 +14,7 @@ from typing import Callable, Optional, Protocol
 
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed import world
-from fsdptrain.distributed.checkpoint import (
+from fsdptrain.distributed.sharded_checkpoint import (
     CheckpointMismatch,
     checkpoint_info,
     foreign_checkpoint,
@@ -25,7 +25,7 @@ from fsdptrain.distributed.checkpoint import (
     warn_damaged,
 )
 from fsdptrain.distributed.export import export_hf, export_lora
-from fsdptrain.distributed.files import read_jsonl_dropping_partial_tail, write_atomic
+from fsdptrain.storage.atomic import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.lora import has_adapters
 from fsdptrain.run.console import log
 from fsdptrain.run.ownership import record_config_change, run_id

@@ -8,7 +8,7 @@ import warnings
 from typing import Optional
 
 from fsdptrain.distributed import world
-from fsdptrain.model.build import describe_model_memory
+from fsdptrain.model.loading import describe_model_memory
 from fsdptrain.rl.grad_scale import grad_scale_report
 
 

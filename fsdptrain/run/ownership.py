@@ -30,7 +30,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.files import append_line, write_atomic
+from fsdptrain.storage.atomic import append_line, write_atomic
 
 STATE_FILE = "run.json"
 LOCK_FILE = ".lock"

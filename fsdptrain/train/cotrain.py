@@ -25,8 +25,8 @@ from fsdptrain.distributed.fsdp import reshard_all
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, draft_loss, packed_draft_mask
-from fsdptrain.rl.metrics import Mean, Metrics
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
+from fsdptrain.metrics.typed import Mean, Metrics
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, policy_loss_of_hidden
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, minibatch_step
 

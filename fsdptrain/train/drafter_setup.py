@@ -1,7 +1,7 @@
 """The co-trained drafter's life in a run: its vocabulary, its sharded build, its optimizer, its export.
 
 Every rank runs these collectively, in the same order. :class:`DrafterExtension` plugs all of it into the train
-step through the extension hook (`fsdptrain.train.loop.Extension`, docs/architecture.md "Extensions"). The drafter
+step through the extension hook (`fsdptrain.train.rl.Extension`, docs/architecture.md "Extensions"). The drafter
 is built once its draft vocabulary is known: at start from `drafter.vocab_path`, or from the token counts of the
 first `drafter.vocab_from_steps` steps' rollouts (summed over ranks, so every rank builds the same vocabulary), right
 before that last step's update. Its random initialisation draws from a generator of its own (seeded from
@@ -18,10 +18,10 @@ import torch
 from omegaconf import DictConfig
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_state_dict, gather_rows, shard_as_one_unit
-from fsdptrain.model.build import decoder_layers
+from fsdptrain.model.loading import decoder_layers
 from fsdptrain.model.drafter import (
     DraftVocab,
     Eagle3Drafter,
@@ -31,10 +31,10 @@ from fsdptrain.model.drafter import (
     load_draft_vocab,
 )
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
-from fsdptrain.rl.metrics import Max, Metrics
+from fsdptrain.metrics.typed import Max, Metrics
 from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer, build_scheduler
-from fsdptrain.train.build import DTYPES
+from fsdptrain.train.setup import DTYPES
 from fsdptrain.run.checkpointer import guard_of_layout_1
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -182,7 +182,7 @@ def export_sharded_drafter(drafter: Eagle3Drafter, out_dir: Path, target_config,
 
 
 class DrafterExtension:
-    """The co-trained drafter as an extension of the train step (`fsdptrain.train.loop.Extension`): it counts the
+    """The co-trained drafter as an extension of the train step (`fsdptrain.train.rl.Extension`): it counts the
     draft vocabulary over the first steps' rollouts, then trains as the policy's auxiliary loss (`DrafterUpdate`),
     saves and restores itself with the checkpoint, logs `drafter/lr` and `drafter/nonfinite_skipped`, and exports
     `export/drafter/`."""

@@ -7,7 +7,7 @@ empty packs), exactly like training. Old log-probs come from the same packed for
 first mini-batch's ratio is 1 up to rounding (the on-policy guard); rollouts that carry behaviour log-probs use those
 instead. Statistics that span ranks (advantage whitening) go through the all-reduce passed in by the loop.
 
-Advantages come from the estimator registry (`fsdptrain/rl/adv_estimators.py`: a built-in or a user's function);
+Advantages come from the estimator registry (`fsdptrain/rl/estimator_registry.py`: a built-in or a user's function);
 whitening, when the estimator asks for it, uses the global moments from one all-reduce. With
 `algorithm.rollout_correction` the old log-probs stay the trainer's own and the behaviour log-probs (when a rollout
 carries them) give the importance weights; without it, behaviour log-probs replace the old ones. Either way, the
@@ -36,12 +36,12 @@ from torch import Tensor
 
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences, unpack_responses
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared
 from fsdptrain.model.forward import value_token_outputs
-from fsdptrain.rl.adv_estimators import (
+from fsdptrain.rl.estimator_registry import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageResult,
     AdvSettings,
@@ -50,8 +50,8 @@ from fsdptrain.rl.adv_estimators import (
     whitened,
 )
 from fsdptrain.rl.distill import DistillSettings, distill_advantages, distill_metrics
-from fsdptrain.rl.metrics import Max, Mean, Metrics, merge_all
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.metrics.typed import Max, Mean, Metrics, merge_all
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.rl.rollout_correction import (
     RejectionSettings,
     off_policy_diagnostics,
@@ -98,7 +98,7 @@ def policy_logprobs(model, rollouts, *, temperature: float, chunk_size: int, tok
 
 
 def reference_logprobs(reference, rollouts, **logprob_args) -> Optional[list[Tensor]]:
-    """Response log-probs under the reference policy (a `fsdptrain.train.build.ReferencePolicy`: a frozen copy, or
+    """Response log-probs under the reference policy (a `fsdptrain.train.setup.ReferencePolicy`: a frozen copy, or
     the policy with its adapters disabled), or None without one; arguments as `policy_logprobs`."""
     if reference is None:
         return None
@@ -274,7 +274,7 @@ def estimate_advantages(rewards_R: Sequence[Tensor], values_R: Optional[Sequence
 def _check_result(result, mask_BR: Tensor) -> None:
     if not isinstance(result, AdvantageResult):
         raise ConfigError(f"algorithm.adv_estimator returned a {type(result).__name__}; it must return "
-                          "fsdptrain.rl.adv_estimators.AdvantageResult(advantages_BT, returns_BT or None, whiten)")
+                          "fsdptrain.rl.estimator_registry.AdvantageResult(advantages_BT, returns_BT or None, whiten)")
     for name in ("advantages_BT", "returns_BT"):
         value = getattr(result, name)
         if (value is not None or name == "advantages_BT") and (
@@ -347,7 +347,7 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     Collective (packed passes, one all-reduce). Returns the targets, whether the step is on-policy (no rollout
     carries behaviour log-probs), and this rank's experience metrics (``rollout_corr/*`` always, empty means when no
     rollout carries behaviour log-probs; ``experience/rollout_is_*`` with a rollout correction).
-    ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/build.py `skips_old_passes`): the old
+    ``skip_old_passes`` (strictly on-policy updates only, see fsdptrain/train/setup.py `skips_old_passes`): the old
     log-probs, and the critic's old values when the estimator does not read them, are left None; the first update
     forward's detached outputs stand in for them, which is what the passes would have computed.
     ``replica``: another rank (its CP group's first) holds the same rollouts; its whitening moments count once.

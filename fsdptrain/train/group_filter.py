@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rl.dynamic_sampling import groups_with_signal
-from fsdptrain.rl.metrics import Metrics, Sum, merge_all
+from fsdptrain.metrics.typed import Metrics, Sum, merge_all
 
 MoreRollouts = Callable[[int], list[Rollout]]
 """``more(round)`` -> this rank's rollouts of extra round ``round`` (1, 2, ...), group indices global in the round."""

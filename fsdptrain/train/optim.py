@@ -18,7 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fsdptrain.config.schema import LR_SCHEDULES
 from fsdptrain.distributed.world import any_flag
-from fsdptrain.model.build import trainable_parameters
+from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.run.console import log
 
 

@@ -1,14 +1,14 @@
 """The supervised fine-tuning recipe (``fsdptrain sft``): demonstrations -> mini-batches of the FSDP2 update -> reduce
 -> log -> checkpoint (docs/sft.md).
 
-:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.loop.Trainer.run_step`, without rollouts or an
+:meth:`FineTuner.run_step` reads top to bottom like `fsdptrain.train.rl.Trainer.run_step`, without rollouts or an
 experience pass: the step's rows in a seeded epoch order, this rank's share of each mini-batch, the policy's part's
 update of one mini-batch (`fsdptrain.train.trained_part.TrainedPart.update` over
 `fsdptrain.train.step.update_on_minibatch`: the agreed pack plan, the global normalisers counted before any forward,
 one packed forward per micro-batch, the loss through ``agg_loss``, clip, skip non-finite, step), then the typed
 metrics reduced over ranks. It shares with the RL recipe the policy's building (FSDP2/HSDP, LoRA:
-`fsdptrain.train.build.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
-`fsdptrain.train.build.build_part`), the checkpointer, the metrics files, the trackers and the export.
+`fsdptrain.train.setup.build_policy_model`), the trained part (its optimizer, schedule, guard and watch:
+`fsdptrain.train.setup.build_part`), the checkpointer, the metrics files, the trackers and the export.
 
 Ownership and membership are fixed by a row's position ``p`` within the step's ``sft.rows_per_step`` rows: rank
 ``p % world_size``, mini-batch ``p // (rows_per_step / mini_batches_per_step)``, so a mini-batch holds the same rows
@@ -34,21 +34,21 @@ from fsdptrain.config import validate_world
 from fsdptrain.config.schema import DEFAULT_STEPS
 from fsdptrain.data.demonstrations import DemoKeys, Demonstration, load_demonstrations
 from fsdptrain.data.packing import PackedBatch, pack_sequences
-from fsdptrain.data.prompts import EpochOrder
+from fsdptrain.data.epoch_order import EpochOrder
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
-from fsdptrain.distributed.files import write_atomic
+from fsdptrain.storage.atomic import write_atomic
 from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Max, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.rl.packed_loss import token_logprobs_entropy
+from fsdptrain.metrics.typed import Max, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.rl.fused_loss import token_logprobs_entropy
 from fsdptrain.rl.sft_loss import sft_loss
-from fsdptrain.train.build import build_part, build_policy_model, build_tokenizer, resolve_device_type
+from fsdptrain.train.setup import build_part, build_policy_model, build_tokenizer, resolve_device_type
 from fsdptrain.run.console import log, progress_columns, quiet_known_warnings
 from fsdptrain.run.malloc import keep_freed_heap
-from fsdptrain.train.perf import StepTimer, phase
+from fsdptrain.run.perf import StepTimer, phase
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.run.files import MetricsFiles
+from fsdptrain.run.outputs import MetricsFiles
 from fsdptrain.run.signals import StopRequest
 from fsdptrain.train.step import MiniBatch
 from fsdptrain.run.trackers import Trackers
@@ -66,7 +66,7 @@ class SftLossSettings:
 @dataclass(frozen=True)
 class DemoTarget:
     """A demonstration's per-token target: which response tokens are trained on (bool ``[R]``), as
-    `fsdptrain.rl.packed_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
+    `fsdptrain.rl.fused_loss.SeqTargets.response_mask` is for a rollout; packing turns it into the row's mask."""
 
     response_mask: torch.Tensor
 

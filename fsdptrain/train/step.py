@@ -6,7 +6,7 @@ This is where the contracts of docs/architecture.md (the data path) and docs/los
    every rank runs the same forwards and FSDP's collectives line up (a rank with less work runs empty packs);
 2. the mini-batch's global token and sequence counts are all-reduced once, before any forward;
 3. each micro-batch runs one packed forward of the model (here) and the fused loss of its outputs
-   (fsdptrain/rl/packed_loss.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
+   (fsdptrain/rl/fused_loss.py) with those global counts (``agg_loss`` applies the dp-size factor), then backward;
    micro-batch losses are summed by backward, never averaged by their count;
 4. the gradient's true global norm is taken, a non-finite one skips the step on every rank, else clip and step; a
    mini-batch with no counted token (global count 0, the same on every rank) is no step at all (docs/loss.md);
@@ -29,11 +29,11 @@ from fsdptrain.data.shared_prompts import pack_shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared, reduce_metrics
 from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
-from fsdptrain.model.build import trainable_parameters
+from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Diagnostic, Mean, Metrics, Sum, merge_all
-from fsdptrain.rl.packed_loss import (
+from fsdptrain.metrics.typed import Diagnostic, Mean, Metrics, Sum, merge_all
+from fsdptrain.rl.fused_loss import (
     PolicyLossSettings,
     SeqTargets,
     ValueLossSettings,
@@ -104,7 +104,7 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
                        settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None,
                        context: ContextGroup = NO_CONTEXT_PARALLEL) -> tuple[torch.Tensor, Metrics]:
     """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
-    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.packed_loss`). Under
+    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.fused_loss`). Under
     context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
     if context.enabled:
         assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
@@ -120,7 +120,7 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
 def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
                       settings: ValueLossSettings, context: ContextGroup = NO_CONTEXT_PARALLEL
                       ) -> tuple[torch.Tensor, Metrics]:
-    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.packed_loss`);
+    """The critic's forward over one pack, then the clipped value loss of its values (`fsdptrain.rl.fused_loss`);
     under context parallelism the values of this rank's positions, gathered into the row."""
     if context.enabled:
         shard = shard_row(packed, context)

@@ -2,7 +2,7 @@
 
 A :class:`TrainedPart` owns its model, its AdamW, its learning-rate schedule, its non-finite guard and its grad-norm
 watch, and knows its loss, the loss's settings and its clip. Both recipes are written over parts: the RL recipe
-trains the policy's part and, with ``algorithm.use_critic``, the critic's (fsdptrain/train/loop.py), the SFT recipe
+trains the policy's part and, with ``algorithm.use_critic``, the critic's (fsdptrain/train/rl.py), the SFT recipe
 the policy's (fsdptrain/train/sft.py). A part updates itself on a mini-batch (:meth:`TrainedPart.update`, over
 `fsdptrain.train.step.update_on_minibatch`), names its metrics and per-step facts, and lists itself for the
 checkpoint under its name (:func:`checkpointed_parts`), so no recipe writes a policy/critic pair out.
@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from fsdptrain.rl.metrics import Mean, Metrics
+from fsdptrain.metrics.typed import Mean, Metrics
 from fsdptrain.run.checkpointer import Checkpointed, Stateful
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.train.step import AuxiliaryLoss, LossFn, MiniBatch, StepOutcome, update_on_minibatch

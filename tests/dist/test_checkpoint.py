@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdptrain.distributed import checkpoint as ckpt
+from fsdptrain.distributed import sharded_checkpoint as ckpt
 from tests.dist.launch import LaunchResult, launch
 
 WORKER = "ckpt_worker.py"

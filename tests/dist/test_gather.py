@@ -1,4 +1,4 @@
-"""Generation with gathered weights (fsdptrain/distributed/gather.py) on 2 gloo ranks: the same tokens as FSDP2's
+"""Generation with gathered weights (fsdptrain/generation/gather.py) on 2 gloo ranks: the same tokens as FSDP2's
 per-forward all-gathers, greedy and seeded sampling, fp32 and bf16, with a constant number of all-gathers instead of
 one per layer per decoded token."""
 

@@ -150,7 +150,7 @@ def test_a_model_folder_with_its_own_code_is_refused_without_running_it_or_askin
 
 
 def test_every_load_refuses_a_folders_code_even_past_the_check(tmp_path):
-    from fsdptrain.model.build import resolve_config
+    from fsdptrain.model.loading import resolve_config
 
     marker = tmp_path / "code-ran"
     folder = _folder_with_custom_code(tmp_path / "m", marker)

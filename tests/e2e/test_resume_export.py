@@ -107,7 +107,7 @@ GLOBAL_RNG_USER = """
     # fresh-seed ones and the RNG check of the resume test can fail.
     import random
     import torch
-    import fsdptrain.train.loop as loop
+    import fsdptrain.train.rl as loop
 
     _run_step = loop.Trainer.run_step
 
@@ -147,7 +147,7 @@ RNG_PROBE = """
     # Test patch: record this rank's RNG states right after the checkpoint is loaded.
     import os, random
     import torch
-    import fsdptrain.distributed.checkpoint as checkpoint
+    import fsdptrain.distributed.sharded_checkpoint as checkpoint
 
     _load = checkpoint.load_checkpoint
 
@@ -275,7 +275,7 @@ CRASH_IN_WRITER = """
 
 
 def test_crash_inside_the_writer_keeps_the_previous_checkpoint(reference, tmp_path):
-    from fsdptrain.distributed.checkpoint import latest_checkpoint
+    from fsdptrain.distributed.sharded_checkpoint import latest_checkpoint
 
     run_c = tmp_path / "runs" / "C"
     env = write_patch(tmp_path / "patch", CRASH_IN_WRITER)
@@ -337,7 +337,7 @@ DOUBLE_CTRL_C = """
     # Test patch: two Ctrl-Cs during the second step, each seen by the handler before the next (a terminal user's
     # two presses; sent from outside they could merge into one pending signal or straddle the step boundary).
     import os, signal
-    import fsdptrain.train.loop as trainer
+    import fsdptrain.train.rl as trainer
 
     _run_step = trainer.Trainer.run_step
 

@@ -199,7 +199,7 @@ def test_a_checkpoint_of_another_lineage_is_never_replaced_by_a_save(run_copy, t
 
 def test_a_save_never_replaces_another_lineages_checkpoint(run_copy):
     """The last guard, under the checkpointer's check: ``save_checkpoint`` itself (a stop signal's save)."""
-    from fsdptrain.distributed.checkpoint import save_checkpoint
+    from fsdptrain.distributed.sharded_checkpoint import save_checkpoint
 
     foreign = run_copy / "checkpoints" / "step_00000002"
     _adopt_by_another_lineage(foreign)

@@ -8,7 +8,7 @@ import textwrap
 
 ESTIMATOR = textwrap.dedent("""\
     import torch
-    from fsdptrain.rl.adv_estimators import AdvantageResult
+    from fsdptrain.rl.estimator_registry import AdvantageResult
 
     def centred(*, token_rewards_BT, values_BT, mask_BT, scores_N, group_ids_N, settings):
         # each sequence's score minus the batch's mean score, on every response token; whitened globally
@@ -24,7 +24,7 @@ ESTIMATOR = textwrap.dedent("""\
 
 LOSS = textwrap.dedent("""\
     import torch
-    from fsdptrain.rl.metrics import Mean, Metrics
+    from fsdptrain.metrics.typed import Mean, Metrics
 
     def reinforce(logprobs, old_logprobs, advantages, valid, *, layout, settings):
         # plain REINFORCE: -A logp per token
@@ -62,7 +62,7 @@ def test_a_function_that_does_not_fit_is_exit_2(cli, tmp_path):
 
 PLUGIN = textwrap.dedent("""\
     import fsdptrain
-    from fsdptrain.rl.metrics import Mean, Metrics
+    from fsdptrain.metrics.typed import Mean, Metrics
 
     @fsdptrain.register_policy_loss("my_reinforce")
     def reinforce(logprobs, old_logprobs, advantages, valid, *, layout, settings):

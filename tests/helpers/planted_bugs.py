@@ -157,7 +157,7 @@ def plant_micro_batch_normalised_by_its_own_tokens(set_attr=setattr) -> None:
 def plant_eos_cut_off_the_response(set_attr=setattr) -> None:
     """A response cut one token short: a finished response loses its EOS (the policy is never trained to stop).
     Planted in both engines' cut: generate's ``split_response`` and the continuous engine's ``Finished`` records."""
-    from fsdptrain.model import generate
+    from fsdptrain.generation import generate
 
     split = generate.split_response
 
@@ -178,7 +178,7 @@ def plant_capped_response_not_truncated(set_attr=setattr) -> None:
 
 def _plant_finished(set_attr, change) -> None:
     """``change`` applied to each row the continuous engine hands back (``ContinuousEngine._leave``)."""
-    from fsdptrain.rollout.engine import ContinuousEngine
+    from fsdptrain.generation.continuous import ContinuousEngine
 
     leave = ContinuousEngine._leave
     set_attr(ContinuousEngine, "_leave", lambda self: [change(f) for f in leave(self)])

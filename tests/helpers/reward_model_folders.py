@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.model.loading import TINY_CONFIG
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 =:+-,?")
 CHAT_TEMPLATE = "{% for m in messages %}{{ '<' + m['role'][0] + '>' + m['content'] }}{% endfor %}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.build import TINY_CONFIG, build_full_model
+from fsdptrain.model.loading import TINY_CONFIG, build_full_model
 
 
 def save_teacher(folder: Path, *, seed: int = 7, sharpen: float = 1.0, extra_tokens: tuple[str, ...] = ()) -> Path:

@@ -7,7 +7,7 @@ import torch
 
 from fsdptrain.config import ConfigError
 from fsdptrain.registry.names import ADV_ESTIMATORS
-from fsdptrain.rl.adv_estimators import (
+from fsdptrain.rl.estimator_registry import (
     ADV_ESTIMATOR_REGISTRY,
     AdvantageResult,
     AdvSettings,
@@ -103,7 +103,7 @@ def test_reinforce_plus_plus_baseline_by_hand():
 
 USER = """
 import torch
-from fsdptrain.rl.adv_estimators import AdvantageResult
+from fsdptrain.rl.estimator_registry import AdvantageResult
 
 def raw_score(*, token_rewards_BT, values_BT, mask_BT, scores_N, group_ids_N, settings):
     return AdvantageResult(scores_N[:, None] * mask_BT, None, False)

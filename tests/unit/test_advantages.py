@@ -123,7 +123,7 @@ def test_gae_over_policy_tokens_is_plain_gae_with_the_tool_tokens_cut_out():
 
 
 def test_the_outcome_reward_sits_on_the_last_policy_token():
-    from fsdptrain.data.rollout import Rollout
+    from fsdptrain.data.rollout_record import Rollout
     from fsdptrain.train.experience import rollout_masks, token_rewards
 
     rollouts = [Rollout(prompt_ids=[1], response_ids=[5, 6, 7, 8], reward=2.0, group=0, response_mask=[1, 0, 1, 0]),

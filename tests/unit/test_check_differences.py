@@ -42,7 +42,7 @@ def test_padded_log_probs_row_by_row_equal_the_whole_batch_log_softmax_and_its_g
     the plain log-softmax and entropy of the whole [B, L, V] logits, value and gradient."""
     from fsdptrain.check.layouts import padded_logprobs_entropy
     from fsdptrain.check.precision import Float64Mode
-    from fsdptrain.rl.policy import entropy_from_logits
+    from fsdptrain.rl.policy_loss import entropy_from_logits
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64) * 3

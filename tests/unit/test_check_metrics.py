@@ -22,14 +22,14 @@ from fsdptrain.check.layouts import reduce_like_ranks
 from fsdptrain.check.reference import Counts, explained_variance_direct, seq_share
 from fsdptrain.check.run import run_checks
 from fsdptrain.check.update_pass import _merge
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.data import shared_prompts
 from fsdptrain.distributed import world
 from fsdptrain.model import attention_backends
-from fsdptrain.model.build import decoder_layers
+from fsdptrain.model.loading import decoder_layers
 from fsdptrain.rl import aggregate, policy, value
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
-from fsdptrain.rl.metrics import Kind, Max, Mean, Metrics, Min, finalize
+from fsdptrain.metrics.typed import Kind, Max, Mean, Metrics, Min, finalize
 from tests.helpers.planted_bugs import (
     plant_capped_response_not_truncated,
     plant_eos_cut_off_the_response,
@@ -332,7 +332,7 @@ def test_catches_a_wrong_k3_formula(ppo, monkeypatch):
 
 
 def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
-    from fsdptrain.rl import packed_loss
+    from fsdptrain.rl import fused_loss
 
     original = packed_loss.chunked_logprobs_entropy
     monkeypatch.setattr(packed_loss, "chunked_logprobs_entropy",
@@ -345,7 +345,7 @@ def test_catches_temperature_dropped_in_the_chunked_log_probs(ppo, monkeypatch):
 def _buggy_accumulate(scale):
     from fsdptrain.data.packing import pack_sequences
     from fsdptrain.distributed.collectives import plan_agreed
-    from fsdptrain.rl.metrics import merge_all
+    from fsdptrain.metrics.typed import merge_all
     from fsdptrain.train import step
 
     def accumulate(model, batch, *, loss_fn, settings, norms, token_budget, device, plan=None, share_prompts=False):
@@ -384,7 +384,7 @@ def test_catches_the_dp_factor_applied_twice(ppo, monkeypatch):
 
 
 def test_catches_gae_skipping_the_last_token(ppo, monkeypatch):
-    from fsdptrain.rl import adv_estimators
+    from fsdptrain.rl import estimator_registry
 
     original = adv_estimators.gae
 
@@ -399,7 +399,7 @@ def test_catches_gae_skipping_the_last_token(ppo, monkeypatch):
 
 
 def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
-    from fsdptrain.rl import adv_estimators
+    from fsdptrain.rl import estimator_registry
 
     original = adv_estimators.gae
     monkeypatch.setattr(adv_estimators, "gae", lambda r, v, m, *, gamma, lam: original(r, v, m, gamma=lam, lam=gamma))

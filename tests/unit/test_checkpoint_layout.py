@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.prompts import EpochOrder
+from fsdptrain.data.epoch_order import EpochOrder
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard
 from fsdptrain.run.checkpointer import STATE_LAYOUT, saved_states

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdptrain.distributed.checkpoint import (
+from fsdptrain.distributed.sharded_checkpoint import (
     checkpoint_problem,
     load_checkpoint,
     newest_intact_checkpoint,
@@ -57,7 +57,7 @@ def test_a_planted_metadata_pickle_is_a_damaged_checkpoint_and_never_runs(two_ch
 @pytest.mark.parametrize("with_digests", [True, False])
 def test_the_metadata_reader_builds_only_checkpoint_classes(two_checkpoints, tmp_path, with_digests):
     older, newest = two_checkpoints
-    from fsdptrain.distributed.checkpoint import read_dcp_metadata
+    from fsdptrain.distributed.sharded_checkpoint import read_dcp_metadata
 
     assert type(read_dcp_metadata(older)).__name__ == "Metadata"
     marker = tmp_path / "code-ran"

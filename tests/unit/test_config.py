@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdptrain.compose import PACKAGE_CONF_DIR, compose_config
+from fsdptrain.config.compose import PACKAGE_CONF_DIR, compose_config
 from fsdptrain.config import SCHEMA_GROUPS, ConfigError, validate_world
 from fsdptrain.config.docs import field_docs, render_configuration_md
 
@@ -131,7 +131,7 @@ def test_own_task_fields_are_checked(overrides, fragment):
 
 
 def test_steps_follow_epochs_over_the_training_rows():
-    from fsdptrain.rollout.source import resolve_steps
+    from fsdptrain.rollout.rollout_source import resolve_steps
 
     assert resolve_steps(compose_config([]), 4096) == 100  # neither set: the default
     assert resolve_steps(compose_config(["trainer.steps=7"]), 4096) == 7

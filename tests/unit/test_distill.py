@@ -8,12 +8,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
 from fsdptrain.model.checks import vocabulary_mismatch
 from fsdptrain.rl.distill import DistillSettings, distill_advantages, distill_metrics
-from fsdptrain.rl.metrics import finalize, merge
-from fsdptrain.train.build import skips_old_passes
+from fsdptrain.metrics.typed import finalize, merge
+from fsdptrain.train.setup import skips_old_passes
 from fsdptrain.train.experience import distilled
 
 STUDENT = [[-1.0, -2.0, -0.5], [-0.25, -3.0, 0.0]]

@@ -104,14 +104,14 @@ def test_the_test_reads_the_docs_and_the_messages():
 
 
 @pytest.mark.parametrize("name, is_missing", [
-    ("fsdptrain/rl/pg_losses.py", False),
+    ("fsdptrain/rl/pg_terms.py", False),
     ("fsdptrain/rl/", False),
     ("fsdptrain/conf/model/*.yaml", False),
     ("fsdptrain/adv_estimators.py", True),
-    ("fsdptrain.rl.pg_losses", False),
-    ("fsdptrain.rl.pg_losses.PgTermSettings", False),
-    ("fsdptrain.rl.pg_losses.PgTermSettings.clip_ratio_low", False),
-    ("fsdptrain.rl.pg_losses.PgTermSettings.no_such_knob", True),
+    ("fsdptrain.rl.pg_terms", False),
+    ("fsdptrain.rl.pg_terms.PgTermSettings", False),
+    ("fsdptrain.rl.pg_terms.PgTermSettings.clip_ratio_low", False),
+    ("fsdptrain.rl.pg_terms.PgTermSettings.no_such_knob", True),
     ("fsdptrain.config.ConfigError", False),
     ("fsdptrain.export.export_hf", True),
     ("fsdptrain.packing.pack_sequences", True),
@@ -123,5 +123,5 @@ def test_a_stale_citation_is_found(name, is_missing):
 
 
 def test_citations_are_cut_where_the_name_ends():
-    text = "see `fsdptrain/rl/policy.py`, or fsdptrain.rl.policy.kl_penalty(). Also `dist.dp_size`."
-    assert cited(text) == ["fsdptrain/rl/policy.py", "fsdptrain.rl.policy.kl_penalty", "dist.dp_size"]
+    text = "see `fsdptrain/rl/policy_loss.py`, or fsdptrain.rl.policy_loss.kl_penalty(). Also `dist.dp_size`."
+    assert cited(text) == ["fsdptrain/rl/policy_loss.py", "fsdptrain.rl.policy_loss.kl_penalty", "dist.dp_size"]

@@ -28,10 +28,10 @@ from fsdptrain.model.drafter_export import ARCHITECTURE, export_drafter, load_dr
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, draft_mask, expected_accept_len
-from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.metrics.typed import finalize, merge_all
+from fsdptrain.rl.policy_loss import policy_loss
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, packed_draft_mask
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, scatter_responses, token_logprobs_entropy
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, scatter_responses, token_logprobs_entropy
 from fsdptrain.train.step import packed_policy_loss
 from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 

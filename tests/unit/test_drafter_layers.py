@@ -12,7 +12,7 @@ from safetensors import safe_open
 from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
-from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.metrics.typed import finalize, merge_all
 from tests.unit.test_drafter import (
     PACKS,
     PROMPTS,

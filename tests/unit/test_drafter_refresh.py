@@ -16,11 +16,11 @@ from fsdptrain.data.packing import pack_sequences, plan_packs
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.train.cotrain import DraftLossSettings, DrafterUpdate
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
 from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
 
 VOCAB = 32

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.model.drafter import build_draft_vocab, draft_vocab_from_counts
 from fsdptrain.train.drafter_setup import draft_vocab_size, local_token_counts
 

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.rl.metrics import finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.metrics.typed import finalize
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.step import MiniBatch, packed_policy_loss, update_on_minibatch
 

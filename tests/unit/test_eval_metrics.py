@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
 from fsdptrain.rewards.builtin import comparable_answers
 from fsdptrain.rl.eval_metrics import majority_index, pass_at_k, sampled_eval_metrics
-from fsdptrain.rl.metrics import Kind, finalize, merge_all
+from fsdptrain.metrics.typed import Kind, finalize, merge_all
 
 
 @pytest.mark.parametrize(("n", "c", "k", "want"), [
@@ -81,7 +81,7 @@ def test_answers_compared_for_the_answer_rewards_only():
 
 
 def test_eval_sample_seeds_depend_on_the_step_prompt_and_sample_only():
-    from fsdptrain.rollout.sampling import eval_sample_seed
+    from fsdptrain.generation.block import eval_sample_seed
 
     seeds = {eval_sample_seed(1234, step, prompt, sample) for step in range(3) for prompt in range(5)
              for sample in range(4)}
@@ -92,7 +92,7 @@ def test_eval_sample_seeds_depend_on_the_step_prompt_and_sample_only():
 def test_row_seeded_sampling_draws_each_row_from_its_own_generator():
     """The processor's output for a row is log_softmax(z / T) + Gumbel noise from that row's generator alone: the
     same row in another batch, next to other rows, gets the same scores; the global RNG is untouched."""
-    from fsdptrain.model.generate import RowSeededSampling
+    from fsdptrain.generation.generate import RowSeededSampling
 
     z = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, -1.0]])
     state = torch.get_rng_state()

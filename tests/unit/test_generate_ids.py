@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 from tests.helpers.tiny_llama import tiny_llama
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rl.metrics import finalize, merge_all
-from fsdptrain.rollout.engine import ContinuousEngine, Request
+from fsdptrain.generation.generate import generate_responses
+from fsdptrain.metrics.typed import finalize, merge_all
+from fsdptrain.generation.continuous import ContinuousEngine, Request
 from fsdptrain.train.experience import logprob_diff_metrics
 from tests.helpers.tiny_llama import tiny_llama
 

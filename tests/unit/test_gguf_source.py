@@ -1,4 +1,4 @@
-"""A GGUF file as the model source (fsdptrain/model/source.py): the policy, the value model's backbone and the
+"""A GGUF file as the model source (fsdptrain/model/location.py): the policy, the value model's backbone and the
 tokenizer fsdptrain loads from it are transformers' own GGUF load, and the source model's weights exactly; bad
 ``model.path`` / ``model.gguf_file`` values are one line each."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fsdptrain.config import ConfigError
-from fsdptrain.model.build import build_full_model, resolve_config
+from fsdptrain.model.loading import build_full_model, resolve_config
 from fsdptrain.model.checks import check_model_source
-from fsdptrain.model.source import gguf_package_problem, model_location, pretrained_args
+from fsdptrain.model.location import gguf_package_problem, model_location, pretrained_args
 from tests.helpers.tiny_gguf import CHAT_TEMPLATE, tiny_llama, write_tiny_gguf
 
 pytest.importorskip("gguf")
@@ -51,7 +51,7 @@ def test_value_model_backbone_from_gguf(gguf_model):
 def test_tokenizer_and_chat_template_from_gguf(gguf_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from fsdptrain.train.build import build_tokenizer
+    from fsdptrain.train.setup import build_tokenizer
 
     _, file = gguf_model
     cfg = type("Cfg", (), {"model": type("M", (), {"path": str(file.parent), "gguf_file": file.name})})()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdptrain.data.rollout import Rollout
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.data.rollout_record import Rollout
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.train.group_filter import filter_groups, renumber
 
 SIGNAL = {0: {1, 3}, 1: {0, 2}, 2: {1}}

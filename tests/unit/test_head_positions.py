@@ -1,4 +1,4 @@
-"""The output head runs at the response-scoring positions only (fsdptrain/rl/packed_loss.py
+"""The output head runs at the response-scoring positions only (fsdptrain/rl/fused_loss.py
 `token_logprobs_entropy`): at those positions the log-probs and entropies, and the gradients they give the hidden
 states and the head, are the whole row's; every other position holds 0 and gets no gradient."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fsdptrain.data.packing import pack_sequences
-from fsdptrain.rl import packed_loss
+from fsdptrain.rl import fused_loss
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
 
 PROMPTS = [[1, 5, 9, 4, 4], [1, 7], [1, 3, 3, 8, 2, 6, 6]]

@@ -42,9 +42,9 @@ ONLY_FSDPTRAIN = {
 }
 # part -> the modules it may import despite FORBIDDEN: the collectives reduce the typed metric containers; rollouts
 # use train/'s leaf helpers (the models' bundle, the phase timer), which import nothing of the loop
-ALLOWED = {"fsdptrain.distributed": ("fsdptrain.rl.metrics", "fsdptrain.rl.metric_buffers"),
-           "fsdptrain.rollout": ("fsdptrain.train.build", "fsdptrain.train.perf")}
-TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.compose", "fsdptrain.launch", "fsdptrain.distributed.torchrun",
+ALLOWED = {"fsdptrain.distributed": ("fsdptrain.metrics.typed", "fsdptrain.metrics.buffers"),
+           "fsdptrain.rollout": ("fsdptrain.train.setup", "fsdptrain.run.perf")}
+TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.config.compose", "fsdptrain.launch", "fsdptrain.distributed.torchrun",
                         "fsdptrain.config", "fsdptrain.registry")
 
 
@@ -161,32 +161,32 @@ def test_the_package_follows_the_import_rules():
 
 
 @pytest.mark.parametrize("module, source, expected", [
-    ("fsdptrain.rl.policy", "import torch.distributed\n", "fsdptrain.rl.policy imports torch.distributed"),
-    ("fsdptrain.rl.policy", "from fsdptrain.model.build import TINY_CONFIG\n",
-     "fsdptrain.rl.policy imports fsdptrain.model.build"),
-    ("fsdptrain.rl.policy", "def f():\n    from fsdptrain.train import loop\n", "fsdptrain.rl.policy imports fsdptrain.train"),
-    ("fsdptrain.model.forward", "from fsdptrain.rl.policy import policy_loss\n",
-     "fsdptrain.model.forward imports fsdptrain.rl.policy"),
+    ("fsdptrain.rl.policy_loss", "import torch.distributed\n", "fsdptrain.rl.policy_loss imports torch.distributed"),
+    ("fsdptrain.rl.policy_loss", "from fsdptrain.model.loading import TINY_CONFIG\n",
+     "fsdptrain.rl.policy_loss imports fsdptrain.model.loading"),
+    ("fsdptrain.rl.policy_loss", "def f():\n    from fsdptrain.train import rl\n", "fsdptrain.rl.policy_loss imports fsdptrain.train"),
+    ("fsdptrain.model.forward", "from fsdptrain.rl.policy_loss import policy_loss\n",
+     "fsdptrain.model.forward imports fsdptrain.rl.policy_loss"),
     ("fsdptrain.cli", "import torch\n", "fsdptrain.cli imports torch at module level"),
     # the two holes issue 24 found: config/ reaching into rl/, rl/ into a top-level module
     ("fsdptrain.config.validate", "from fsdptrain.rl.aggregate import AGG_MODES\n",
      "fsdptrain.config.validate imports fsdptrain.rl.aggregate"),
-    ("fsdptrain.rl.pg_losses", "from fsdptrain.cli import main\n", "fsdptrain.rl.pg_losses imports fsdptrain.cli"),
-    ("fsdptrain.rl.pg_losses", "from fsdptrain.config import ConfigError\n",
-     "fsdptrain.rl.pg_losses imports fsdptrain.config"),
+    ("fsdptrain.rl.pg_terms", "from fsdptrain.cli import main\n", "fsdptrain.rl.pg_terms imports fsdptrain.cli"),
+    ("fsdptrain.rl.pg_terms", "from fsdptrain.config import ConfigError\n",
+     "fsdptrain.rl.pg_terms imports fsdptrain.config"),
     ("fsdptrain.registry.names", "from fsdptrain.config.schema import DTYPES\n",
      "fsdptrain.registry.names imports fsdptrain.config.schema"),
     ("fsdptrain.registry.user_functions", "import torch\n",
      "fsdptrain.registry.user_functions imports torch at module level"),
-    ("fsdptrain.rl.policy", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.model import build\n",
-     "fsdptrain.rl.policy imports fsdptrain.model"),
-    ("fsdptrain.distributed.collectives", "from fsdptrain.rl.policy import policy_loss\n",
-     "fsdptrain.distributed.collectives imports fsdptrain.rl.policy"),
+    ("fsdptrain.rl.policy_loss", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.model import loading\n",
+     "fsdptrain.rl.policy_loss imports fsdptrain.model"),
+    ("fsdptrain.distributed.collectives", "from fsdptrain.rl.policy_loss import policy_loss\n",
+     "fsdptrain.distributed.collectives imports fsdptrain.rl.policy_loss"),
     # rollouts sit below the loop and above model/, data/, rewards/
-    ("fsdptrain.rollout.source", "from fsdptrain.train.loop import Trainer\n",
-     "fsdptrain.rollout.source imports fsdptrain.train.loop"),
-    ("fsdptrain.model.generate", "from fsdptrain.rollout.turns import run_turns\n",
-     "fsdptrain.model.generate imports fsdptrain.rollout.turns"),
+    ("fsdptrain.rollout.rollout_source", "from fsdptrain.train.rl import Trainer\n",
+     "fsdptrain.rollout.rollout_source imports fsdptrain.train.rl"),
+    ("fsdptrain.generation.generate", "from fsdptrain.rollout.turns import run_turns\n",
+     "fsdptrain.generation.generate imports fsdptrain.rollout.turns"),
     ("fsdptrain.data.conversation", "from fsdptrain.rollout.turns import run_turns\n",
      "fsdptrain.data.conversation imports fsdptrain.rollout.turns"),
 ])

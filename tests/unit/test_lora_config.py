@@ -9,9 +9,9 @@ import importlib.util
 import pytest
 import torch
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
-from fsdptrain.model.build import TINY_CONFIG, build_full_model, meta_model, resolve_config, trainable_parameters
+from fsdptrain.model.loading import TINY_CONFIG, build_full_model, meta_model, resolve_config, trainable_parameters
 from fsdptrain.model.lora import PEFT_MISSING, LoraSettings, linear_module_names, resolve_target_modules
 from fsdptrain.preflight import check_lora_targets
 
@@ -89,7 +89,7 @@ def test_only_adapters_train_and_the_value_head_too():
 
 
 def test_frozen_weights_stored_in_the_param_dtype_stay_tied():
-    from fsdptrain.distributed.checkpoint import _frozen_names
+    from fsdptrain.distributed.sharded_checkpoint import _frozen_names
     from fsdptrain.distributed.fsdp import store_frozen_in
 
     model = meta_model("policy", resolve_config(path=None, config=TINY_CONFIG),

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from fsdptrain.rl.metric_buffers import ReduceBuffers, Schema, flatten, unflatten
-from fsdptrain.rl.metrics import (
+from fsdptrain.metrics.buffers import ReduceBuffers, Schema, flatten, unflatten
+from fsdptrain.metrics.typed import (
     Derived,
     Diagnostic,
     Kind,

@@ -14,7 +14,7 @@ from fsdptrain.data.conversation import ChatTurns, data_ids, parse_tool_calls_te
 from fsdptrain.rollout.turns import TurnCaps, run_turns
 from fsdptrain.rollout.tools import Tool, ToolCall, ToolCaller, tool_schema
 from fsdptrain.rollout.multi_turn import turn_metrics
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from tests.helpers.chatml_tokenizer import CHATML_NO_TOOLS, STRIPS_THINK, chatml_tokenizer
 
 

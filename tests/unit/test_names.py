@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdptrain.registry import names
-from fsdptrain.rl import policy
+from fsdptrain.rl import policy_loss
 from fsdptrain.rl.aggregate import agg_loss
 
 # Two padded sequences: s = (1 + 2, 3) = (3, 3), c = (2, 1); N = 3 tokens, S = 2 sequences, width 3.

@@ -11,9 +11,9 @@ from fsdptrain.data.packing import pack_sequences, unpack_responses
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize, merge_all
+from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, scatter_responses
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings, scatter_responses
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss
 from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 

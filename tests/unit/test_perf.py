@@ -1,4 +1,4 @@
-"""Phase timers and FLOP counts of fsdptrain/train/perf.py, with numbers worked out by hand."""
+"""Phase timers and FLOP counts of fsdptrain/run/perf.py, with numbers worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fsdptrain.rl.metrics import Kind, Max, finalize
-from fsdptrain.train.perf import (
+from fsdptrain.metrics.typed import Kind, Max, finalize
+from fsdptrain.run.perf import (
     StepTimer,
     forward_flops,
     generation_flops,

@@ -8,8 +8,8 @@ import torch
 from fsdptrain.config import ConfigError
 from fsdptrain.registry.names import POLICY_LOSSES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Kind, finalize
-from fsdptrain.rl.pg_losses import (
+from fsdptrain.metrics.typed import Kind, finalize
+from fsdptrain.rl.pg_terms import (
     POLICY_LOSS_REGISTRY,
     cispo_policy_loss,
     dro_policy_loss,
@@ -17,7 +17,7 @@ from fsdptrain.rl.pg_losses import (
     resolve_policy_loss,
     vanilla_policy_loss,
 )
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.rl.policy_loss import policy_loss
 
 F64 = torch.float64
 LOG = math.log
@@ -130,7 +130,7 @@ def test_every_builtin_returns_the_same_names_when_empty(name):
 
 
 REINFORCE = """
-from fsdptrain.rl.metrics import Metrics, Sum
+from fsdptrain.metrics.typed import Metrics, Sum
 
 def reinforce(logprobs, old_logprobs, advantages, valid, *, layout, settings):
     return -advantages * logprobs, Metrics({"num_valid": Sum(valid.sum())})

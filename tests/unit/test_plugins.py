@@ -5,11 +5,11 @@ import enum
 import pytest
 
 import fsdptrain
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.registry import plugins
 from fsdptrain.registry.errors import ConfigError
-from fsdptrain.rl.adv_estimators import resolve_adv_estimator
-from fsdptrain.rl.pg_losses import resolve_policy_loss
+from fsdptrain.rl.estimator_registry import resolve_adv_estimator
+from fsdptrain.rl.pg_terms import resolve_policy_loss
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,8 @@ import torch
 from fsdptrain.registry import names
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Kind, close_minibatch, finalize, merge_all
-from fsdptrain.rl.policy import entropy_from_logits, kl_penalty, policy_loss
+from fsdptrain.metrics.typed import Kind, close_minibatch, finalize, merge_all
+from fsdptrain.rl.policy_loss import entropy_from_logits, kl_penalty, policy_loss
 
 LOG = math.log
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.prompts import EpochOrder, drop_long_prompts, hold_out_eval, load_prompts, prompt_token_ids
+from fsdptrain.data.epoch_order import EpochOrder, drop_long_prompts, hold_out_eval, load_prompts, prompt_token_ids
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
 ROWS = [

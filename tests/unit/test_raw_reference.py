@@ -23,10 +23,10 @@ from fsdptrain.check.raw_reference import (
     reference_rewards,
 )
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout import engine as engine_module
+from fsdptrain.generation.generate import generate_responses
+from fsdptrain.generation import continuous as engine_module
 from fsdptrain.rollout.continuous import generate_continuous
-from fsdptrain.rollout.engine import ContinuousEngine
+from fsdptrain.generation.continuous import ContinuousEngine
 from tests.helpers.tiny_llama import tiny_llama
 
 EOS = 2
@@ -123,7 +123,7 @@ def test_the_recorded_engine_cuts_as_the_continuous_sampler_does():
 
 def test_the_policy_mask_is_the_reference_rule_not_the_rollouts():
     from fsdptrain.check.batch import reference_policy, tool_segments
-    from fsdptrain.data.rollout import Rollout
+    from fsdptrain.data.rollout_record import Rollout
 
     eos_masked = Rollout(prompt_ids=[7], response_ids=[5, 6, 4, 3, EOS], reward=0.0, group=1,
                          response_mask=[1, 1, 1, 1, 0])

@@ -6,8 +6,8 @@ import torch
 
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardScores
-from fsdptrain.rl.metric_buffers import Schema, flatten, unflatten
-from fsdptrain.rl.metrics import Kind, finalize, merge
+from fsdptrain.metrics.buffers import Schema, flatten, unflatten
+from fsdptrain.metrics.typed import Kind, finalize, merge
 
 # 3 groups of 2: group 0 = (1, 1) all equal; group 1 = (0, 2); group 2 = (0.5, 0.5) all equal
 RAW = {"acc": [1.0, 1.0, 0.0, 1.0, None, None], "fmt": [0.0, 0.0, 0.0, 1.0, 0.5, 0.5]}

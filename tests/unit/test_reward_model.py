@@ -14,13 +14,13 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import pack_sequences
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed import world as fdist
-from fsdptrain.distributed.reward_model import (
+from fsdptrain.distributed.fsdp_reward_models import (
     build_reward_model,
     build_value_model_from_reward_model,
     value_state_dict_from_reward_model,
 )
 from fsdptrain.model.attention_switch import packed_attention, set_attention
-from fsdptrain.model.build import TINY_CONFIG, config_for, resolve_config
+from fsdptrain.model.loading import TINY_CONFIG, config_for, resolve_config
 from fsdptrain.model.reward_model import (
     load_full_reward_model,
     load_reward_model_spec,
@@ -285,9 +285,9 @@ def test_the_critic_refuses_a_reward_model_with_another_tokenizer(folders, mesh)
 def test_the_offload_setting_reaches_the_reward_model_from_the_config(folders, mesh, offload):
     """`reward.model_offload` through the trainer's own set-up: the built reward model's FSDP2 units carry the CPU
     offload policy exactly when the config asks (on a GPU that keeps its shards on the CPU between scorings)."""
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
-    from fsdptrain.train.build import build_models
+    from fsdptrain.train.setup import build_models
 
     cfg = compose_config(["algorithm=grpo", f"reward.models=[{folders['llama']}]",
                           f"reward.model_offload={str(offload).lower()}"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdptrain.config import ConfigError
-from fsdptrain.rl.metrics import Kind, finalize, merge
+from fsdptrain.metrics.typed import Kind, finalize, merge
 from fsdptrain.rl.reward_scale import RunningMoments, combine, scale_scores, score_metrics, score_moments
 
 SCORES = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)

@@ -451,7 +451,7 @@ def test_the_worked_example_of_the_docs(tmp_path):
         "def brevity(prompts, completions, completion_ids, **kwargs):\n"
         "    return [1.0 if len(ids) <= 8 else 0.0 for ids in completion_ids]\n")
     from fsdptrain.rewards.reward_metrics import reward_metrics
-    from fsdptrain.rl.metrics import finalize
+    from fsdptrain.metrics.typed import finalize
 
     functions = load_reward_functions([f"{tmp_path}/rewards.py:correct", f"{tmp_path}/rewards.py:brevity"],
                                       [1.0, 0.2], columns=["answer", "kind"])

@@ -7,8 +7,8 @@ import torch
 
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.dynamic_sampling import groups_with_signal
-from fsdptrain.rl.metrics import Kind, finalize, merge
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.metrics.typed import Kind, finalize, merge
+from fsdptrain.rl.policy_loss import policy_loss
 from fsdptrain.rl.rollout_correction import rollout_correction_weights, rollout_rejection_mask
 
 F64 = torch.float64
@@ -211,7 +211,7 @@ def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
     """issue 29's example: on-policy r = 1, A = 1, token weights [0.5, 2] -> geomean sqrt(0.5 * 2) = 1, loss -1.0
     (the arithmetic mean 1.25 gave -1.25); gradient -A R w_geo / c = -1/2 per token under seq-mean-token-mean. A third,
     masked token with weight 9 changes nothing."""
-    from fsdptrain.rl.pg_losses import gmpo_policy_loss
+    from fsdptrain.rl.pg_terms import gmpo_policy_loss
 
     old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=F64)
     weights = torch.tensor([[0.5, 2.0, 9.0]], dtype=F64)
@@ -231,7 +231,7 @@ def test_gmpo_takes_the_geometric_mean_of_a_sequences_weights(layout):
 def test_gmpo_weights_by_hand_zero_and_unequal():
     """w = [0.25, 1] -> geomean 0.5 on both tokens; a mis-zeroed token zeroes its sequence; vanilla keeps w_t."""
     from fsdptrain.rl.aggregate import SeqLayout
-    from fsdptrain.rl.pg_losses import gmpo_policy_loss, vanilla_policy_loss, weigh_by_rollout_is
+    from fsdptrain.rl.pg_terms import gmpo_policy_loss, vanilla_policy_loss, weigh_by_rollout_is
 
     layout = SeqLayout((2, 2), None, torch.device("cpu"))
     valid = torch.ones(2, 2, dtype=torch.bool)
@@ -291,7 +291,7 @@ def test_experience_logs_diagnostics_of_the_rollouts_that_carry_behaviour_logpro
     (1/4 + 2 ln2 - 1), / 3 = (1/4 + 2 ln2 - 2L) / 3; log-ppl gap per carrying sequence -L and 2 ln2, mean
     (2 ln2 - L) / 2; ratios 1.5, 1.5 (inside [1/2, 2]), 1/4 (outside): 1/3.
     Split over two ranks the pooled totals and counts give the same numbers; none carried: absent, never 0.0."""
-    from fsdptrain.rl.metrics import merge_all
+    from fsdptrain.metrics.typed import merge_all
     from fsdptrain.train.experience import off_policy_metrics
 
     old = [torch.zeros(2), torch.zeros(1), torch.zeros(3)]
@@ -379,7 +379,7 @@ def test_rejection_refuses_bad_settings(kwargs, fragment):
 
 
 def test_config_refuses_a_rejection_band_upside_down():
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.config import ConfigError
 
     with pytest.raises(ConfigError, match="^algorithm.rollout_rejection_low=3.0 must be below "

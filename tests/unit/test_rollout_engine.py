@@ -1,4 +1,4 @@
-"""The continuous engine (fsdptrain/rollout/engine.py): a row's tokens do not depend on its neighbours, their number or
+"""The continuous engine (fsdptrain/generation/continuous.py): a row's tokens do not depend on its neighbours, their number or
 its arrival; a kept cache continues a conversation as re-prefilling it does; a finished row costs no decode forward;
 the engine's tokens are `generate`'s with the same row seeds."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
-from fsdptrain.rollout.engine import ContinuousEngine, Request, RowNoise, decode_shape
+from fsdptrain.generation.generate import generate_responses
+from fsdptrain.generation.continuous import ContinuousEngine, Request, RowNoise, decode_shape
 from tests.helpers.tiny_llama import tiny_llama
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
-from fsdptrain.distributed.checkpoint import MARKER, prune_checkpoints
-from fsdptrain.distributed.files import append_line, read_jsonl_dropping_partial_tail, write_atomic
+from fsdptrain.distributed.sharded_checkpoint import MARKER, prune_checkpoints
+from fsdptrain.storage.atomic import append_line, read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.checks import safetensors_problem
 from fsdptrain.run.ownership import claim_run_dir, config_changes, lock_run_dir, record_config_change, run_id
 
@@ -138,7 +138,7 @@ ROW = {"prompt": "1+1=", "response": "2", "reward": 1.0}
     ({"behaviour_logprobs": [0.5, -0.1]}, "got 0.5"),
 ])
 def test_jsonl_rows_are_typed_strictly(tmp_path, extra, message):
-    from fsdptrain.data.offline import DataError, load_jsonl_rollouts
+    from fsdptrain.data.offline_rollouts import DataError, load_jsonl_rollouts
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
     path = tmp_path / "r.jsonl"
@@ -209,7 +209,7 @@ def test_unnamed_ranks_under_torchrun_agree_on_the_rendezvous_id(monkeypatch):
 def test_shape_mismatch_names_the_first_difference_of_each_kind():
     import torch
 
-    from fsdptrain.distributed.checkpoint import shape_mismatch
+    from fsdptrain.distributed.sharded_checkpoint import shape_mismatch
 
     saved = {"models.policy.a": (4, 3), "models.policy.b": (2,), "models.policy.old": (1,), "optimizers.policy.x": (9,),
              "models.critic.a": (4, 3)}

@@ -1,4 +1,4 @@
-"""A GRPO group's repeated prompt is run through the model once (fsdptrain/model/generate.py
+"""A GRPO group's repeated prompt is run through the model once (fsdptrain/generation/generate.py
 `shared_prompt_cache`), and the tokens generated are the ones the unshared path gives, sampled and greedy, with
 prompts of different lengths (left padding)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 from tests.helpers.tiny_llama import tiny_llama
 
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 9, 9, 5]]

@@ -16,7 +16,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
 from fsdptrain.data.packing import PackPlan, pack_sequences
 from fsdptrain.data.shared_prompts import expand_units, pack_shared_prompts, shared_prompt_units
@@ -24,8 +24,8 @@ from fsdptrain.model import attention_backends
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.forward import final_hidden_states
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.metrics.typed import finalize
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss, policy_token_outputs
 from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 from tests.helpers.varlen_kernel_standins import cpu_kernel, make_flash_attn_varlen_func
@@ -275,7 +275,7 @@ def test_shared_prompts_under_compiled_layers_equal_the_eager_ones():
 def test_share_prompts_auto_is_on_wherever_the_backend_model_and_features_allow(overrides, backend, model_config, want):
     """trainer.share_prompts=auto (the default) resolves to on, or off naming why; true and false stay as set (Hydra's
     bool `=true` included)."""
-    from fsdptrain.train.build import resolve_share_prompts
+    from fsdptrain.train.setup import resolve_share_prompts
 
     cfg = compose_config(overrides)
     assert resolve_share_prompts(cfg, backend, model_config) == want

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdptrain.compose import compose_config
-from fsdptrain.train.build import skips_old_passes
+from fsdptrain.config.compose import compose_config
+from fsdptrain.train.setup import skips_old_passes
 
 
 def test_the_default_on_policy_step_skips_the_pass():

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from fsdptrain.data.offline import DataError, load_jsonl_rollouts
-from fsdptrain.data.rollout import split_response
+from fsdptrain.data.offline_rollouts import DataError, load_jsonl_rollouts
+from fsdptrain.data.rollout_record import split_response
 from fsdptrain.data.tokenizer import TOKENIZER_PATH, build_tokenizer, load_bundled_tokenizer
 from tests.helpers.digit_tasks_oracle import TASKS, answer_from_prompt, reward
 
@@ -105,8 +105,8 @@ def test_bad_row_names_file_and_line(tmp_path, bad, message):
 def test_jsonl_response_mask_reaches_the_rollouts(tmp_path):
     """An offline multi-turn row keeps its tool-token holes: the mask is read, checked against the response's ids
     (EOS included) and handed on by the offline source; a row without one keeps None (all ones)."""
-    from fsdptrain.compose import compose_config
-    from fsdptrain.rollout.offline import OfflineSource
+    from fsdptrain.config.compose import compose_config
+    from fsdptrain.rollout.offline_source import OfflineSource
 
     path = tmp_path / "r.jsonl"
     _write(path, [{"prompt": "copy 1 2 =", "response": "1 9 2", "reward": 1.0, "response_mask": [1, 0, 1, 1]},

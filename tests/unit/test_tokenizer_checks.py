@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 from fsdptrain.config import ConfigError
 from fsdptrain.data.prompts import render_prompt
 from fsdptrain.data.tokenizer import TOKENIZER_PATH, load_bundled_tokenizer
-from fsdptrain.train.build import build_tokenizer
+from fsdptrain.train.setup import build_tokenizer
 
 
 def _folder(path: Path, tokenizer, *, vocab_size: int) -> Path:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.rl.metrics import Metrics, Sum, finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
-from fsdptrain.train.build import build_part
+from fsdptrain.metrics.typed import Metrics, Sum, finalize
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.train.setup import build_part
 from fsdptrain.train.optim import NonFiniteGuard
 from fsdptrain.train.step import MiniBatch, packed_policy_loss, packed_value_loss, update_on_minibatch
 from fsdptrain.train.trained_part import checkpointed_parts

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import Kind, finalize, merge_all
-from fsdptrain.rl.value import value_loss
+from fsdptrain.metrics.typed import Kind, finalize, merge_all
+from fsdptrain.rl.value_loss import value_loss
 
 F64 = torch.float64
 

@@ -27,7 +27,7 @@ import torch.distributed
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from fsdptrain.distributed import checkpoint as ckpt
+from fsdptrain.distributed import sharded_checkpoint as ckpt
 from fsdptrain.distributed import world
 from fsdptrain.distributed import fsdp as models
 from fsdptrain.train import optim

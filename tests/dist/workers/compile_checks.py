@@ -17,15 +17,15 @@ import warnings
 import torch
 from torch._dynamo.utils import counters
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_grads
-from fsdptrain.model.generate import generate_responses
+from fsdptrain.generation.generate import generate_responses
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.step import packed_policy_loss
-from fsdptrain.rollout.sampling import generation
-from fsdptrain.train.build import build_models, build_tokenizer, policy_settings
+from fsdptrain.generation.block import generation
+from fsdptrain.train.setup import build_models, build_tokenizer, policy_settings
 from fsdptrain.train.step import MiniBatch, accumulate_gradients
 from tests.dist.workers.report import dist_worker, option
 

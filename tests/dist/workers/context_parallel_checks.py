@@ -22,11 +22,11 @@ from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, shard_row
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import comparable, finalize
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.metrics.typed import comparable, finalize
+from fsdptrain.rl.fused_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.step import (
     MiniBatch,
     accumulate_gradients,

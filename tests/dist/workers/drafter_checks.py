@@ -22,7 +22,7 @@ from fsdptrain.distributed import world
 from tests.dist.workers.report import dist_worker, option
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, gather_full_state_dict, shard_as_one_unit
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.model.drafter import DraftVocab
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
@@ -38,7 +38,7 @@ from fsdptrain.train.cotrain import (
 from fsdptrain.distributed.collectives import plan_agreed
 from fsdptrain.train.drafter_setup import plain_drafter
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, local_counts, optimizer_step, packed_policy_loss
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss, sequence_draft_mask
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import gather_full_state_dict
 from fsdptrain.model.drafter_export import load_drafter
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize
-from fsdptrain.train.loop import Trainer
+from fsdptrain.metrics.typed import finalize
+from fsdptrain.train.rl import Trainer
 from fsdptrain.train.step import packed_policy_loss, update_on_minibatch
 from tests.dist.workers.report import dist_worker, option
 

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import torch
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.fsdp import build_policy
-from fsdptrain.model.build import TINY_CONFIG
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.model.loading import TINY_CONFIG
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rollout.prompt_source import PromptSource
 from tests.dist.workers.report import dist_worker
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed import fsdp as models
-from fsdptrain.model import build as model_build
+from fsdptrain.model import loading as model_build
 from fsdptrain.train import optim
 from tests.dist.workers.report import dist_worker, option
 

@@ -18,9 +18,9 @@ from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed import world
 from tests.dist.workers.report import dist_worker
 from fsdptrain.distributed.fsdp import build_policy
-from fsdptrain.distributed.gather import gathered_weights
+from fsdptrain.generation.gather import gathered_weights
 from fsdptrain.model.attention_switch import generation_attention
-from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.model.loading import TINY_CONFIG
 
 PROMPTS = ["3 + 4 =", "repeat 7:", "hello", "9 9 9"]
 VARIANTS = {"tied": (True, torch.float32), "untied_bf16": (False, torch.bfloat16)}
@@ -28,7 +28,7 @@ VARIANTS = {"tied": (True, torch.float32), "untied_bf16": (False, torch.bfloat16
 
 def generate(model, tokenizer, *, gather: bool, do_sample: bool) -> tuple[list[list[int]], int, bool]:
     """(token ids per prompt, all-gathers seen by the profiler, layer weights unsharded inside the block)."""
-    from fsdptrain.model.generate import generate_responses
+    from fsdptrain.generation.generate import generate_responses
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with generation_attention(model), gathered_weights(model, enabled=gather, reshard_after_forward=True):
@@ -43,7 +43,7 @@ def trainer_rollouts(model, tokenizer, mode: str) -> tuple[list[list[int]], int]
     """(token ids of this rank's rollouts of step 0, all-gathers seen) through the trainer's PromptSource."""
     from types import SimpleNamespace
 
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.rollout.prompt_source import PromptSource
 
     # rollout.engine=generate: the continuous engine always gathers for its block and never reads gather_weights

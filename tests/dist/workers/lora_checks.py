@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fsdptrain.distributed import world
-from fsdptrain.distributed.checkpoint import load_checkpoint, save_checkpoint
+from fsdptrain.distributed.sharded_checkpoint import load_checkpoint, save_checkpoint
 from fsdptrain.distributed.export import export_lora
 from fsdptrain.distributed.fsdp import (
     adapters_disabled,
@@ -37,10 +37,10 @@ from fsdptrain.distributed.fsdp import (
     gather_full_state_dict,
 )
 from fsdptrain.model.attention_switch import generation_attention, set_attention
-from fsdptrain.model.build import TINY_CONFIG, build_full_model, trainable_parameters
+from fsdptrain.model.loading import TINY_CONFIG, build_full_model, trainable_parameters
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.fused_loss import PolicyLossSettings, ValueLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import (
     MiniBatch,
@@ -151,8 +151,8 @@ def reference_and_export(info, mesh, out: Path, tokenizer) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fsdptrain.model.generate import generate_responses
-    from fsdptrain.distributed.gather import gathered_weights
+    from fsdptrain.generation.generate import generate_responses
+    from fsdptrain.generation.gather import gathered_weights
 
     config = {**TINY_CONFIG, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
               "pad_token_id": tokenizer.pad_token_id}
@@ -204,7 +204,7 @@ def _saved_elements(path: Path) -> dict[str, int]:
     """Tensor elements the checkpoint holds, by top-level part (models, optimizers)."""
     import math
 
-    from fsdptrain.distributed.checkpoint import read_dcp_metadata
+    from fsdptrain.distributed.sharded_checkpoint import read_dcp_metadata
 
     out: dict[str, int] = {}
     for key, item in read_dcp_metadata(path).state_dict_metadata.items():
@@ -249,9 +249,9 @@ def checkpoint_check(model, config, mesh, out: Path, ids, reference) -> dict:
 def no_reference_copy(mesh, info) -> dict:
     """Unique parameters held by build_models with a KL loss: LoRA (reference = the policy without adapters) against
     full fine-tuning (a frozen copy)."""
-    from fsdptrain.compose import compose_config
+    from fsdptrain.config.compose import compose_config
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
-    from fsdptrain.train.build import build_models
+    from fsdptrain.train.setup import build_models
 
     out = {}
     for name, extra in (("lora", ["model.lora.r=8"]), ("full", [])):

@@ -17,9 +17,9 @@ import torch.distributed
 from fsdptrain.distributed import world as fdist
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.config import ConfigError
-from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.model.loading import TINY_CONFIG
 from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, score_sequences
-from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
+from fsdptrain.distributed.fsdp_reward_models import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed.collectives import plan_agreed
 from tests.dist.workers.report import dist_worker, option

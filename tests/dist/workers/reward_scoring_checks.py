@@ -15,10 +15,10 @@ import torch
 import torch.distributed
 
 from fsdptrain.distributed import world as fdist
-from fsdptrain.distributed.reward_model import build_reward_model
+from fsdptrain.distributed.fsdp_reward_models import build_reward_model
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.reward_model import load_reward_model_spec
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.rollout.scoring import score_with_reward_models
 from fsdptrain.distributed.collectives import reduce_metrics

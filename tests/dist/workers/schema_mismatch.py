@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdptrain.rl.metrics import Mean, Metrics, Sum
+from fsdptrain.metrics.typed import Mean, Metrics, Sum
 from fsdptrain.distributed.collectives import reduce_metrics
 from tests.dist.workers.report import dist_worker
 

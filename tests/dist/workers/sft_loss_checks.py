@@ -20,8 +20,8 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads
 from fsdptrain.model.attention_switch import set_attention
-from fsdptrain.model.build import build_full_model
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.model.loading import build_full_model
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.train.sft import SftLossSettings, as_minibatch, packed_sft_loss
 from fsdptrain.train.step import accumulate_gradients, global_normalizers
 from tests.helpers.chatml_tokenizer import chatml_tokenizer

@@ -21,12 +21,12 @@ from tests.dist.workers.report import dist_worker, option
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
-from fsdptrain.rl.packed_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
+from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, ValueLossSettings
 from fsdptrain.train.step import packed_policy_loss, packed_value_loss
-from fsdptrain.rl.policy import entropy_from_logits, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_full_grads, gather_full_state_dict
-from fsdptrain.model.build import build_full_model
+from fsdptrain.model.loading import build_full_model
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
 from tests.helpers.attention_call_counts import call_counts, reset_call_counts

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.rl.adv_estimators import AdvSettings, resolve_adv_estimator
+from fsdptrain.rl.estimator_registry import AdvSettings, resolve_adv_estimator
 from fsdptrain.train.experience import estimate_advantages
 from tests.dist.workers.report import dist_worker
 

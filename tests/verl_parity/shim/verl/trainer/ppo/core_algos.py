@@ -7,7 +7,7 @@ verl name -> fsdptrain function (names and calling conventions only; every numbe
     compute_gae_advantage_return            -> fsdptrain.rl.advantages.gae
     compute_grpo_(vectorized_)outcome_advantage -> fsdptrain.rl.advantages.grpo_advantages
     compute_rloo_(vectorized_)outcome_advantage -> fsdptrain.rl.advantages.rloo_advantages
-    compute_policy_loss_vanilla             -> fsdptrain.rl.policy.policy_loss (vanilla pg term)
+    compute_policy_loss_vanilla             -> fsdptrain.rl.policy_loss.policy_loss (vanilla pg term)
     agg_loss                                -> fsdptrain.rl.aggregate.agg_loss
 """
 
@@ -21,8 +21,8 @@ from fsdptrain.registry.plugins import registration_name
 from fsdptrain.rl.advantages import gae, grpo_advantages, rloo_advantages
 from fsdptrain.rl.aggregate import SeqLayout, agg_loss as _fs_agg_loss, count_tokens_and_seqs
 from fsdptrain.rl.aggregate import LossNormalizers
-from fsdptrain.rl.metrics import finalize
-from fsdptrain.rl.policy import policy_loss
+from fsdptrain.metrics.typed import finalize
+from fsdptrain.rl.policy_loss import policy_loss
 
 
 def compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam):

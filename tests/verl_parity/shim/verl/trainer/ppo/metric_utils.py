@@ -17,8 +17,8 @@ import torch
 
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, count_tokens_and_seqs
 from fsdptrain.rl.eval_metrics import majority_index, sampled_eval_metrics
-from fsdptrain.rl.metrics import Max, Mean, Min, finalize
-from fsdptrain.rl.value import value_loss
+from fsdptrain.metrics.typed import Max, Mean, Min, finalize
+from fsdptrain.rl.value_loss import value_loss
 
 
 def _compute_response_info(batch):

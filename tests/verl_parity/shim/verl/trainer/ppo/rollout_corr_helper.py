@@ -24,9 +24,9 @@ verl argument / metric -> fsdptrain:
 
 from __future__ import annotations
 
-from fsdptrain.compose import compose_config
+from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError
-from fsdptrain.rl.metrics import finalize
+from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.rollout_correction import (
     off_policy_diagnostics,
     rollout_correction_weights,

@@ -1,5 +1,5 @@
 """verl.utils.metric.utils: verl's list-of-values `Metric` and `AggregationType`; every aggregate is one of
-fsdptrain's typed metrics (fsdptrain.rl.metrics Sum / Mean / Min / Max) merged over the values."""
+fsdptrain's typed metrics (fsdptrain.metrics.typed Sum / Mean / Min / Max) merged over the values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from fsdptrain.rl.metrics import Max, Mean, Min, Sum, merge_all
+from fsdptrain.metrics.typed import Max, Mean, Min, Sum, merge_all
 
 
 class AggregationType(enum.Enum):

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from fsdptrain.data.rollout import split_response
+from fsdptrain.data.rollout_record import split_response
 
 
 class GenerationLogprobs(LogitsProcessor):

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.rl.metrics import Derived, Loss, Max, Mean, Metrics, Min, explained_variance
+from fsdptrain.metrics.typed import Derived, Loss, Max, Mean, Metrics, Min, explained_variance
 
 
 def value_loss(

@@ -4,7 +4,7 @@
 The sources: :class:`~fsdptrain.rollout.prompt_source.PromptSource` (prompt rows sampled by the policy, scored by
 reward functions and models) with a single-turn sampler (:class:`~fsdptrain.rollout.single_turn.SingleTurnSampler`)
 or a multi-turn one (:class:`~fsdptrain.rollout.multi_turn.MultiTurnSampler`: each sample a trajectory of several
-turns with tools or an environment), and :class:`~fsdptrain.rollout.offline.OfflineSource` (rollouts read from a JSONL
+turns with tools or an environment), and :class:`~fsdptrain.rollout.offline_source.OfflineSource` (rollouts read from a JSONL
 file). The train loop imports this module only. Group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md,
 rank ownership).
 """
@@ -17,13 +17,13 @@ from typing import Optional, Protocol
 from omegaconf import DictConfig
 
 from fsdptrain.config import DEFAULT_STEPS, multi_turn
-from fsdptrain.data.rollout import Rollout
-from fsdptrain.rl.metrics import Metrics
+from fsdptrain.data.rollout_record import Rollout
+from fsdptrain.metrics.typed import Metrics
 from fsdptrain.rollout.multi_turn import MultiTurnSampler
-from fsdptrain.rollout.offline import OfflineSource
+from fsdptrain.rollout.offline_source import OfflineSource
 from fsdptrain.rollout.prompt_source import PromptSource
 from fsdptrain.rollout.single_turn import SingleTurnSampler
-from fsdptrain.train.build import Models
+from fsdptrain.train.setup import Models
 
 
 class RolloutSource(Protocol):

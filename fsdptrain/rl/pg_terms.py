@@ -36,7 +36,7 @@ from fsdptrain.registry.names import POLICY_LOSS_ARGS
 from fsdptrain.registry.plugins import registered
 from fsdptrain.registry.user_functions import resolve_function
 from fsdptrain.rl.aggregate import SeqLayout
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Min
+from fsdptrain.metrics.typed import Max, Mean, Metrics, Min
 
 
 @dataclass(frozen=True)

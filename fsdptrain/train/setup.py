@@ -19,19 +19,19 @@ from fsdptrain.config.lora_rules import target_module_names
 from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
 from fsdptrain.config.validate import share_prompts_off_reason
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
-from fsdptrain.distributed.reward_model import build_reward_model, build_value_model_from_reward_model
+from fsdptrain.distributed.fsdp_reward_models import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
-from fsdptrain.model.build import TINY_CONFIG
+from fsdptrain.model.loading import TINY_CONFIG
 from fsdptrain.model.checks import check_tokenizer_fits
 from fsdptrain.model.lora import LoraSettings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
-from fsdptrain.model.source import model_location, pretrained_args
-from fsdptrain.rl.pg_losses import resolve_policy_loss
+from fsdptrain.model.location import model_location, pretrained_args
+from fsdptrain.rl.pg_terms import resolve_policy_loss
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.step import LossFn, packed_policy_loss, packed_value_loss
 from fsdptrain.train.trained_part import TrainedPart
-from fsdptrain.rl.packed_loss import PolicyLossSettings, ValueLossSettings
+from fsdptrain.rl.fused_loss import PolicyLossSettings, ValueLossSettings
 
 DTYPES = {name: getattr(torch, name) for name in (*DTYPE_NAMES, "float64")}
 """The torch dtype of each name `parallel.*_dtype` and `drafter.export_dtype` accept, and float64, which only
@@ -39,7 +39,7 @@ check-metrics' checked config sets (fsdptrain/check/precision.py)."""
 
 
 def model_path(cfg: DictConfig) -> str | None:
-    """The run's pretrained model as one location (a folder or a .gguf file, model/source.py); None: config-built."""
+    """The run's pretrained model as one location (a folder or a .gguf file, model/location.py); None: config-built."""
     return model_location(cfg.model.path, cfg.model.gguf_file)
 
 

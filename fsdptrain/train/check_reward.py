@@ -21,10 +21,10 @@ from omegaconf import DictConfig
 
 from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.distributed import world
-from fsdptrain.train.loop import Trainer
+from fsdptrain.train.rl import Trainer
 from fsdptrain.run.console import log, print_samples
 from fsdptrain.rollout.prompt_source import PromptSource
-from fsdptrain.train.build import resolve_device_type
+from fsdptrain.train.setup import resolve_device_type
 
 
 def spread(values: list, groups: list[int]) -> list[float]:

@@ -25,7 +25,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import _load_full_weights, keep_masters_in, parallelize
-from fsdptrain.model.build import config_for, meta_model, non_persistent_buffers, resolve_config
+from fsdptrain.model.loading import config_for, meta_model, non_persistent_buffers, resolve_config
 from fsdptrain.model.reward_model import HEAD, RewardModelSpec, _meta_reward_model, load_full_reward_model
 
 # Config fields that change a decoder's math without changing a weight's shape: they must agree for the critic to

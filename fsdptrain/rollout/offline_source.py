@@ -1,14 +1,14 @@
-"""Offline rollouts: each step's rollouts read from a JSONL file (``data=jsonl``, fsdptrain/data/offline.py reads
+"""Offline rollouts: each step's rollouts read from a JSONL file (``data=jsonl``, fsdptrain/data/offline_rollouts.py reads
 and checks the file), cycling over its groups."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from fsdptrain.data.offline import load_jsonl_rollouts
-from fsdptrain.data.rollout import Rollout
-from fsdptrain.rl.metrics import Max, Metrics
-from fsdptrain.train.build import Models
+from fsdptrain.data.offline_rollouts import load_jsonl_rollouts
+from fsdptrain.data.rollout_record import Rollout
+from fsdptrain.metrics.typed import Max, Metrics
+from fsdptrain.train.setup import Models
 from fsdptrain.run.console import log
 
 

@@ -38,7 +38,7 @@ new tokens -- the last sampled token, the tool message and the template's separa
   follow-ups: requests, or ``concurrent.futures.Future`` objects each of a request, a list of them or None (tools
   running on a thread while the other rows decode; polled at every step).
 
-Sampling is row-seeded (:class:`fsdptrain.model.generate.RowSeededSampling`, the same Gumbel-max draw from the same
+Sampling is row-seeded (:class:`fsdptrain.generation.generate.RowSeededSampling`, the same Gumbel-max draw from the same
 per-request ``torch.Generator``, whose uniforms :class:`RowNoise` draws several tokens at a time): a row's tokens
 depend on its prompt, its seed and the weights only, never on which rows share its batch, how many, when it entered,
 or on which rank. ``seed`` None decodes greedily. The behaviour log-prob of each sampled token is
@@ -863,7 +863,7 @@ def sample_rows(logits: torch.Tensor, noises: list[Optional[RowNoise]], *, tempe
                 top_p: float) -> tuple[list[int], list[float]]:
     """Each row's next token and its behaviour log-prob (``log_softmax(logits / temperature)`` at the token).
 
-    A row with noise draws by :class:`fsdptrain.model.generate.RowSeededSampling`'s Gumbel-max (one float64
+    A row with noise draws by :class:`fsdptrain.generation.generate.RowSeededSampling`'s Gumbel-max (one float64
     uniform per vocabulary entry from its generator, :class:`RowNoise`; with ``top_p`` < 1 the draw is over the
     nucleus, as transformers' ``TopPLogitsWarper`` cuts it); a row without takes the argmax of its logits (greedy, its
     log-prob at temperature 1). Seeded rows are drawn in chunks of ``SAMPLE_CHUNK_VALUES`` values (each row's draw is

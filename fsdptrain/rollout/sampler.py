@@ -12,8 +12,8 @@ from typing import Literal, Optional, Protocol
 
 from fsdptrain.data.prompts import PromptRow
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rl.metrics import Metrics
-from fsdptrain.train.build import Models
+from fsdptrain.metrics.typed import Metrics
+from fsdptrain.train.setup import Models
 
 SampleMode = Literal["train", "greedy", "eval"]
 """``train``: sampled at ``rollout.temperature`` / ``rollout.top_p`` from the step's seeds; ``greedy``: the greedy

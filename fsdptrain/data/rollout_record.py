@@ -1,7 +1,7 @@
 """Rollouts: one sequence of experience each, and the split of a generated tail into a response.
 
 A :class:`Rollout` is one sequence: prompt ids, response ids, a reward, its prompt group's global index and whether it
-was truncated. The policy samples them through fsdptrain/model/generate.py.
+was truncated. The policy samples them through fsdptrain/generation/generate.py.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from fsdptrain.distributed import world
-from fsdptrain.distributed.files import fsync_dir
-from fsdptrain.model.build import clean_name
+from fsdptrain.storage.atomic import fsync_dir
+from fsdptrain.model.loading import clean_name
 
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdptrain.config import ConfigError
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 
 
 class DataError(ConfigError):

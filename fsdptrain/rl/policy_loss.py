@@ -16,8 +16,8 @@ from torch import Tensor
 from fsdptrain.registry.constants import KL_CLAMP, LOG_RATIO_CLAMP
 from fsdptrain.registry.names import KL_ESTIMATORS
 from fsdptrain.rl.aggregate import LossNormalizers, SeqLayout, agg_loss_with, check_mode, masked
-from fsdptrain.rl.metrics import Loss, Mean, Metrics
-from fsdptrain.rl.pg_losses import PgTermSettings, PolicyLossFn, vanilla_policy_loss, weigh_by_rollout_is
+from fsdptrain.metrics.typed import Loss, Mean, Metrics
+from fsdptrain.rl.pg_terms import PgTermSettings, PolicyLossFn, vanilla_policy_loss, weigh_by_rollout_is
 
 
 def _k1(d: Tensor, kl_clamp: float | None) -> Tensor:
@@ -111,19 +111,19 @@ def policy_loss(
 ) -> tuple[Tensor, Metrics]:
     """loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss, each term `agg_loss(term, mask, agg_mode)`.
 
-    The per-token pg term is `pg_loss_fn(...)` (`fsdptrain.rl.pg_losses`: vanilla PPO by default, with
+    The per-token pg term is `pg_loss_fn(...)` (`fsdptrain.rl.pg_terms`: vanilla PPO by default, with
     `clip_ratio_*` and `seq_level_ratio` (GSPO); CISPO, GMPO, DRO (`dro_beta`) or a user's function); see
     `vanilla_policy_loss` for the clipped surrogate. The KL term is `kl_penalty(logp, ref_logp, kl_estimator,
     kl_clamp=kl_clamp)`. `rollout_is_weights` (detached; `rollout_correction_weights`) multiply the per-token pg
     term before it is aggregated (not the KL or entropy terms); GMPO takes their geometric mean per sequence
-    (`fsdptrain.rl.pg_losses.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
+    (`fsdptrain.rl.pg_terms.weigh_by_rollout_is`). Only `logprobs` (and `entropy`) carry gradients;
     masked positions of every input are ignored, NaN included. `entropy` is the per-token entropy of the current policy (see `entropy_from_logits`).
 
     Metrics (token-weighted MEANs are over valid tokens):
         pg_loss, kl_loss (LOSS): the agg value / dp_size, so summing over micro-batches and ranks gives the
             mini-batch's value; kl_loss is before kl_coef; present iff `ref_logprobs` is given.
         the pg term's own metrics; for every built-in: pg_clipfrac, pg_clipfrac_lower, ppo_kl (MEAN) and
-            probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.rl.pg_losses`).
+            probs_ratio_mean (MEAN), probs_ratio_min (MIN), probs_ratio_max (MAX) (see `fsdptrain.rl.pg_terms`).
         kl (MEAN): the KL estimator per token (iff `ref_logprobs`); entropy (MEAN, iff `entropy`).
     Every name above is returned for every batch, empty or not, so rank schemas agree.
     """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fsdptrain.rl.metrics import _F64, Diagnostic, Metric, Metrics, merge_all
+from fsdptrain.metrics.typed import _F64, Diagnostic, Metric, Metrics, merge_all
 
 
 class Schema(Mapping[str, Metric]):

@@ -2,7 +2,7 @@
 checkpoint.
 
 :meth:`Trainer.run_step` reads top to bottom as the data path of docs/architecture.md and calls components only:
-the rollout source (fsdptrain/rollout/source.py), the experience passes (experience.py), the update of one
+the rollout source (fsdptrain/rollout/rollout_source.py), the experience passes (experience.py), the update of one
 mini-batch (step.py), the collectives (fsdptrain/distributed/collectives.py); :func:`_run` logs each step and saves
 checkpoints (fsdptrain/run/checkpointer.py). Set-up is split into ``build_*`` helpers. Every rank runs this code; rank 0 alone prints
 and writes the run directory.
@@ -27,17 +27,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import validate_world
-from fsdptrain.data.rollout import Rollout
+from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
-from fsdptrain.distributed.files import write_atomic
-from fsdptrain.rl.metrics import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.rl.packed_loss import SeqTargets
+from fsdptrain.storage.atomic import write_atomic
+from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
-from fsdptrain.train.perf import StepTimer, peak_tflops, phase, step_flops, throughput
+from fsdptrain.run.perf import StepTimer, peak_tflops, phase, step_flops, throughput
 from fsdptrain.run.console import (
     log,
     print_samples,
@@ -47,10 +47,10 @@ from fsdptrain.run.console import (
     quiet_known_warnings,
     stats_line,
 )
-from fsdptrain.rollout.source import build_source, resolve_steps
+from fsdptrain.rollout.rollout_source import build_source, resolve_steps
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models, keep_metrics_before, resume, save, save_if_due
-from fsdptrain.run.files import MetricsFiles, write_samples
-from fsdptrain.train.build import (
+from fsdptrain.run.outputs import MetricsFiles, write_samples
+from fsdptrain.train.setup import (
     build_models,
     build_tokenizer,
     loss_scale_factor,

@@ -21,10 +21,10 @@ from torch import Tensor
 
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
-from fsdptrain.rl.metrics import Metrics
-from fsdptrain.rl.pg_losses import vanilla_policy_loss
-from fsdptrain.rl.policy import KL_CLAMP, policy_loss
-from fsdptrain.rl.value import value_loss
+from fsdptrain.metrics.typed import Metrics
+from fsdptrain.rl.pg_terms import vanilla_policy_loss
+from fsdptrain.rl.policy_loss import KL_CLAMP, policy_loss
+from fsdptrain.rl.value_loss import value_loss
 
 
 class PackedRow(Protocol):
@@ -61,7 +61,7 @@ class PolicyLossSettings:
     kl_clamp: Optional[float] = KL_CLAMP
     """Bound on the k3/k3+ value (None: no clamp)."""
     pg_loss_fn: Callable = vanilla_policy_loss
-    """The policy-gradient term (`fsdptrain.rl.pg_losses`: a built-in or a user's function)."""
+    """The policy-gradient term (`fsdptrain.rl.pg_terms`: a built-in or a user's function)."""
     policy_loss: str = "vanilla"
     """The config name of `pg_loss_fn` (check-metrics' reference writes vanilla PPO out from its definition)."""
     dro_beta: Optional[float] = None

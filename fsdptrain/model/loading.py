@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from fsdptrain.model.source import pretrained_args
+from fsdptrain.model.location import pretrained_args
 
 TINY_CONFIG: dict[str, Any] = {  # the embedded default: a tiny Llama that trains in seconds on a CPU
     "model_type": "llama",
@@ -43,7 +43,7 @@ _CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module"
 
 
 def resolve_config(*, path: str | None, config: Mapping[str, Any] | PretrainedConfig | None) -> PretrainedConfig:
-    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/source.py), or from `config` (a dict holding `model_type`
+    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/location.py), or from `config` (a dict holding `model_type`
     plus fields, or a config object; copied, never modified), with every dropout probability set to 0.
 
     Exactly one of `path` and `config` must be given.

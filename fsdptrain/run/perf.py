@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from fsdptrain.distributed import world
-from fsdptrain.rl.metrics import Diagnostic, Max, Metrics
+from fsdptrain.metrics.typed import Diagnostic, Max, Metrics
 
 PHASES = ("generate", "reward", "experience", "update")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdptrain.distributed.files import append_line, write_atomic
+from fsdptrain.storage.atomic import append_line, write_atomic
 
 METRIC_KINDS_FILE = "metric_kinds.json"
 FACT = "fact"

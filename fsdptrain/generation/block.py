@@ -10,7 +10,7 @@ import torch
 
 from fsdptrain.config import ConfigError, multi_turn
 from fsdptrain.distributed import world
-from fsdptrain.distributed.gather import (
+from fsdptrain.generation.gather import (
     free_memory_bytes,
     fsdp_units,
     gathered_weights,
@@ -18,8 +18,8 @@ from fsdptrain.distributed.gather import (
     unsharded_bytes,
 )
 from fsdptrain.model.attention_switch import generation_attention
-from fsdptrain.train.build import DTYPES
-from fsdptrain.train.perf import phase
+from fsdptrain.train.setup import DTYPES
+from fsdptrain.run.perf import phase
 
 
 @contextlib.contextmanager
