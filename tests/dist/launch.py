@@ -27,6 +27,16 @@ class LaunchResult:
     def describe(self) -> str:
         return f"exit code {self.returncode}; output:\n{self.output[-6000:]}"
 
+    def checked(self, nproc: int, *, error_free: bool = False) -> LaunchResult:
+        """Assert the launch exited 0 and ranks 0..nproc-1 each wrote their JSON; with ``error_free``, also that each
+        record's ``"error"`` (a worker's ``@dist_worker(traceback_in_record=True)``) is None. Returns this result."""
+        assert self.returncode == 0, self.describe()
+        assert sorted(self.results) == list(range(nproc)), self.describe()
+        if error_free:
+            for rank in range(nproc):
+                assert self.results[rank]["error"] is None, self.results[rank]["error"]
+        return self
+
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)

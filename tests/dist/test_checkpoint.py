@@ -27,18 +27,12 @@ WORKER = "ckpt_worker.py"
 CRASH_PATCH = Path(__file__).resolve().parent / "workers" / "crash_in_writer"
 
 
-def _checked(result: LaunchResult, nproc: int) -> LaunchResult:
-    assert result.returncode == 0, result.describe()
-    assert sorted(result.results) == list(range(nproc)), result.describe()
-    return result
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ckpt")
     run_a, run_b = root / "run_a", root / "run_b"
     common = ("--run-a", str(run_a), "--run-b", str(run_b))
-    train = _checked(launch(WORKER, nproc=1, out_dir=root / "out_train", args=("--phase", "train", *common)), 1)
+    train = launch(WORKER, nproc=1, out_dir=root / "out_train", args=("--phase", "train", *common)).checked(1)
     return {"root": root, "run_a": run_a, "run_b": run_b, "common": common, "train": train}
 
 
@@ -59,8 +53,8 @@ def crashed(runs) -> dict:
 
 @pytest.fixture(scope="module")
 def resharded(runs, crashed) -> LaunchResult:
-    return _checked(launch(WORKER, nproc=2, out_dir=runs["root"] / "out_reshard",
-                           args=("--phase", "reshard", *runs["common"])), 2)
+    return launch(WORKER, nproc=2, out_dir=runs["root"] / "out_reshard",
+                  args=("--phase", "reshard", *runs["common"])).checked(2)
 
 
 def _steps(result: dict, first: int, last: int) -> list[dict]:

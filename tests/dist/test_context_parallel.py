@@ -31,9 +31,7 @@ def _loss_scale(key: str, r: dict) -> float:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     result = launch("context_parallel_checks.py", nproc=2, out_dir=tmp_path_factory.mktemp("cp"), timeout_s=600)
-    assert result.returncode == 0, result.describe()
-    for rank in (0, 1):
-        assert result.results[rank]["error"] is None, result.results[rank]["error"]
+    result.checked(2, error_free=True)
     return [result.results[rank]["results"] for rank in (0, 1)]
 
 

@@ -22,30 +22,24 @@ VARIANTS = {"one_process": SINGLE_VARIANTS, "two_ranks": FP32_VARIANTS + BF16_VA
 FP32_TOL, BF16_TOL = 1e-5, 2e-2  # relative to the largest entry of the fp32 reference
 
 
-def _checked(result: LaunchResult, nproc: int) -> LaunchResult:
-    assert result.returncode == 0, result.describe()
-    assert sorted(result.results) == list(range(nproc)), result.describe()
-    return result
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> LaunchResult:
     out = tmp_path_factory.mktemp("one_process")
-    return _checked(run_single("fsdp_checks.py", out_dir=out, args=("--variants", ",".join(SINGLE_VARIANTS))), 1)
+    return run_single("fsdp_checks.py", out_dir=out, args=("--variants", ",".join(SINGLE_VARIANTS))).checked(1)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> LaunchResult:
     out = tmp_path_factory.mktemp("two_ranks")
     variants = ",".join(FP32_VARIANTS + BF16_VARIANTS)
-    return _checked(launch("fsdp_checks.py", nproc=2, out_dir=out, args=("--variants", variants)), 2)
+    return launch("fsdp_checks.py", nproc=2, out_dir=out, args=("--variants", variants)).checked(2)
 
 
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory) -> LaunchResult:
     out = tmp_path_factory.mktemp("hsdp")
     args = ("--dp-replicate", "2", "--variants", ",".join(HSDP_VARIANTS), "--extras", "value,guard")
-    return _checked(launch("fsdp_checks.py", nproc=4, out_dir=out, args=args), 4)
+    return launch("fsdp_checks.py", nproc=4, out_dir=out, args=args).checked(4)
 
 
 @pytest.mark.parametrize("layout", ["one_process", "two_ranks",
@@ -165,7 +159,7 @@ def test_on_gpus_with_cpu_offload(tmp_path):
     nproc = min(torch.cuda.device_count(), 2)
     variants = ["tied", "tied_offload", "untied_bf16"]
     args = ("--device", "cuda", "--variants", ",".join(variants), "--extras", "value,guard")
-    result = _checked(launch("fsdp_checks.py", nproc=nproc, out_dir=tmp_path, args=args), nproc)
+    result = launch("fsdp_checks.py", nproc=nproc, out_dir=tmp_path, args=args).checked(nproc)
     for rank, rank_result in result.results.items():
         for name in variants:
             _assert_matches_reference(rank_result[name], name=name, where=f"gpu rank {rank} {name}")

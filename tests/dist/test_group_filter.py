@@ -15,9 +15,7 @@ from tests.unit.test_group_filter import run
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("group_filter")
-    result = launch("group_filter_checks.py", nproc=2, out_dir=out, timeout_s=180)
-    assert result.returncode == 0, result.describe()
-    return result.results
+    return launch("group_filter_checks.py", nproc=2, out_dir=out, timeout_s=180).checked(2).results
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

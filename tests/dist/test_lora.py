@@ -15,9 +15,7 @@ pytest.importorskip("peft")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     result = launch("lora_checks.py", nproc=2, out_dir=tmp_path_factory.mktemp("lora"), timeout_s=900)
-    assert result.returncode == 0, result.describe()
-    for rank in (0, 1):
-        assert result.results[rank]["error"] is None, result.results[rank]["error"]
+    result.checked(2, error_free=True)
     return [result.results[rank]["results"] for rank in (0, 1)]
 
 

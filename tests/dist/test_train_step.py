@@ -21,10 +21,7 @@ def two_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("train_step")
     result = launch("train_step_checks.py", nproc=2, out_dir=out,
                     args=("--variants", ",".join(TOLERANCE)), timeout_s=900)
-    assert result.returncode == 0, result.describe()
-    for rank in (0, 1):
-        assert result.results[rank]["error"] is None, result.results[rank]["error"]
-    return result.results
+    return result.checked(2, error_free=True).results
 
 
 @pytest.mark.parametrize("variant", list(TOLERANCE))
@@ -50,9 +47,8 @@ def test_hsdp_2x2_matches_reference(tmp_path):
     result = launch("train_step_checks.py", nproc=4, out_dir=tmp_path,
                     args=("--variants", "plain", "--replicate", "2", "--modes", "token-mean,seq-mean-token-sum-norm"),
                     timeout_s=900)
-    assert result.returncode == 0, result.describe()
+    result.checked(4, error_free=True)
     for rank in range(4):
-        assert result.results[rank]["error"] is None, result.results[rank]["error"]
         for key, r in result.results[rank]["results"].items():
             assert r["grad_rel"] <= 1e-5, (key, r)
             assert r["weight_rel"] <= 1e-4, (key, r)

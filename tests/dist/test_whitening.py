@@ -13,9 +13,7 @@ ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("whitening")
-    result = launch("whitening_checks.py", nproc=2, out_dir=out, timeout_s=180)
-    assert result.returncode == 0, result.describe()
-    return result.results
+    return launch("whitening_checks.py", nproc=2, out_dir=out, timeout_s=180).checked(2).results
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)

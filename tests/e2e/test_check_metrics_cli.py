@@ -12,7 +12,7 @@ import pytest
 from fsdptrain.rl.aggregate import AGG_MODES
 
 FAST_ENV = {"OMP_NUM_THREADS": "1"}
-REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
+REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.helpers.planted_bugs` for the ranks' sitecustomize
 
 
 def _env(**extra: str) -> dict:
@@ -193,7 +193,7 @@ def test_a_drafter_metric_over_unscored_positions_fails(cli, tmp_path):
 # - the loss normaliser counted over the whole step instead of the mini-batch (TRL #6024);
 # - a sequence's importance weight from the mean of its token log-ratios instead of their sum (TRL #5814).
 THREE_BUGS = """\
-from tests.planted_bugs import (
+from tests.helpers.planted_bugs import (
     plant_grad_norm_over_local_shards,
     plant_normaliser_over_the_whole_step,
     plant_sequence_weight_from_mean_log_ratio,
@@ -249,7 +249,7 @@ BEFORE_THE_LAYOUTS = {
 def test_a_bug_before_the_layouts_fails(cli, tmp_path, plant, nproc):
     patch_dir = tmp_path / "patch"
     patch_dir.mkdir()
-    (patch_dir / "sitecustomize.py").write_text(f"from tests.planted_bugs import {plant}\n\n{plant}()\n")
+    (patch_dir / "sitecustomize.py").write_text(f"from tests.helpers.planted_bugs import {plant}\n\n{plant}()\n")
     pythonpath = os.pathsep.join([str(patch_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     result = cli("check-metrics", "--nproc", nproc, env=_env(PYTHONPATH=pythonpath), timeout=400)
     assert result.returncode == 1, result.stdout + result.stderr

@@ -1,5 +1,5 @@
 """`fsdptrain check-metrics --nproc 2 parallel.cp=2`: the ``context parallel cp=2`` layout passes on real ranks, and
-each of the two CP bugs of tests/planted_bugs.py, planted on the ranks, fails it in that layout's rows."""
+each of the two CP bugs of tests/helpers/planted_bugs.py, planted on the ranks, fails it in that layout's rows."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
+REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.helpers.planted_bugs` for the ranks' sitecustomize
 
 
 def _env(tmp_path: Path, bug: str | None) -> dict:
@@ -16,7 +16,7 @@ def _env(tmp_path: Path, bug: str | None) -> dict:
     if bug is not None:
         patch_dir = tmp_path / "patch"
         patch_dir.mkdir()
-        (patch_dir / "sitecustomize.py").write_text(f"from tests.planted_bugs import {bug}\n\n{bug}()\n")
+        (patch_dir / "sitecustomize.py").write_text(f"from tests.helpers.planted_bugs import {bug}\n\n{bug}()\n")
         env["PYTHONPATH"] = os.pathsep.join([str(patch_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     return env
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.teacher_models import save_teacher
+from tests.helpers.teacher_folders import save_teacher
 
 TINY = ("algorithm=grpo", "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4",
         "trainer.eval_every=0", "logging.progress=false")
@@ -45,7 +45,7 @@ def test_a_distillation_run_logs_its_typed_metrics(cli, tmp_path, teachers):
         assert row["actor/pg_loss"] == pytest.approx(row["distill/reverse_kl_mean"], rel=1e-5, abs=1e-6)
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.planted_bugs` for the ranks' sitecustomize
+REPO_ROOT = Path(__file__).resolve().parents[2]  # `tests.helpers.planted_bugs` for the ranks' sitecustomize
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: ~50 s a check
@@ -60,7 +60,7 @@ def test_check_metrics_passes_on_distillation_and_fails_the_teacher_shifted_by_o
     patch = tmp_path / "patch"
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(
-        "from tests.planted_bugs import plant_teacher_logprobs_shifted_by_one\nplant_teacher_logprobs_shifted_by_one()\n")
+        "from tests.helpers.planted_bugs import plant_teacher_logprobs_shifted_by_one\nplant_teacher_logprobs_shifted_by_one()\n")
     env = {"PYTHONPATH": os.pathsep.join([str(patch), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     bad = cli("check-metrics", *args, "--json", str(tmp_path / "bad.json"), env=env)
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]

@@ -35,10 +35,7 @@ def test_a_run_starts_with_the_saved_drafter_and_its_metrics(exported, tmp_path)
     overrides = (*TINY, "trainer.steps=1", "trainer.mini_batches_per_step=1", "drafter.enabled=true",
                  "drafter.num_layers=2", f"drafter.path={exported}")
     result = run_single("drafter_path_checks.py", out_dir=tmp_path / "out", args=overrides, timeout_s=600)
-    assert result.returncode == 0, result.describe()
-    r = result.results[0]
-    assert r["error"] is None, r["error"]
-    r = r["results"]
+    r = result.checked(1, error_free=True).results[0]["results"]
     assert r["weights_equal"] is True and r["num_weights"] > 20 and r["num_layers"] == 2
     got, want = r["train_step"], r["oracle"]
     assert set(want) == {"drafter/loss", "drafter/top1_agreement", "drafter/accept_prob",

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.gguf_models import CHAT_TEMPLATE, tiny_llama, write_tiny_gguf
+from tests.helpers.tiny_gguf import CHAT_TEMPLATE, tiny_llama, write_tiny_gguf
 
 pytest.importorskip("gguf")
 

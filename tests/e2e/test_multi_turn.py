@@ -1,5 +1,5 @@
 """Multi-turn training end to end (docs/multi-turn.md): the real CLI trains a tiny model written here, whose
-character-level ChatML tokenizer (tests/chatml.py) holds a whole tool call as one added token, so a random policy
+character-level ChatML tokenizer (tests/helpers/chatml_tokenizer.py) holds a whole tool call as one added token, so a random policy
 calls tools from the first step; with a tool and with an environment class; resume after step 2 equals the
 uninterrupted run; 1 and 2 ranks give the same metrics."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chatml import chatml_tokenizer
 from tests.conftest import metric_kinds, without_diagnostics
+from tests.helpers.chatml_tokenizer import chatml_tokenizer
 
 ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 INCREMENT_CALL = '<tool_call>{"name": "increment", "arguments": {"by": 2}}</tool_call>'
@@ -75,14 +75,11 @@ def ran_a_tool(prompts, completions, completion_ids, **kwargs):
 def write_inputs(folder: Path) -> Path:
     """The model folder, the prompts, the tools, the environment and the rewards, under ``folder``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers.tiny_llama import tiny_llama
 
     tokenizer = chatml_tokenizer(extra_tokens=(ADD_CALL, INCREMENT_CALL))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(len(tokenizer), max_position_embeddings=1024)
     with torch.no_grad():
         # A large constant first embedding dimension makes every final hidden state point about the same way, so
         # lm_head's first column acts as a bias: the two call tokens and EOS get about 14% each, any other token
@@ -123,10 +120,24 @@ def assert_close_rows(got: list[dict], want: list[dict], *, tol: float) -> None:
             assert abs(g[key] - w[key]) <= tol * max(1.0, abs(w[key])), (g["step"], key, g[key], w[key])
 
 
+def assert_resumed_and_two_ranks_match(tmp_path: Path, args: tuple[str, ...], reference: list[dict]) -> None:
+    """Run `one` (checkpointed at step 2, its rows `reference`) resumed from step 2 with `args`, then again on two
+    ranks: the resumed run gives its last rows and the two-rank run all of them."""
+    from tests.conftest import run_cli
+    from tests.e2e.test_resume_export import copy_checkpoint
+
+    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
+    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
+    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+
+
 @pytest.mark.slow
 def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
     from tests.conftest import run_cli
-    from tests.e2e.test_resume_export import copy_checkpoint
 
     write_inputs(tmp_path)
     # the sampled evaluation runs the turns too (after steps 2 and 3), the same on 2 ranks as on 1
@@ -146,15 +157,7 @@ def test_tool_calls_train_resume_exactly_and_match_on_two_ranks(tmp_path):
     assert any(m["role"] == "tool" for s in samples for m in s["turns"])
     # the first step's printout shows the calls (the first of a turn may be either tool, as the engine samples it)
     assert re.search(r"calls (add|increment)\(\{", one.stdout) and 'add({"a": 2, "b": 3})' in one.stdout
-
-    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
-    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
-
-    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+    assert_resumed_and_two_ranks_match(tmp_path, args, reference)
 
 
 @pytest.mark.slow
@@ -214,7 +217,7 @@ def test_a_multi_turn_run_with_a_reward_model_trains_on_its_scores_of_the_conver
 
     from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, reward_input_ids
     from tests.conftest import run_cli
-    from tests.reward_models import CHAT_TEMPLATE, char_tokenizer, save_reward_model
+    from tests.helpers.reward_model_folders import CHAT_TEMPLATE, char_tokenizer, save_reward_model
 
     write_inputs(tmp_path)
     reward_model = save_reward_model(tmp_path / "rm", tokenizer=char_tokenizer(CHAT_TEMPLATE), seed=3)

@@ -63,19 +63,13 @@ USER = ("model=local", "data=prompts", "algorithm=grpo", "rollout.prompts_per_st
 
 @pytest.fixture(scope="module")
 def user_folder(tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
+    from tests.helpers.tiny_llama import tiny_llama
 
     folder = tmp_path_factory.mktemp("user")
     tokenizer = load_bundled_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder / "model")
+    tiny_llama(len(tokenizer)).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     rows = [{"prompt": [{"role": "user", "content": f"repeat {d}"}], "answer": f"{d} {d} {d}",
              "kind": "skip" if d % 3 == 0 else "short"} for d in range(10)] * 3

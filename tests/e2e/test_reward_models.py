@@ -16,7 +16,7 @@ import torch
 from fsdptrain.model.reward_model import load_full_reward_model, load_reward_model_spec, reward_input_ids
 from tests.conftest import metric_kinds
 from tests.e2e.test_resume_export import assert_same_metrics, read_metrics
-from tests.reward_models import CHAT_TEMPLATE, char_tokenizer, save_reward_model, save_seven_reward_model
+from tests.helpers.reward_model_folders import CHAT_TEMPLATE, char_tokenizer, save_reward_model, save_seven_reward_model
 
 TINY = ("algorithm=grpo", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=4",
         "trainer.eval_every=0", "logging.progress=false", "trainer.lr_schedule=constant", "logging.samples_every=1")
@@ -110,7 +110,7 @@ def test_a_bad_reward_model_folder_is_one_line_and_exit_2(cli, tmp_path, make, s
 
 @pytest.mark.slow
 def test_the_policy_learns_what_a_known_reward_model_rewards(cli, tmp_path):
-    """The reward model scores 1 when a completion ends in "7" (tests/reward_models.py): the policy learns it."""
+    """The reward model scores 1 when a completion ends in "7" (tests/helpers/reward_model_folders.py): the policy learns it."""
     seven = save_seven_reward_model(tmp_path / "seven")
     result = cli("train", "algorithm=grpo", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
                  "trainer.eval_every=0", "logging.progress=false", "trainer.lr_schedule=constant",

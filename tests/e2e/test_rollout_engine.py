@@ -7,8 +7,14 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_cli
-from tests.e2e.test_multi_turn import TOOL, assert_close_rows, common, rows, write_inputs
-from tests.e2e.test_resume_export import copy_checkpoint
+from tests.e2e.test_multi_turn import (
+    TOOL,
+    assert_close_rows,
+    assert_resumed_and_two_ranks_match,
+    common,
+    rows,
+    write_inputs,
+)
 
 CONTINUOUS = ("rollout.engine=continuous",)
 
@@ -18,13 +24,7 @@ def _resume_and_two_ranks(tmp_path, args: tuple[str, ...]) -> list[dict]:
     assert one.returncode == 0, one.stdout + one.stderr
     reference = rows(tmp_path / "runs" / "one")
     assert [r["step"] for r in reference] == [0, 1, 2]
-    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
-    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
-    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+    assert_resumed_and_two_ranks_match(tmp_path, args, reference)
     return reference
 
 

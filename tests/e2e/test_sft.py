@@ -1,5 +1,5 @@
 """``fsdptrain sft`` end to end (docs/sft.md), the real CLI on a tiny model written here with a character-level
-ChatML tokenizer (tests/chatml.py): it trains (the loss falls, eval/loss is logged); 2 steps then a resume to 3
+ChatML tokenizer (tests/helpers/chatml_tokenizer.py): it trains (the loss falls, eval/loss is logged); 2 steps then a resume to 3
 equal 3 uninterrupted steps; 2 ranks equal 1; the export is a folder ``fsdptrain train`` trains from; a bad row or
 a setting that does not apply is one line, exit 2, and no run folder."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chatml import chatml_tokenizer
 from tests.conftest import REPO_ROOT, metric_kinds, run_cli, without_diagnostics
+from tests.helpers.chatml_tokenizer import chatml_tokenizer
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 TOOL_CHAT = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3?"},
@@ -28,16 +28,11 @@ def chat(a: int, b: int) -> dict:
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.helpers.tiny_llama import tiny_llama
 
     folder = tmp_path_factory.mktemp("sft")
     tokenizer = chatml_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder / "model")
+    tiny_llama(len(tokenizer), max_position_embeddings=512).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     rows = [{"messages": TOOL_CHAT}, {"prompt": "7+1=", "completion": "8"}] + [chat(a, b) for a in range(3)
                                                                                 for b in range(2)]
@@ -169,7 +164,7 @@ def test_check_metrics_passes_on_sft_and_fails_the_per_micro_batch_mean(inputs, 
     assert "micro-batches=8 (one sequence each)" in report["layouts_run"]
     patch = inputs / "patch"
     patch.mkdir(exist_ok=True)
-    (patch / "sitecustomize.py").write_text("from tests.planted_bugs import plant_micro_batch_normalised_by_its_own_"
+    (patch / "sitecustomize.py").write_text("from tests.helpers.planted_bugs import plant_micro_batch_normalised_by_its_own_"
                                            "tokens\nplant_micro_batch_normalised_by_its_own_tokens()\n")
     env = {"PYTHONPATH": os.pathsep.join([str(patch), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     bad = run_cli(*args, "--json", str(inputs / f"bad{nproc}.json"), cwd=inputs, env=env)

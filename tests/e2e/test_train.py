@@ -132,18 +132,12 @@ def test_bad_jsonl_row_exits_2_naming_file_and_line(cli, tmp_path):
 
 
 def test_users_hf_folder_trains_two_steps(cli, tmp_path):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from fsdptrain.data.tokenizer import load_bundled_tokenizer
+    from tests.helpers.tiny_llama import tiny_llama
 
     tokenizer = load_bundled_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
     folder = tmp_path / "my-model"
-    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny_llama(len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     result = cli("train", "model=local", f"model.path={folder}", *TINY, "trainer.run_name=hf")
     assert result.returncode == 0, result.stderr

@@ -1,7 +1,7 @@
 """Packed forwards of tiny HF decoders built from configs: equal to each sequence's own forward, no leakage,
 equal gradients, and generation untouched by the packed backend (fsdptrain/model/attention_switch.py + packing.py).
 
-Every packed forward asserts through `tests/backend_calls.py` that `sdpa_segments` served each layer, so transformers' own
+Every packed forward asserts through `tests/helpers/attention_call_counts.py` that `sdpa_segments` served each layer, so transformers' own
 packed-mask path (plain sdpa) cannot be what makes these tests pass.
 """
 
@@ -29,7 +29,7 @@ from fsdptrain.model.attention_switch import (
     packed_model_inputs,
     set_attention,
 )
-from tests.backend_calls import call_counts, reset_call_counts
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 
 VOCAB = 64
 NUM_LAYERS = 2

@@ -1,5 +1,5 @@
 """The GPU backends' own code (fsdptrain/model/attention_switch.py: `flash_attn`, `torch_varlen`) run on the CPU against
-stand-in kernels written from the kernels' documentation (tests/unit/varlen_standins.py).
+stand-in kernels written from the kernels' documentation (tests/helpers/varlen_kernel_standins.py).
 
 What this checks: the packing of q/k/v into the varlen layout, cu_seqlens / max_seqlen, the window conversion,
 soft-capping, GQA, the output layout and the refusals, each against `sdpa_segments` (itself checked against a
@@ -10,7 +10,6 @@ assert the comparison fails, so the equalities here can fail.
 
 import pytest
 import torch
-from torch import nn
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -25,14 +24,15 @@ from fsdptrain.data.packing import pack_sequences
 from fsdptrain.model import attention_backends, attention_switch
 from fsdptrain.model.attention_backends import flash_attn_attention, sdpa_segments_attention, torch_varlen_attention
 from fsdptrain.model.attention_switch import packed_attention, packed_model_inputs, resolve_backend
-from tests.backend_calls import call_counts, reset_call_counts
-from tests.unit import varlen_standins
-from tests.unit.varlen_standins import (
+from tests.helpers import varlen_kernel_standins
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
+from tests.helpers.varlen_kernel_standins import (
     cpu_kernel,
     make_flash_attn_varlen_func,
     make_varlen_attn,
     make_varlen_attn_torch_2_9,
 )
+from tests.unit.test_attention import _cu, _Layer
 
 BACKENDS = {"flash_attn": flash_attn_attention, "torch_varlen": torch_varlen_attention}
 _KERNEL_ATTR = {"flash_attn": "flash_kernel", "torch_varlen": "torch_varlen_kernel"}
@@ -50,16 +50,6 @@ def _install(monkeypatch, backend, fn):
 def backend(request, monkeypatch):
     _install(monkeypatch, request.param, _MAKERS[request.param]())
     return request.param
-
-
-class _Layer(nn.Module):
-    def __init__(self, is_causal=True):
-        super().__init__()
-        self.is_causal = is_causal
-
-
-def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def _qkv(total, num_heads=4, num_kv_heads=4, head_dim=8, seed=0):
@@ -103,7 +93,7 @@ def _assert_equal_to_sdpa_segments(backend, lengths, **options):
 
 
 def test_standin_masks_match_the_documented_examples():
-    visible = varlen_standins._visible
+    visible = varlen_kernel_standins._visible
     # flash_attn_varlen_func's docstring: causal is aligned to the bottom-right corner
     assert visible(2, 5, True, (-1, -1), None).int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert visible(5, 2, True, (-1, -1), None).int().tolist() == [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]]

@@ -30,7 +30,7 @@ from fsdptrain.model.loading import decoder_layers
 from fsdptrain.rl import aggregate, policy_loss, value_loss
 from fsdptrain.rl.aggregate import AGG_MODES, LossNormalizers, count_tokens_and_seqs
 from fsdptrain.metrics.typed import Kind, Max, Mean, Metrics, Min, finalize
-from tests.planted_bugs import (
+from tests.helpers.planted_bugs import (
     plant_capped_response_not_truncated,
     plant_eos_cut_off_the_response,
     plant_loss_on_tool_tokens,

@@ -33,7 +33,7 @@ from fsdptrain.rl.policy_loss import policy_loss
 from fsdptrain.rl.draft_loss import count_draft_tokens_and_seqs, packed_draft_mask
 from fsdptrain.rl.fused_loss import PolicyLossSettings, SeqTargets, scatter_responses, token_logprobs_entropy
 from fsdptrain.train.pack_losses import packed_policy_loss
-from tests.backend_calls import call_counts, reset_call_counts
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 
 VOCAB = 32
 # the fourth and sixth sequences are shorter than the shift (lengths 2 and 1), the fifth has a one-token response
@@ -236,6 +236,19 @@ def test_default_feature_layers_follow_vllm():
     assert default_feature_layers(2) == (1, 1, 0)
 
 
+def drafter_logits(policy, drafters) -> list[torch.Tensor]:
+    """Each drafter's logits (sdpa_segments, no grad) on one packed batch of PROMPTS / RESPONSES and the policy's
+    features at the first drafter's layers: what an exported and reloaded drafter must reproduce."""
+    packed = pack_sequences(PROMPTS, RESPONSES, [1, 2, 4])
+    features = capture_policy_features(policy, packed, feature_layers=drafters[0].feature_layers)
+    with torch.no_grad():
+        outs = []
+        for model in drafters:
+            with model.attention("sdpa_segments"):
+                outs.append(model.compute_logits(run_drafter(model, features, packed)))
+    return outs
+
+
 def test_export_round_trip_reproduces_the_logits(tmp_path):
     policy = _policy("qwen2")
     drafter = _drafter(policy)
@@ -256,13 +269,7 @@ def test_export_round_trip_reproduces_the_logits(tmp_path):
 
     loaded = load_drafter(tmp_path / "eagle3")
     assert loaded.feature_layers == drafter.feature_layers
-    packed = pack_sequences(PROMPTS, RESPONSES, [1, 2, 4])
-    features = capture_policy_features(policy, packed, feature_layers=drafter.feature_layers)
-    with torch.no_grad():
-        outs = []
-        for model in (drafter, loaded):
-            with model.attention("sdpa_segments"):
-                outs.append(model.compute_logits(run_drafter(model, features, packed)))
+    outs = drafter_logits(policy, (drafter, loaded))
     assert torch.equal(outs[0], outs[1])
     assert math.isfinite(outs[0].sum().item())
 

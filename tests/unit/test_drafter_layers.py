@@ -10,8 +10,7 @@ import torch
 from safetensors import safe_open
 
 from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
-from fsdptrain.data.packing import pack_sequences
-from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab, capture_policy_features, run_drafter
+from fsdptrain.model.drafter import Eagle3Drafter, build_draft_vocab
 from fsdptrain.model.drafter_export import export_drafter, load_drafter
 from fsdptrain.metrics.typed import finalize, merge_all
 from tests.unit.test_drafter import (
@@ -24,6 +23,7 @@ from tests.unit.test_drafter import (
     _grads,
     _packed_draft_loss,
     _policy,
+    drafter_logits,
 )
 
 
@@ -116,13 +116,7 @@ def test_two_layer_export_names_and_reloads(tmp_path):
     assert not any(n.startswith("layers.0.") for n in names)
     loaded = load_drafter(tmp_path / "eagle3")
     assert loaded.config.num_hidden_layers == 2
-    packed = pack_sequences(PROMPTS, RESPONSES, [1, 2, 4])
-    features = capture_policy_features(policy, packed, feature_layers=drafter.feature_layers)
-    with torch.no_grad():
-        outs = []
-        for model in (drafter, loaded):
-            with model.attention("sdpa_segments"):
-                outs.append(model.compute_logits(run_drafter(model, features, packed)))
+    outs = drafter_logits(policy, (drafter, loaded))
     assert torch.equal(outs[0], outs[1])
 
 

@@ -58,7 +58,7 @@ def test_the_distillation_commands_run_on_a_tiny_gguf(tmp_path):
     import shlex
 
     from tests.conftest import run_cli
-    from tests.gguf_models import tiny_llama, write_tiny_gguf
+    from tests.helpers.tiny_gguf import tiny_llama, write_tiny_gguf
 
     pytest.importorskip("gguf")
     commands = readme_commands("Distillation")

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.generate import generate_responses
+from tests.helpers.tiny_llama import tiny_llama
 
 
 def test_token_id_prompts_generate_what_the_same_texts_generate():
     tokenizer = load_bundled_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(len(tokenizer), attn_implementation="sdpa")
     texts = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 ="]  # different lengths: left padding differs per row
     ids = [tokenizer(t)["input_ids"] for t in texts]
     common = dict(max_new_tokens=5, temperature=1.0, top_p=1.0, do_sample=True, generator_seed=11,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.generate import generate_responses
@@ -14,6 +13,7 @@ from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.generation.continuous import ContinuousEngine
 from fsdptrain.generation.decoder import Request
 from fsdptrain.train.experience import logprob_diff_metrics
+from tests.helpers.tiny_llama import tiny_llama
 
 PROMPTS = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 =", "sort 9 8 7 6 5 ="]
 TEMPERATURE = 0.7
@@ -22,11 +22,9 @@ TEMPERATURE = 0.7
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = load_bundled_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer
+    model = tiny_llama(len(tokenizer), num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+                       attn_implementation="sdpa")
+    return model.eval(), tokenizer
 
 
 def _reference(model, prompt_ids, response_ids):

@@ -13,7 +13,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.model.loading import build_full_model, resolve_config
 from fsdptrain.model.checks import check_model_source
 from fsdptrain.model.location import gguf_package_problem, model_location, pretrained_args
-from tests.gguf_models import CHAT_TEMPLATE, tiny_llama, write_tiny_gguf
+from tests.helpers.tiny_gguf import CHAT_TEMPLATE, tiny_llama, write_tiny_gguf
 
 pytest.importorskip("gguf")
 

@@ -1,5 +1,5 @@
 """The multi-turn turn loop (fsdptrain/rollout/turns.py, on the chat rendering of fsdptrain/data/conversation.py)
-with a ChatML template with tools written by the test (tests/chatml.py) and scripted generations: ids built turn by turn equal the template's rendering of the final
+with a ChatML template with tools written by the test (tests/helpers/chatml_tokenizer.py) and scripted generations: ids built turn by turn equal the template's rendering of the final
 conversation token for token, the mask is 0 exactly on tool segments and separators, and each cap, a malformed call,
 a raising or unknown tool and an overflowing result behave as docs/multi-turn.md says."""
 
@@ -12,11 +12,11 @@ import pytest
 from fsdptrain.config import ConfigError
 from fsdptrain.data.conversation import ChatTurns, data_ids, parse_tool_calls_text
 from fsdptrain.rollout.turns import TurnCaps
-from tests.scripted_decoder import scripted_turns
+from tests.helpers.scripted_decoder import scripted_turns
 from fsdptrain.rollout.tools import Tool, ToolCall, ToolCaller, tool_schema
 from fsdptrain.rollout.multi_turn import turn_metrics
 from fsdptrain.metrics.typed import finalize
-from tests.chatml import CHATML_NO_TOOLS, STRIPS_THINK, chatml_tokenizer
+from tests.helpers.chatml_tokenizer import CHATML_NO_TOOLS, STRIPS_THINK, chatml_tokenizer
 
 
 def add(a: int, b: int) -> int:

@@ -16,7 +16,7 @@ from fsdptrain.registry.names import AGG_MODES
 from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings, scatter_responses
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
-from tests.backend_calls import call_counts, reset_call_counts
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 
 PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1], [1, 11, 12]]
 RESPONSES = [[4, 4, 6, 2], [9, 2], [10, 13, 2], [5, 6, 7, 8, 9, 2], [3]]

@@ -9,7 +9,7 @@ from fsdptrain.data.prompt_tasks import DIGIT_TASKS, digit_task_rows, write_json
 from fsdptrain.data.prompts import load_prompts
 from fsdptrain.data.tokenizer import WORDS, load_bundled_tokenizer
 from fsdptrain.rewards import word_match
-from tests.unit.digit_tasks_oracle import TASKS, answer_from_prompt, reward
+from tests.helpers.digit_tasks_oracle import TASKS, answer_from_prompt, reward
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from fsdptrain.check.raw_reference import (
     DecodeRun,
@@ -25,6 +25,7 @@ from fsdptrain.check.raw_reference import (
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.decoder import Request, Sampling
 from fsdptrain.generation.engines import make_decoder
+from tests.helpers.tiny_llama import tiny_llama
 
 EOS = 2
 
@@ -78,11 +79,7 @@ def test_checks_fail_on_a_different_cut_and_a_different_reward():
 
 
 def _tiny_model(tokenizer) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return tiny_llama(len(tokenizer), eos_token_id=EOS, attn_implementation="sdpa")
 
 
 @pytest.mark.parametrize("engine", ["generate", "continuous"])

@@ -28,7 +28,7 @@ from fsdptrain.model.reward_model import (
     score_packed,
     score_sequences,
 )
-from tests.reward_models import (
+from tests.helpers.reward_model_folders import (
     CHAT_TEMPLATE,
     char_tokenizer,
     save_policy_shaped_reward_model,

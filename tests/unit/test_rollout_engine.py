@@ -8,13 +8,13 @@ import concurrent.futures
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.generate import generate_responses
 from fsdptrain.generation.continuous import ContinuousEngine, decode_shape
 from fsdptrain.generation.decoder import Request
 from fsdptrain.generation.row_sampling import RowNoise
+from tests.helpers.tiny_llama import tiny_llama
 
 NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 
@@ -22,11 +22,8 @@ NEVER = 10**9  # an eos id no row samples: every row runs to its cap
 @pytest.fixture(scope="module")
 def setup():
     tokenizer = load_bundled_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config), tokenizer
+    return tiny_llama(len(tokenizer), num_hidden_layers=2, num_key_value_heads=2, max_position_embeddings=128,
+                      attn_implementation="sdpa"), tokenizer
 
 
 PROMPTS = ["repeat 7 =", "copy 3 1 4 =", "repeat 2 =", "sort 9 8 7 6 5 ="]
@@ -264,7 +261,7 @@ def test_multi_turn_in_one_loop_equals_the_turn_by_turn_reference(tmp_path):
     from fsdptrain.data.conversation import ChatTurns
     from fsdptrain.rollout.tools import ToolCall, ToolCaller, load_tools
     from fsdptrain.rollout.turns import TurnCaps
-    from tests.scripted_decoder import scripted_turns
+    from tests.helpers.scripted_decoder import scripted_turns
     from tests.e2e.test_multi_turn import write_inputs
 
     write_inputs(tmp_path)

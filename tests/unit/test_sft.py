@@ -19,11 +19,11 @@ from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.rollout.turns import TurnCaps
-from tests.scripted_decoder import scripted_turns
+from tests.helpers.scripted_decoder import scripted_turns
 from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
 from fsdptrain.train.sft import as_minibatch
 from fsdptrain.train.step import accumulate_gradients, local_counts
-from tests.chatml import CHATML_NO_TOOLS, chatml_tokenizer
+from tests.helpers.chatml_tokenizer import CHATML_NO_TOOLS, chatml_tokenizer
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ADD = {"type": "function", "function": {"name": "add", "description": "Add.",

@@ -5,21 +5,17 @@ prompts of different lengths (left padding)."""
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.generate import generate_responses
+from tests.helpers.tiny_llama import tiny_llama
 
 PROMPTS = [[1, 5, 6, 7], [1, 8], [1, 9, 9, 9, 9, 5]]
 
 
 def test_shared_prefill_generates_the_same_tokens_with_one_prefill_per_prompt():
     tokenizer = load_bundled_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama(len(tokenizer), num_hidden_layers=2, num_key_value_heads=2).eval()
     batch = [p for p in PROMPTS for _ in range(4)]
     widths = []
     handle = model.register_forward_pre_hook(lambda _m, _a, kwargs: widths.append(tuple(kwargs["input_ids"].shape)),

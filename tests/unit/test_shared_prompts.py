@@ -1,6 +1,6 @@
 """Shared prompts (fsdptrain/data/shared_prompts.py): the model row laid out by hand, and a shared-prompt forward equal to
 the unshared one (log-probs, entropy, values, losses, metrics, gradients; fp32, 1e-6) on tiny Llama and Qwen2 models,
-on `sdpa_segments` and on the `flash_attn` backend's code with the CPU stand-in kernel (tests/unit/varlen_standins.py)."""
+on `sdpa_segments` and on the `flash_attn` backend's code with the CPU stand-in kernel (tests/helpers/varlen_kernel_standins.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss, policy_token_outputs
-from tests.backend_calls import call_counts, reset_call_counts
-from tests.unit.varlen_standins import cpu_kernel, make_flash_attn_varlen_func
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
+from tests.helpers.varlen_kernel_standins import cpu_kernel, make_flash_attn_varlen_func
 
 # two groups of three (one with a tool segment masked out, one with an empty response), a group of one
 PROMPTS = [[1, 5, 9], [1, 7], [1, 5, 9], [1, 7], [1, 5, 9], [1, 7], [2, 3]]

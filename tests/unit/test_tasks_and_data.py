@@ -10,7 +10,7 @@ import pytest
 from fsdptrain.data.offline_rollouts import DataError, load_jsonl_rollouts
 from fsdptrain.data.rollout_record import split_response
 from fsdptrain.data.tokenizer import TOKENIZER_PATH, build_tokenizer, load_bundled_tokenizer
-from tests.unit.digit_tasks_oracle import TASKS, answer_from_prompt, reward
+from tests.helpers.digit_tasks_oracle import TASKS, answer_from_prompt, reward
 
 
 def test_shipped_tokenizer_matches_its_builder():

@@ -17,11 +17,9 @@ Every rank writes <out>/rank<r>.json; rank 0 also writes tensors (optimizer stat
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import random
-import traceback
 from pathlib import Path
 
 import torch
@@ -37,6 +35,7 @@ from fsdptrain.distributed import fsdp as models
 from fsdptrain.train import optim
 from fsdptrain.distributed.export import export_hf
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
+from tests.dist.workers.report import dist_worker, option
 
 CONFIG = {
     "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -195,28 +194,13 @@ def phase_reshard(args, mesh, out: Path) -> dict:
 PHASES = {"train": phase_train, "resume_crash": phase_resume_crash, "reshard": phase_reshard}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--phase", required=True, choices=sorted(PHASES))
-    parser.add_argument("--run-a", required=True)
-    parser.add_argument("--run-b", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+@dist_worker(option("--phase", required=True, choices=sorted(PHASES)), option("--run-a", required=True),
+             option("--run-b", required=True))
+def main(args, info, record: dict) -> None:
     torch.manual_seed(0)
     random.seed(0)
-    info = world.init_distributed(device_type="cpu")
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        out = Path(args.out)
-        results = PHASES[args.phase](args, mesh, out)
-        Path(out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
-        world.destroy_distributed()
-        code = 0
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    world.exit_process(code)
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    record.update(PHASES[args.phase](args, mesh, args.out))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ the generated tokens are the same.
 
 from __future__ import annotations
 
-import argparse
 import time
-import traceback
 import warnings
 
 import torch
@@ -30,7 +28,7 @@ from fsdptrain.generation.block import generation
 from fsdptrain.train.setup import build_models, policy_settings
 from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker, option
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
@@ -90,33 +88,22 @@ def worst_relative(got: dict, want: dict) -> float:
     return max((got[n] - want[n]).abs().max().item() for n in want) / scale
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--backend", default="aot_eager")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out, code = {"error": None}, 0
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        tokenizer = build_tokenizer(compose_config([]))
-        eager = train_and_generate([], info, mesh, tokenizer)
-        counters.clear()
-        compiled = train_and_generate(["parallel.compile=true", f"parallel.compile_backend={args.backend}"], info,
-                                      mesh, tokenizer)
-        out.update({
-            "eager_losses": eager["losses"], "compiled_losses": compiled["losses"],
-            "grad_rel": [worst_relative(c, e) for c, e in zip(compiled["grads"], eager["grads"])],
-            "eager_graphs": eager["after_generation"], "after_training": compiled["after_training"], "per_batch": compiled["per_batch"],
-            "after_generation": compiled["after_generation"], "break_reasons": compiled["break_reasons"],
-            "same_tokens": compiled["tokens"] == eager["tokens"], "num_tokens": sum(map(len, eager["tokens"])),
-            "eager_seconds": eager["seconds"], "compiled_seconds": compiled["seconds"],
-        })
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+@dist_worker(option("--backend", default="aot_eager"), traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    tokenizer = build_tokenizer(compose_config([]))
+    eager = train_and_generate([], info, mesh, tokenizer)
+    counters.clear()
+    compiled = train_and_generate(["parallel.compile=true", f"parallel.compile_backend={args.backend}"], info,
+                                  mesh, tokenizer)
+    out.update({
+        "eager_losses": eager["losses"], "compiled_losses": compiled["losses"],
+        "grad_rel": [worst_relative(c, e) for c, e in zip(compiled["grads"], eager["grads"])],
+        "eager_graphs": eager["after_generation"], "after_training": compiled["after_training"], "per_batch": compiled["per_batch"],
+        "after_generation": compiled["after_generation"], "break_reasons": compiled["break_reasons"],
+        "same_tokens": compiled["tokens"] == eager["tokens"], "num_tokens": sum(map(len, eager["tokens"])),
+        "eager_seconds": eager["seconds"], "compiled_seconds": compiled["seconds"],
+    })
 
 
 if __name__ == "__main__":

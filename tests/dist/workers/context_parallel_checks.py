@@ -10,8 +10,6 @@ against the same fp32 reference.
 
 from __future__ import annotations
 
-import argparse
-import traceback
 import warnings
 
 import torch
@@ -38,7 +36,7 @@ from fsdptrain.train.pack_losses import (
 )
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers
 from tests.dist.workers.lora_checks import LORA, nudged
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker, option
 from tests.dist.workers.train_step_checks import (
     CONFIG,
     LOSS_SCALE_FACTOR,
@@ -129,29 +127,18 @@ def run(kind: str, mode: str, variant: str, mesh, context, batch) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", default="plain,checkpointing,lora,bf16")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out = {"error": None, "results": {}}
-    code = 0
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        context = build_context_group(info.world_size)
-        batch = global_batch()
-        for variant in args.variants.split(","):
-            kinds = ((("policy", ("token-mean",)),) if variant == "bf16" else
-                     (("policy", AGG_MODES), ("value", ("token-mean", "seq-mean-token-mean"))))
-            for kind, modes in kinds:
-                for mode in modes:
-                    out["results"][f"{variant}/{kind}/{mode}"] = run(kind, mode, variant, mesh, context, batch)
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+@dist_worker(option("--variants", default="plain,checkpointing,lora,bf16"), traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = {}
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    context = build_context_group(info.world_size)
+    batch = global_batch()
+    for variant in args.variants.split(","):
+        kinds = ((("policy", ("token-mean",)),) if variant == "bf16" else
+                 (("policy", AGG_MODES), ("value", ("token-mean", "seq-mean-token-mean"))))
+        for kind, modes in kinds:
+            for mode in modes:
+                out["results"][f"{variant}/{kind}/{mode}"] = run(kind, mode, variant, mesh, context, batch)
 
 
 if __name__ == "__main__":

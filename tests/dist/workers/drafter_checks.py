@@ -12,18 +12,14 @@ gradients and updated weights are bit-identical (torch.equal) to those of the sa
 
 from __future__ import annotations
 
-import argparse
-import json
-import traceback
 import warnings
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fsdptrain.check.draft_per_sequence import per_sequence_draft_loss
 from fsdptrain.distributed import world
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker, option
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, gather_full_state_dict, shard_as_one_unit
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.model.loading import build_full_model
@@ -220,25 +216,14 @@ def run_mode(mode: str, on: str, info, mesh, batch) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", default=",".join(AGG_MODES))
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out = {"error": None, "results": {}}
-    code = 0
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        batch = global_batch()
-        for mode in args.modes.split(","):
-            out["results"][f"{mode}/response"] = run_mode(mode, "response", info, mesh, batch)
-        out["results"]["token-mean/all"] = run_mode("token-mean", "all", info, mesh, batch)
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+@dist_worker(option("--modes", default=",".join(AGG_MODES)), traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = {}
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    batch = global_batch()
+    for mode in args.modes.split(","):
+        out["results"][f"{mode}/response"] = run_mode(mode, "response", info, mesh, batch)
+    out["results"]["token-mean/all"] = run_mode("token-mean", "all", info, mesh, batch)
 
 
 if __name__ == "__main__":

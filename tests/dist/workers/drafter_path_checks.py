@@ -10,10 +10,8 @@ folder's drafter loaded on its own (`per_sequence_draft_loss`, the draft counts 
 
 from __future__ import annotations
 
-import argparse
 import random
 import tempfile
-import traceback
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ from fsdptrain.metrics.typed import finalize
 from fsdptrain.train.rl import Trainer
 from fsdptrain.train.pack_losses import packed_policy_loss
 from fsdptrain.train.step import update_on_minibatch
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker, option
 
 
 def check(overrides: list[str], info, mesh) -> dict:
@@ -60,21 +58,11 @@ def check(overrides: list[str], info, mesh) -> dict:
             "num_layers": trainer.auxiliary_loss().module.config.num_hidden_layers}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out, code = {"error": None, "results": None}, 0
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        out["results"] = check(args.overrides, info, mesh)
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+@dist_worker(option("overrides", nargs="*"), traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = None
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    out["results"] = check(args.overrides, info, mesh)
 
 
 if __name__ == "__main__":

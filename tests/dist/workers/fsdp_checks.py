@@ -13,13 +13,9 @@ Legend: _BT padded [batch, time].
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import math
-import traceback
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +26,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed import fsdp as models
 from fsdptrain.model import loading as model_build
 from fsdptrain.train import optim
+from tests.dist.workers.report import dist_worker, option
 
 VOCAB, SEQ_LEN = 128, 12
 LENGTHS = [12, 7, 10, 3, 9]  # valid tokens of each global sequence; targets are tokens 1..len-1
@@ -322,36 +319,22 @@ def check_reference(*, mesh, info) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--dp-replicate", type=int, default=1)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--extras", default="value,guard,reference")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type=args.device)
-    try:
-        mesh = world.build_mesh(dp_replicate=args.dp_replicate, dp_shard=None, device_type=args.device)
-        results = {"world_size": info.world_size, "dp_size": world.dp_size(mesh), "mesh": list(mesh.mesh_dim_names)}
-        refs: dict = {}
-        for name in filter(None, args.variants.split(",")):
-            results[name] = check_policy(VARIANTS[name], mesh=mesh, info=info, refs=refs)
-        extras = set(filter(None, args.extras.split(",")))
-        if "value" in extras:
-            results["value"] = check_value(mesh=mesh, info=info, tied=True)
-        if "guard" in extras:
-            results["guard_stop"] = check_guard_stop(info)
-        if "reference" in extras:
-            results["reference"] = check_reference(mesh=mesh, info=info)
-        Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
-        world.destroy_distributed()
-        code = 0
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    world.exit_process(code)
+@dist_worker(option("--dp-replicate", type=int, default=1), option("--variants", default=",".join(VARIANTS)),
+             option("--extras", default="value,guard,reference"),
+             option("--device", default="cpu", choices=["cpu", "cuda"]))
+def main(args, info, results: dict) -> None:
+    mesh = world.build_mesh(dp_replicate=args.dp_replicate, dp_shard=None, device_type=args.device)
+    results.update({"world_size": info.world_size, "dp_size": world.dp_size(mesh), "mesh": list(mesh.mesh_dim_names)})
+    refs: dict = {}
+    for name in filter(None, args.variants.split(",")):
+        results[name] = check_policy(VARIANTS[name], mesh=mesh, info=info, refs=refs)
+    extras = set(filter(None, args.extras.split(",")))
+    if "value" in extras:
+        results["value"] = check_value(mesh=mesh, info=info, tied=True)
+    if "guard" in extras:
+        results["guard_stop"] = check_guard_stop(info)
+    if "reference" in extras:
+        results["reference"] = check_reference(mesh=mesh, info=info)
 
 
 if __name__ == "__main__":

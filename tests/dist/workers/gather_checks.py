@@ -10,17 +10,13 @@ Every rank writes <out>/rank<r>.json; tests/dist/test_gather.py asserts on them.
 
 from __future__ import annotations
 
-import argparse
-import json
-import traceback
-from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed import world
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker
 from fsdptrain.distributed.fsdp import build_policy
 from fsdptrain.generation.gather import gathered_weights
 from fsdptrain.model.attention_switch import generation_attention
@@ -63,35 +59,25 @@ def trainer_rollouts(model, tokenizer, mode: str) -> tuple[list[list[int]], int]
     return [list(r.prompt_ids) + list(r.response_ids) for r in rollouts], gathers
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out = {"error": None, "results": {}}
-    code = 0
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        tokenizer = load_bundled_tokenizer()
-        for name, (tied, dtype) in VARIANTS.items():
-            config = {**TINY_CONFIG, "vocab_size": len(tokenizer), "tie_word_embeddings": tied,
-                      "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-            model = build_policy(path=None, config=config, seed=3, mesh=mesh, param_dtype=dtype)
-            for sampling in ("greedy", "sampled"):
-                for gather in (False, True):
-                    tokens, gathers, plain = generate(model, tokenizer, gather=gather, do_sample=sampling == "sampled")
-                    after = isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)
-                    out["results"][f"{name}/{sampling}/{'gathered' if gather else 'per_token'}"] = {
-                        "tokens": tokens, "all_gathers": gathers, "unsharded_inside": plain, "sharded_after": after}
-            if name == "tied":
-                for mode in ("never", "always"):
-                    tokens, gathers = trainer_rollouts(model, tokenizer, mode)
-                    out["results"][f"trainer/{mode}"] = {"tokens": tokens, "all_gathers": gathers}
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+@dist_worker(traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = {}
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    tokenizer = load_bundled_tokenizer()
+    for name, (tied, dtype) in VARIANTS.items():
+        config = {**TINY_CONFIG, "vocab_size": len(tokenizer), "tie_word_embeddings": tied,
+                  "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+        model = build_policy(path=None, config=config, seed=3, mesh=mesh, param_dtype=dtype)
+        for sampling in ("greedy", "sampled"):
+            for gather in (False, True):
+                tokens, gathers, plain = generate(model, tokenizer, gather=gather, do_sample=sampling == "sampled")
+                after = isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)
+                out["results"][f"{name}/{sampling}/{'gathered' if gather else 'per_token'}"] = {
+                    "tokens": tokens, "all_gathers": gathers, "unsharded_inside": plain, "sharded_after": after}
+        if name == "tied":
+            for mode in ("never", "always"):
+                tokens, gathers = trainer_rollouts(model, tokenizer, mode)
+                out["results"][f"trainer/{mode}"] = {"tokens": tokens, "all_gathers": gathers}
 
 
 if __name__ == "__main__":

@@ -6,26 +6,18 @@ for. The scenario is tests/unit/test_group_filter.py's.
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
 
-from fsdptrain.distributed import world
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker
 from tests.unit.test_group_filter import run
 
 CASES = {"refill": dict(target_groups=3, max_rounds=3), "max_rounds": dict(target_groups=8, max_rounds=2)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    info = world.init_distributed(device_type="cpu")
-    record = {}
+@dist_worker()
+def main(args, info, record: dict) -> None:
     for name, case in CASES.items():
         mine, metrics, asked = run(**case, rank=info.rank, world_size=info.world_size)
         record[name] = {"rollouts": [[r.prompt_ids, r.group] for r in mine], "metrics": metrics, "asked": asked}
-    report_and_exit(args.out, info.rank, record, 0)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 from fsdptrain.check.layouts import grad_max_abs, grad_max_diff, grad_norm
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, held_grads, zero_grads
-from tests.dist.workers.report import report_and_exit, start_worker
+from tests.dist.workers.report import dist_worker
 
 CONFIG = {"model_type": "llama", "vocab_size": 41, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -49,14 +49,12 @@ def record_for(mesh, ids: torch.Tensor) -> dict:
     return out
 
 
-def main() -> None:
-    out_dir, info = start_worker()
+@dist_worker()
+def main(args, info, record: dict) -> None:
     ids = torch.arange(0, 11)[None] % CONFIG["vocab_size"]  # the same batch on both ranks
-    record = {}
     for name, replicate, shard in (("fsdp", 1, None), ("hsdp", 2, 1)):
         mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type="cpu")
         record.update({f"{name}/{k}": v for k, v in record_for(mesh, ids).items()})
-    report_and_exit(out_dir, info.rank, record, 0)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ Each rank writes its numbers to <out>/rank<r>.json; tests/dist/test_lora.py asse
 
 from __future__ import annotations
 
-import argparse
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -47,7 +45,7 @@ from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker
 from tests.dist.workers.train_step_checks import (
     CONFIG,
     LOSS_SCALE_FACTOR,
@@ -261,43 +259,33 @@ def no_reference_copy(mesh, info) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out = {"error": None, "results": {}}
-    code = 0
-    try:
-        from fsdptrain.data.tokenizer import load_bundled_tokenizer
+@dist_worker(traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = {}
+    from fsdptrain.data.tokenizer import load_bundled_tokenizer
 
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        batch = global_batch()
-        counts = (sum(len(r) for r in batch[1]), NUM_SEQS)
-        results, seconds = out["results"], {}
-        start = time.perf_counter()
-        for mode in AGG_MODES:
-            results[f"plain/policy/{mode}"] = step_check("policy", mode, info, mesh, batch, counts)
-        results["plain/value/seq-mean-token-mean"] = step_check("value", "seq-mean-token-mean", info, mesh, batch,
-                                                                counts)
-        results["checkpointing/policy/token-mean"] = step_check("policy", "token-mean", info, mesh, batch, counts,
-                                                                activation_checkpointing=True)
-        results["bf16/policy/token-mean"] = step_check("policy", "token-mean", info, mesh, batch, counts,
-                                                       param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        hsdp = world.build_mesh(dp_replicate=2, dp_shard=None, device_type="cpu")
-        results["hsdp/policy/seq-mean-token-sum-norm"] = step_check("policy", "seq-mean-token-sum-norm", info, hsdp,
-                                                                    batch, counts)
-        seconds["steps"] = time.perf_counter() - start
-        results["model"] = reference_and_export(info, mesh, Path(args.out), load_bundled_tokenizer())
-        seconds["model"] = time.perf_counter() - start - seconds["steps"]
-        results["build_models"] = no_reference_copy(mesh, info)
-        seconds["build_models"] = time.perf_counter() - start - seconds["steps"] - seconds["model"]
-        results["seconds"] = seconds
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    batch = global_batch()
+    counts = (sum(len(r) for r in batch[1]), NUM_SEQS)
+    results, seconds = out["results"], {}
+    start = time.perf_counter()
+    for mode in AGG_MODES:
+        results[f"plain/policy/{mode}"] = step_check("policy", mode, info, mesh, batch, counts)
+    results["plain/value/seq-mean-token-mean"] = step_check("value", "seq-mean-token-mean", info, mesh, batch,
+                                                            counts)
+    results["checkpointing/policy/token-mean"] = step_check("policy", "token-mean", info, mesh, batch, counts,
+                                                            activation_checkpointing=True)
+    results["bf16/policy/token-mean"] = step_check("policy", "token-mean", info, mesh, batch, counts,
+                                                   param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    hsdp = world.build_mesh(dp_replicate=2, dp_shard=None, device_type="cpu")
+    results["hsdp/policy/seq-mean-token-sum-norm"] = step_check("policy", "seq-mean-token-sum-norm", info, hsdp,
+                                                                batch, counts)
+    seconds["steps"] = time.perf_counter() - start
+    results["model"] = reference_and_export(info, mesh, args.out, load_bundled_tokenizer())
+    seconds["model"] = time.perf_counter() - start - seconds["steps"]
+    results["build_models"] = no_reference_copy(mesh, info)
+    seconds["build_models"] = time.perf_counter() - start - seconds["steps"] - seconds["model"]
+    results["seconds"] = seconds
 
 
 if __name__ == "__main__":

@@ -8,10 +8,7 @@ critic started from a reward model, and rank 0's architecture error reaching eve
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,6 +22,7 @@ from fsdptrain.model.reward_model import load_full_reward_model, load_reward_mod
 from fsdptrain.distributed.fsdp_reward_models import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.distributed.collectives import plan_agreed
+from tests.dist.workers.report import dist_worker, option
 
 SEQUENCES = [[1, 7, 9, 11, 30], [1, 5, 6, 7, 8, 9, 10, 12, 40], [1, 22, 23], [1, 14, 15, 16, 17, 18, 19],
              [1, 8, 8, 9]]
@@ -59,39 +57,26 @@ def critic_last_values(spec, *, mesh) -> list[float]:
         return [float(critic(input_ids=torch.tensor([ids])).logits[0, -1, 0]) for ids in SEQUENCES]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--models", required=True, help="folder holding llama/, qwen2/ and policy_shaped/")
-    args = parser.parse_args()
+@dist_worker(option("--models", required=True, help="folder holding llama/, qwen2/ and policy_shaped/"))
+def main(args, info, results: dict) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    info = fdist.init_distributed(device_type="cpu")
+    mesh = fdist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    results["world_size"] = info.world_size
+    for arch in ("llama", "qwen2"):
+        spec = load_reward_model_spec(Path(args.models, arch))
+        results[arch] = {"plain": plain_scores(load_full_reward_model(spec))}
+        for offload in (False, True):
+            key = "offload" if offload else "sharded"
+            results[arch][key] = sharded_scores(spec, mesh=mesh, rank=info.rank, world_size=info.world_size,
+                                                offload=offload)
+    spec = load_reward_model_spec(Path(args.models, "policy_shaped"))
+    results["critic"] = {"plain": plain_scores(load_full_reward_model(spec)),
+                         "values": critic_last_values(spec, mesh=mesh)}
     try:
-        mesh = fdist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        results: dict = {"world_size": info.world_size}
-        for arch in ("llama", "qwen2"):
-            spec = load_reward_model_spec(Path(args.models, arch))
-            results[arch] = {"plain": plain_scores(load_full_reward_model(spec))}
-            for offload in (False, True):
-                key = "offload" if offload else "sharded"
-                results[arch][key] = sharded_scores(spec, mesh=mesh, rank=info.rank, world_size=info.world_size,
-                                                    offload=offload)
-        spec = load_reward_model_spec(Path(args.models, "policy_shaped"))
-        results["critic"] = {"plain": plain_scores(load_full_reward_model(spec)),
-                             "values": critic_last_values(spec, mesh=mesh)}
-        try:
-            critic_last_values(load_reward_model_spec(Path(args.models, "qwen2_bundled")), mesh=mesh)
-            results["mismatch_error"] = None
-        except ConfigError as err:
-            results["mismatch_error"] = str(err)
-        Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
-        fdist.destroy_distributed()
-        code = 0
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    fdist.exit_process(code)
+        critic_last_values(load_reward_model_spec(Path(args.models, "qwen2_bundled")), mesh=mesh)
+        results["mismatch_error"] = None
+    except ConfigError as err:
+        results["mismatch_error"] = str(err)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,7 @@ each step and the step's metrics reduced over ranks and finalised. Run under tor
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,6 +22,7 @@ from fsdptrain.metrics.typed import finalize
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.rollout.scoring import score_with_reward_models
 from fsdptrain.distributed.collectives import reduce_metrics
+from tests.dist.workers.report import dist_worker, option
 
 STEPS = [
     [("repeat 3 =", " 3 3"), ("copy 12 =", " 1 2"), ("sort 31 =", " 1 3 7"), ("reverse 45 =", ""),
@@ -46,42 +44,29 @@ def gather(mine: list[int], values: list) -> list:
     return [by_index[i] for i in range(len(by_index))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--models", required=True, help="folder holding chat/ and qwen2/")
-    args = parser.parse_args()
+@dist_worker(option("--models", required=True, help="folder holding chat/ and qwen2/"))
+def main(args, info, results: dict) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    info = fdist.init_distributed(device_type="cpu")
-    try:
-        mesh = fdist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        specs = [load_reward_model_spec(Path(args.models, name)) for name in ("chat", "qwen2")]
-        models = [build_reward_model(spec, mesh=mesh) for spec in specs]
-        for model in models:
-            set_attention(model, "sdpa_segments")
-        mine = SHARES[info.world_size][info.rank]
-        running = [RunningMoments(), RunningMoments()]
-        results: dict = {"steps": []}
-        for samples in STEPS:
-            prompts, completions = [samples[i][0] for i in mine], [samples[i][1] for i in mine]
-            out = score_with_reward_models(models, specs, prompts, completions, weights=[1.0, 0.5], mode="running",
-                                           clip=1.5, running=running, token_budget=TOKEN_BUDGET,
-                                           device=torch.device("cpu"))
-            running = out.running
-            results["steps"].append({
-                "total": gather(mine, out.total_N.tolist()),
-                "raw": [gather(mine, raw.tolist()) for raw in out.raw_N],
-                "running": [m.state_dict() for m in running],
-                "metrics": finalize(reduce_metrics(out.metrics)),
-            })
-        Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(results, indent=1))
-        fdist.destroy_distributed()
-        code = 0
-    except Exception:
-        traceback.print_exc()
-        code = 1
-    fdist.exit_process(code)
+    mesh = fdist.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    specs = [load_reward_model_spec(Path(args.models, name)) for name in ("chat", "qwen2")]
+    models = [build_reward_model(spec, mesh=mesh) for spec in specs]
+    for model in models:
+        set_attention(model, "sdpa_segments")
+    mine = SHARES[info.world_size][info.rank]
+    running = [RunningMoments(), RunningMoments()]
+    results["steps"] = []
+    for samples in STEPS:
+        prompts, completions = [samples[i][0] for i in mine], [samples[i][1] for i in mine]
+        out = score_with_reward_models(models, specs, prompts, completions, weights=[1.0, 0.5], mode="running",
+                                       clip=1.5, running=running, token_budget=TOKEN_BUDGET,
+                                       device=torch.device("cpu"))
+        running = out.running
+        results["steps"].append({
+            "total": gather(mine, out.total_N.tolist()),
+            "raw": [gather(mine, raw.tolist()) for raw in out.raw_N],
+            "running": [m.state_dict() for m in running],
+            "metrics": finalize(reduce_metrics(out.metrics)),
+        })
 
 
 if __name__ == "__main__":

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
 
 import torch
 
-from fsdptrain.distributed import world
 from fsdptrain.metrics.typed import Mean, Metrics, Sum
 from fsdptrain.distributed.collectives import reduce_metrics
+from tests.dist.workers.report import dist_worker
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    info = world.init_distributed(device_type="cpu")
+@dist_worker()
+def main(args, info, record: dict) -> None:
     metrics = {"reward/mean": Mean(torch.tensor(1.0), torch.tensor(2.0)), "batch/num_seqs": Sum(torch.tensor(3.0))}
     if info.rank == 1:
         metrics["actor/extra"] = Mean(torch.tensor(5.0), torch.tensor(1.0))
@@ -27,10 +21,7 @@ def main() -> None:
         error = None
     except RuntimeError as err:
         error = str(err)
-    record = {"error": error, "same_sum": same["batch/num_seqs"].value()}
-    (args.out / f"rank{info.rank}.json").write_text(json.dumps(record))
-    world.destroy_distributed()
-    world.exit_process(0)
+    record.update({"error": error, "same_sum": same["batch/num_seqs"].value()})
 
 
 if __name__ == "__main__":

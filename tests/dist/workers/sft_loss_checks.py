@@ -10,7 +10,6 @@ head, FSDP2's mean over ranks. Each rank writes, per case, the largest gradient 
 
 from __future__ import annotations
 
-import traceback
 import warnings
 
 import torch
@@ -26,8 +25,8 @@ from fsdptrain.metrics.typed import finalize
 from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
 from fsdptrain.train.sft import as_minibatch
 from fsdptrain.train.step import accumulate_gradients, global_normalizers
-from tests.chatml import chatml_tokenizer
-from tests.dist.workers.report import report_and_exit, start_worker
+from tests.helpers.chatml_tokenizer import chatml_tokenizer
+from tests.dist.workers.report import dist_worker
 from tests.unit.test_sft import CHATS, hand_loss
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -83,25 +82,19 @@ def run_case(demos, cfg: dict, share: str, split: str, info, mesh, ref) -> dict:
             "micro_batches_all_ranks": logged["micro_batches"]}
 
 
-def main() -> None:
-    out_dir, info = start_worker()
-    out = {"error": None, "results": {}}
-    code = 0
-    try:
-        mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
-        tokenizer = chatml_tokenizer()
-        demos = [demonstration_ids({"messages": chat}, ["messages"], tokenizer=tokenizer, keys=DemoKeys())
-                 for chat in CHATS]
-        for tied in (False, True):
-            cfg = config(len(tokenizer), tied)
-            ref = reference(demos, cfg)
-            for share, split in CASES:
-                name = f"{'tied' if tied else 'untied'}/{share}/{split}"
-                out["results"][name] = run_case(demos, cfg, share, split, info, mesh, ref)
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(out_dir, info.rank, out, code)
+@dist_worker(traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = {}
+    mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
+    tokenizer = chatml_tokenizer()
+    demos = [demonstration_ids({"messages": chat}, ["messages"], tokenizer=tokenizer, keys=DemoKeys())
+             for chat in CHATS]
+    for tied in (False, True):
+        cfg = config(len(tokenizer), tied)
+        ref = reference(demos, cfg)
+        for share, split in CASES:
+            name = f"{'tied' if tied else 'untied'}/{share}/{split}"
+            out["results"][name] = run_case(demos, cfg, share, split, info, mesh, ref)
 
 
 if __name__ == "__main__":

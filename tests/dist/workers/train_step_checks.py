@@ -12,16 +12,12 @@ Legend: _BL padded [batch, length].
 
 from __future__ import annotations
 
-import argparse
-import json
-import traceback
 import warnings
-from pathlib import Path
 
 import torch
 
 from fsdptrain.distributed import world
-from tests.dist.workers.report import report_and_exit
+from tests.dist.workers.report import dist_worker, option
 from fsdptrain.model.attention_switch import set_attention
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.registry.names import AGG_MODES
@@ -33,7 +29,7 @@ from fsdptrain.distributed.fsdp import build_policy, build_value_model, gather_f
 from fsdptrain.model.loading import build_full_model
 from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
-from tests.backend_calls import call_counts, reset_call_counts
+from tests.helpers.attention_call_counts import call_counts, reset_call_counts
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
@@ -172,33 +168,21 @@ def run_variant(kind: str, mode: str, variant: str, info, mesh, batch, reference
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", default="plain")
-    parser.add_argument("--modes", default=",".join(AGG_MODES))
-    parser.add_argument("--replicate", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = world.init_distributed(device_type="cpu")
-    out = {"error": None, "results": {}}
-    code = 0
-    try:
-        mesh = world.build_mesh(dp_replicate=args.replicate, dp_shard=None, device_type="cpu")
-        batch = global_batch()
-        counts = (sum(len(r) for r in batch[1]), NUM_SEQS)
-        modes = args.modes.split(",")
-        references = {(kind, mode): reference_grads_and_weights(kind, mode, batch, counts)
-                      for kind in ("policy", "value") for mode in modes}
-        for variant in args.variants.split(","):
-            for kind in ("policy", "value"):
-                for mode in modes:
-                    out["results"][f"{variant}/{kind}/{mode}"] = run_variant(kind, mode, variant, info, mesh, batch,
-                                                                            references)
-    except Exception:  # the test reads the traceback from the JSON
-        out["error"] = traceback.format_exc()
-        code = 1
-    report_and_exit(args.out, info.rank, out, code)
+@dist_worker(option("--variants", default="plain"), option("--modes", default=",".join(AGG_MODES)),
+             option("--replicate", type=int, default=1), traceback_in_record=True)
+def main(args, info, out: dict) -> None:
+    out["results"] = {}
+    mesh = world.build_mesh(dp_replicate=args.replicate, dp_shard=None, device_type="cpu")
+    batch = global_batch()
+    counts = (sum(len(r) for r in batch[1]), NUM_SEQS)
+    modes = args.modes.split(",")
+    references = {(kind, mode): reference_grads_and_weights(kind, mode, batch, counts)
+                  for kind in ("policy", "value") for mode in modes}
+    for variant in args.variants.split(","):
+        for kind in ("policy", "value"):
+            for mode in modes:
+                out["results"][f"{variant}/{kind}/{mode}"] = run_variant(kind, mode, variant, info, mesh, batch,
+                                                                        references)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,13 @@ whole batch with no process group in the loop (`sum_across_ranks` is the identit
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.rl.estimator_registry import AdvSettings, resolve_adv_estimator
 from fsdptrain.train.experience import estimate_advantages
+from tests.dist.workers.report import dist_worker
 
 ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 NUM_SEQS = 9  # groups of 3 (i // 3); group g is owned by rank g % 2, as in the trainer: 6 and 3 sequences
@@ -43,20 +40,14 @@ def advantages(name, idx, rollouts, rewards, values, sum_across_ranks):
     return {str(i): a.tolist() for i, a in zip(idx, adv)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    info = world.init_distributed(device_type="cpu")
+@dist_worker()
+def main(args, info, record: dict) -> None:
     rollouts, rewards, values = batch()
     mine = [i for i in range(NUM_SEQS) if (i // 3) % info.world_size == info.rank]
-    record = {"ranks": {}, "single": {}}
+    record.update({"ranks": {}, "single": {}})
     for name in ESTIMATORS:
         record["ranks"][name] = advantages(name, mine, rollouts, rewards, values, world.all_reduce_sum)
         record["single"][name] = advantages(name, list(range(NUM_SEQS)), rollouts, rewards, values, lambda s: s)
-    (args.out / f"rank{info.rank}.json").write_text(json.dumps(record))
-    world.destroy_distributed()
-    world.exit_process(0)
 
 
 if __name__ == "__main__":

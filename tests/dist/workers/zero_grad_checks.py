@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import build_policy, gather_full_grads, zero_grads
-from tests.dist.workers.report import report_and_exit, start_worker
+from tests.dist.workers.report import dist_worker
 
 CONFIG = {"model_type": "llama", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -25,20 +25,18 @@ def largest_difference(got: dict, want: dict) -> float:
     return max((got[n] - want[n]).abs().max().item() for n in want)
 
 
-def main() -> None:
-    out_dir, info = start_worker()
+@dist_worker()
+def main(args, info, record: dict) -> None:
     mesh = world.build_mesh(dp_replicate=1, dp_shard=None, device_type="cpu")
     policy = build_policy(path=None, config=CONFIG, seed=3, mesh=mesh)
     ids = torch.arange(info.rank, info.rank + 9)[None] % CONFIG["vocab_size"]
     first = backward(policy, ids)
-    record = {}
     for name, zero in (("zero_grads", zero_grads), ("module_zero_grad", lambda m: m.zero_grad(set_to_none=True))):
         with torch.no_grad():
             policy(input_ids=ids)
         record[f"{name}/root_left_unsharded"] = any(not isinstance(p, DTensor) for p in policy.parameters())
         zero(policy)
         record[f"{name}/largest_difference"] = largest_difference(backward(policy, ids), first)
-    report_and_exit(out_dir, info.rank, record, 0)
 
 
 if __name__ == "__main__":
