@@ -1,5 +1,5 @@
 """The seam between what asks for tokens and what samples them: :class:`Decoder` (docs/architecture.md, "The
-generation room").
+generation room and its seam").
 
 A caller (a rollout sampler today; a generator rank or an HTTP endpoint behind the same records tomorrow) hands a
 decoder :class:`Request` records and gets :class:`Generated` records back, in the order the requests finished. It
