@@ -1,4 +1,4 @@
-"""Per-rank peak memory of one packed forward + backward of a long row at cp=1 and cp=2 (docs/performance.md,
+"""Per-rank peak memory of one packed forward + backward of a long row at cp=1 and cp=2 (docs/benchmarks.md,
 docs/scaling.md). Not a test.
 
 The medium model of benchmarks/fsdp_memory.py (qwen2, hidden 256, 4 layers, 8 heads, 4 kv heads), fp32, on the CPU

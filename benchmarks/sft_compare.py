@@ -40,7 +40,7 @@ the entropy and the token accuracy of every step (logged metrics, part of its st
 
 Both sides inherit the command's environment: `OMP_NUM_THREADS=1 python benchmarks/sft_compare.py ...` runs both on
 one thread (how docs/sft.md's runs since E were taken), `MALLOC_MMAP_THRESHOLD_=131072 ...` both on glibc's fixed mmap
-threshold (docs/sft.md says what that trades).
+threshold (docs/sft-vs-trl.md says what that trades).
 
 Reported per side: per-step wall and CPU time (process CPU time, user + system), and the system time and minor page
 faults within it, as medians over the steps after the first; peak memory, the process's `ru_maxrss` (model loading included, as benchmarks/trl_compare.py) and the largest

@@ -42,7 +42,7 @@ after the first; the phase split: fsdptrain's `perf/generate_s`, `perf/update_s`
 `_generate_and_score_completions` (generation, reward, old log-probs) and the rest of the step (loss, backward,
 optimizer); peak memory: the process's `ru_maxrss` (model loading included); the sampled mean reward of every step,
 and per side the mean reward of the first and the last 5 steps of each seed (the learning curves side by side).
-Timings on a loaded machine are noisy: run on a quiet one for the ratios docs/performance.md states.
+Timings on a loaded machine are noisy: run on a quiet one for the ratios docs/benchmarks.md states.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def check_inputs(cfg: DictConfig) -> None:
 def check_training_data(cfg: DictConfig) -> None:
     """``fsdptrain train``'s rows, read here exactly as the ranks will read them (every bad row, every setting the
     rows contradict), and ``trainer.token_budget`` against the longest sequence they can make: before the run folder
-    is claimed, so such a mistake is one line and exit 2 with nothing written (docs/checkpointing.md).
+    is claimed, so such a mistake is one line and exit 2 with nothing written (docs/checkpoint-trust.md).
 
     Offline rows (``data=jsonl``) give their sequences exactly; a sampled single-turn row can reach its prompt plus
     ``rollout.max_new_tokens``. A multi-turn prompt is rendered with the tools by the ranks (its budget is checked

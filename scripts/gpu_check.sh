@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA device, in one pass (CI has none; docs/packing.md, "Checking the GPU backends on a CPU").
+# The checks that need a CUDA device, in one pass (CI has none; docs/attention-backends.md, "Checking the GPU backends
+# on a CPU").
 #
 #     OUT=gpu-check bash scripts/gpu_check.sh
 #

@@ -6,7 +6,7 @@
 
 The shim (a package named `verl`) is put first on the path, so verl's test files run unchanged and every number they
 check comes from fsdptrain. pytest runs with `--import-mode=importlib`, so the checkout's own `verl` package is never
-imported. A manual parity check (docs/algorithms.md, "verl's own tests"): CI has no verl checkout.
+imported. A manual parity check (docs/verl-names.md, "verl's own tests"): CI has no verl checkout.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """check-metrics, part 8: the report. The table of every metric's worst layout, the self-checks, the gradient-scale
-report, the notes and the verdict (rank 0), and the ``--json`` shape (docs/check-metrics.md)."""
+report, the notes and the verdict (rank 0), and the ``--json`` shape (docs/check-metrics-output.md)."""
 
 from __future__ import annotations
 

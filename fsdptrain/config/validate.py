@@ -281,7 +281,7 @@ def _check_loss_settings(alg: DictConfig) -> None:
     if divergence != "none" and bound is None:
         raise ConfigError(f"algorithm.rollout_rejection_divergence={divergence} needs "
                           f"algorithm.rollout_rejection_divergence_max=<its upper bound, > 0>; it has no default "
-                          f"(docs/algorithms.md)")
+                          f"(docs/off-policy.md)")
     if divergence == "none" and bound is not None:
         raise ConfigError(f"algorithm.rollout_rejection_divergence_max={bound} bounds a divergence, but "
                           f"algorithm.rollout_rejection_divergence is none: set one of "

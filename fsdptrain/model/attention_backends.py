@@ -3,7 +3,7 @@ what one attention call asks for (the segments of a packed row, causality, scale
 
 Choosing a backend and switching a model to it is fsdptrain/model/attention_switch.py; this module holds what runs
 inside each attention call. Every backend reads its call through :func:`read_call`, so a feature no backend
-implements is refused with one error rather than ignored (docs/packing.md).
+implements is refused with one error rather than ignored (docs/attention-backends.md).
 
 Legend: the attention functions take HF's shapes: query `[1, Hq, T, D]`, key/value `[1, Hkv, T, D]` (GQA not
 expanded) and return `[1, T, Hq, D]`.
@@ -15,7 +15,7 @@ expanded) and return `[1, T, Hq, D]`.
   row's keys and values, gathered by the shard (`context_parallel_attention`).
 
 A GPU backend reaches its kernel only through `flash_kernel()` / `torch_varlen_kernel()`, each a `VarlenKernel`
-declaring the devices and dtypes it runs on; tests install a CPU stand-in there (docs/packing.md).
+declaring the devices and dtypes it runs on; tests install a CPU stand-in there (docs/attention-backends.md).
 """
 
 from __future__ import annotations

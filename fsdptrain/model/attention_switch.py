@@ -7,7 +7,7 @@ it, so importing this module changes nothing).
 
 Segments come from the `cu_seq_lens_q/k` kwargs when the caller passes them (`packed_model_inputs` does), else
 from `position_ids` restarting at 0. Model features a backend cannot honour are refused with a ValueError, never
-ignored (the table in docs/packing.md).
+ignored (the table in docs/attention-backends.md).
 
 These backends serve training forwards only (as many queries as keys, no cache, no padding mask): decoding steps with a
 KV cache must run on sdpa, so generation uses `generation_attention` and training forwards switch with
@@ -112,7 +112,7 @@ def packed_model_inputs(packed: PackedBatch) -> dict[str, Any]:
     """Keyword arguments for an HF causal LM's forward on one packed row (tensors on the pack's device).
 
     `use_cache=False` and `attention_mask=None` are not optional: a cache or a 2-D mask makes transformers skip
-    its packed-sequence handling (docs/packing.md). The padding tail, if any, is a segment of its own.
+    its packed-sequence handling (docs/attention-backends.md). The padding tail, if any, is a segment of its own.
     """
     cu = packed.segment_cu_seqlens()
     return {

@@ -20,7 +20,7 @@ ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_
 user's own (docs/algorithms.md)."""
 
 ROLLOUT_CORRECTION_MODES = ("tis", "mis")
-"""Off-policy correction: truncated (tis) or masked (mis) importance sampling (docs/algorithms.md)."""
+"""Off-policy correction: truncated (tis) or masked (mis) importance sampling (docs/off-policy.md)."""
 
 DRAFT_ON = ("response", "all")
 """`drafter.on`: the positions the drafter trains on, the response tokens only or every token (docs/drafter.md)."""
@@ -31,12 +31,12 @@ ROLLOUT_CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 ROLLOUT_REJECTION_LEVELS = ("token", "sequence", "geometric")
 """`algorithm.rollout_rejection`: reject tokens by their own ratio, or whole sequences by the product or the geometric
-mean of their token ratios (docs/algorithms.md)."""
+mean of their token ratios (docs/off-policy.md)."""
 
 ROLLOUT_DIVERGENCE_REJECTIONS = ("token_k2", "token_k3", "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3",
                                  "seq_max_k2", "seq_max_k3")
 """`algorithm.rollout_rejection_divergence`: verl's `rollout_rs` divergence options, a bound on the k2 or k3 estimate
-of the old/behaviour divergence per token, or on its sum, mean or max over a sequence (docs/algorithms.md)."""
+of the old/behaviour divergence per token, or on its sum, mean or max over a sequence (docs/off-policy.md)."""
 
 ADV_ESTIMATOR_ARGS = ("token_rewards_BT", "values_BT", "mask_BT", "scores_N", "group_ids_N", "settings")
 """The keyword names an advantage estimator must accept (checked when a user's function is loaded)."""

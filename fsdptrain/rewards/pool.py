@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 from fsdptrain.registry.user_functions import describe_exception
 
 START_TIMEOUT_S = 300.0
-"""Longest a reward worker may take to import the reward functions when it starts (docs/your-task.md)."""
+"""Longest a reward worker may take to import the reward functions when it starts (docs/reward-functions.md)."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def call_user_code(fn, kwargs: dict, *, then=None, timeout_s: Optional[float] = 
     (:func:`_is_stop`). ``timeout``: with ``timeout_s``, the call runs on a thread of its own and is abandoned at the
     deadline (a thread cannot be killed: it runs on until it returns or the process ends; code that may spin belongs
     in workers, which are killed); the wait for it is interruptible, so a stop signal's grace applies
-    (docs/your-task.md)."""
+    (docs/reward-functions.md)."""
     if timeout_s is None:
         return _call(fn, kwargs, then)
     box: list[Outcome] = []

@@ -104,7 +104,7 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
     except CheckpointMismatch as err:
         raise ConfigError(f"{err}: a resume cannot change the shape of what trains (trainer.allow_config_change "
                           f"accepts the change, not a conversion); resume with the run's model settings, or start a "
-                          f"new run from its export (docs/checkpointing.md)") from None
+                          f"new run from its export (docs/checkpoint-trust.md)") from None
     per_step, key = rows_per_step(cfg)
     if extra["data_position"] != extra["step"] * per_step:
         raise ConfigError(
@@ -131,7 +131,7 @@ def resume(parts: Callable[[], Checkpointed], run_dir: Path, *, cfg, num_steps: 
 def refuse_losing_history(run_dir: Path, damaged: list[tuple[Path, str]]) -> None:
     """``trainer.resume=auto`` found no intact checkpoint of the run: starting fresh would rewrite the run's logged
     steps (metrics.jsonl) and later replace its damaged checkpoints. ConfigError, nothing changed, when the run has
-    damaged checkpoints or logged steps; deleting them is for ``trainer.overwrite=true`` (docs/checkpointing.md)."""
+    damaged checkpoints or logged steps; deleting them is for ``trainer.overwrite=true`` (docs/checkpoint-trust.md)."""
     if damaged:
         (newest, problem), more = damaged[0], len(damaged) - 1
         others = f" (and {more} older one{'s' if more > 1 else ''}, damaged too)" if more else ""

@@ -1,6 +1,6 @@
 """glibc's allocator, through ``mallopt`` and ``malloc_trim``: keep the heap's freed pages for the next step
-(:func:`keep_freed_heap`, a training step's process; docs/sft.md), or hand them back after a pass that will not come
-again (:func:`release_freed_memory`, between check-metrics' passes).
+(:func:`keep_freed_heap`, a training step's process; docs/sft-vs-trl.md), or hand them back after a pass that will
+not come again (:func:`release_freed_memory`, between check-metrics' passes).
 
 A CPU step frees its activations at the end of backward and makes them again in the next forward. glibc returns
 the heap's free top to the kernel once it exceeds its trim threshold (dynamic: twice the mmap threshold, at most

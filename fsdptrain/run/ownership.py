@@ -1,4 +1,4 @@
-"""Who owns a run directory: one run's lineage, one writer at a time, no silent overwrite (docs/checkpointing.md).
+"""Who owns a run directory: one run's lineage, one writer at a time, no silent overwrite (docs/checkpoint-trust.md).
 
 - ``run.json`` holds the run id of the directory's lineage; every checkpoint's marker carries it, and rotation
   deletes only checkpoints of that id. It is also the mark that fsdptrain claimed the folder.
@@ -73,7 +73,7 @@ def refuse_foreign_folder(run_dir: Path, where: str) -> None:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ConfigError(f"{where}: {run_dir} holds files fsdptrain did not write ({shown}); a run is written only "
                           f"into a new or empty folder or its own run folder: choose another trainer.run_dir or "
-                          f"trainer.run_name (docs/checkpointing.md)")
+                          f"trainer.run_name (docs/checkpoint-trust.md)")
 
 
 def run_id(run_dir: Path) -> str | None:

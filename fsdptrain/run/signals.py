@@ -1,6 +1,6 @@
 """Interruption: SIGTERM or Ctrl-C asks for a clean stop at the next step boundary; user code gets a bounded grace.
 
-What a stop signal (SIGTERM, or a first Ctrl-C) does depends on where the run is (docs/your-task.md, "Stopping a
+What a stop signal (SIGTERM, or a first Ctrl-C) does depends on where the run is (docs/checkpointing.md, "Stopping a
 run"): while it generates, trains, evaluates or saves a checkpoint, it sets a flag; the ranks agree on it at the next
 step boundary, save a checkpoint and exit 0. While the user's code runs (a reward, tool or environment call, in this
 process, on the continuous engine's tool thread, or in workers: :func:`user_code`), the call has

@@ -1,6 +1,6 @@
 """Crash-safe file writes: a rewrite goes through a temporary file, fsync and ``os.replace``; an append is one write.
 
-A kill at any moment leaves either the old file or the new one, never a truncated mix (docs/checkpointing.md).
+A kill at any moment leaves either the old file or the new one, never a truncated mix (docs/checkpoint-trust.md).
 Torch-free: the CLI's parent uses it too.
 """
 

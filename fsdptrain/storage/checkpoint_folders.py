@@ -1,7 +1,7 @@
 """Checkpoint folders and what makes one trustworthy, apart from the sharded state inside them
 (fsdptrain/distributed/sharded_checkpoint.py writes and reads that): where a step's folder is, which are complete,
 rotation, the leftovers of a crashed save, and the integrity and lineage checks resume runs before it trusts the
-newest one (docs/checkpointing.md).
+newest one (docs/checkpoint-trust.md).
 
 Trust: DCP's `.metadata` is a pickle. It is read here with `read_dcp_metadata`, an unpickler that builds only DCP's
 metadata classes (`METADATA_GLOBALS`), so a planted `.metadata` that would run code is a damaged checkpoint (resume

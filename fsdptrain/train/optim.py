@@ -35,7 +35,7 @@ def build_optimizer(
 
     Torch's fused kernel (``fused=True``, on the CPU and CUDA): one pass over each parameter, its gradient and its two
     moments, where the default per-parameter loop runs about ten elementwise ops, several of which allocate a
-    parameter-sized temporary (4x faster on SmolLM2's 135M parameters on one CPU thread, docs/sft.md). The same
+    parameter-sized temporary (4x faster on SmolLM2's 135M parameters on one CPU thread, docs/sft-vs-trl.md). The same
     AdamW update; its rounding differs from the loop's by about one fp32 ulp of the weights."""
     if not lr > 0:
         raise ValueError(f"learning rate must be > 0, got {lr}")

@@ -261,7 +261,7 @@ def skips_old_passes(cfg: DictConfig) -> bool:
     the update); and
     no rollout correction or rejection: their ratios exp(old - behaviour) need the old log-probs before the update. On-policy the
     behaviour log-probs are the old ones, so the kept pass gives weights of exactly 1 (exp(0)) and the logged
-    ``experience/rollout_is_*`` (docs/algorithms.md)."""
+    ``experience/rollout_is_*`` (docs/off-policy.md)."""
     return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
             and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
             and cfg.algorithm.kl_in_reward_coef == 0 and not distilling(cfg) and cfg.algorithm.rollout_correction == "none"

@@ -142,7 +142,7 @@ def _backward_nodes(tensor: torch.Tensor) -> list[str]:
 
 def test_sdpa_segments_backward_splits_the_row_once():
     """q, k and v are split into segments once each: a per-segment slice's backward zero-fills and copies a tensor of
-    the whole row once per segment (docs/sft.md, the profile of `fsdptrain sft`)."""
+    the whole row once per segment (docs/sft-vs-trl.md, the profile of `fsdptrain sft`)."""
     q, k, v = (x.requires_grad_() for x in _qkv(num_kv_heads=2, seed=1))
     out, _ = sdpa_segments_attention(_Layer(), q, k, v, None, position_ids=_position_ids(SEGMENTS))
     nodes = _backward_nodes(out)

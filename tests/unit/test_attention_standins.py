@@ -4,8 +4,8 @@ stand-in kernels written from the kernels' documentation (tests/helpers/varlen_k
 What this checks: the packing of q/k/v into the varlen layout, cu_seqlens / max_seqlen, the window conversion,
 soft-capping, GQA, the output layout and the refusals, each against `sdpa_segments` (itself checked against a
 dense reference in test_attention.py). What it cannot check: the real kernels' numerics, backward and dropout
-(docs/packing.md, "Checking the GPU backends on a CPU"). The negative tests feed deliberately misread kernels and
-assert the comparison fails, so the equalities here can fail.
+(docs/attention-backends.md, "Checking the GPU backends on a CPU"). The negative tests feed deliberately misread
+kernels and assert the comparison fails, so the equalities here can fail.
 """
 
 import pytest

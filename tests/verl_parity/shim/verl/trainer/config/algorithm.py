@@ -1,5 +1,5 @@
 """verl's RolloutCorrectionConfig: the fields verl's tests set, and the preset they read. In fsdptrain the same
-choices are `algorithm.rollout_correction*` and `algorithm.rollout_rejection*` (docs/algorithms.md); this holder
+choices are `algorithm.rollout_correction*` and `algorithm.rollout_rejection*` (docs/off-policy.md); this holder
 only carries verl's spellings to the rollout_corr_helper shim."""
 
 from __future__ import annotations
