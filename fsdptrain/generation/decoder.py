@@ -140,6 +140,17 @@ def active_recorder() -> Optional[Recorder]:
     return _RECORDER.get()
 
 
+def generated_in_context(request: Request, context: list[int], new_ids: list[int], ended: bool,
+                         logprobs: Sequence[float] = ()) -> Generated:
+    """A batching engine's record of one request decoded on its whole ``context`` (the kept ids, then the request's
+    new ones): ``new_ids`` cut to the request's cap (then not ended, though the call's larger cap let it go on),
+    the log-probs cut alike, and (``keep``) the context with the new ids but the last as what continues it."""
+    if len(new_ids) > request.max_new_tokens:
+        new_ids, ended = new_ids[:request.max_new_tokens], False
+    return Generated(request.key, list(new_ids), list(logprobs[:len(new_ids)]), ended,
+                     kept=context + new_ids[:-1] if request.keep else None)
+
+
 def decode_in_batches(requests: Sequence[Request], on_finish: Optional[OnFinish],
                       generate_batch: Callable[[list[Request]], list[Generated]]) -> list[Generated]:
     """The ``decode`` of an engine that draws a batch from one generator: the requests of each ``Request.batch``, in

@@ -24,6 +24,7 @@ from fsdptrain.generation.decoder import (
     Sampling,
     active_recorder,
     decode_in_batches,
+    generated_in_context,
 )
 from fsdptrain.generation.row_sampling import RowSeededSampling
 
@@ -229,9 +230,6 @@ class GenerateDecoder:
             if recorder is not None:
                 recorder.on_tokens(r.key, new_tokens)
             ids, truncated = split_response(new_tokens, eos_id=self.tokenizer.eos_token_id)
-            if len(ids) > r.max_new_tokens:
-                ids, truncated = ids[:r.max_new_tokens], True
             row_logprobs = logprobs[row, :len(ids)].tolist() if logprobs is not None else []
-            generated.append(Generated(r.key, ids, row_logprobs, ended=not truncated,
-                                       kept=context + ids[:-1] if r.keep else None))
+            generated.append(generated_in_context(r, context, ids, not truncated, row_logprobs))
         return generated

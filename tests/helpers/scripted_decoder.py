@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 
-from fsdptrain.generation.decoder import Generated, Sampling, decode_in_batches
+from fsdptrain.generation.decoder import Sampling, decode_in_batches, generated_in_context
 from fsdptrain.rollout.turns import run_turns
 
 SAMPLING = Sampling("train", 1.0, 1.0)
@@ -30,13 +30,8 @@ class ScriptedDecoder:
             contexts = [list(r.kept or []) + list(r.new_ids) for r in waiting]
             outputs = self.generate(contexts, max(r.max_new_tokens for r in waiting), next(rounds),
                                     [r.key for r in waiting])
-            out = []
-            for r, context, (ids, ended) in zip(waiting, contexts, outputs, strict=True):
-                ids = list(ids)
-                if len(ids) > r.max_new_tokens:
-                    ids, ended = ids[:r.max_new_tokens], False
-                out.append(Generated(r.key, ids, [], ended, kept=context + ids[:-1] if r.keep else None))
-            return out
+            return [generated_in_context(r, context, list(ids), ended)
+                    for r, context, (ids, ended) in zip(waiting, contexts, outputs, strict=True)]
 
         return decode_in_batches(requests, on_finish, batch)
 

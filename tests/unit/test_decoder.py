@@ -18,6 +18,7 @@ from fsdptrain.generation.decoder import (
     Sampling,
     active_recorder,
     decode_in_batches,
+    generated_in_context,
     recording,
     sampling_for,
 )
@@ -123,3 +124,11 @@ def test_the_generate_decoder_draws_what_generate_draws(mode):
     assert got[0].truncated and len(got[0].new_ids) == 3
     if mode == "train":  # the tiny random model ends rows on EOS only when sampled hot
         assert any(not g.truncated for g in got.values())
+
+
+def test_a_row_past_its_own_cap_is_cut_and_not_ended():
+    request = Request("k", [9], 2, keep=True)
+    cut = generated_in_context(request, [1, 2, 9], [5, 6, 7], True, [-0.5, -0.25, -0.125])
+    assert (cut.new_ids, cut.logprobs, cut.ended, cut.kept) == ([5, 6], [-0.5, -0.25], False, [1, 2, 9, 5])
+    whole = generated_in_context(Request("k", [9], 3), [9], [5, 2], True)
+    assert (whole.new_ids, whole.logprobs, whole.ended, whole.kept) == ([5, 2], [], True, None)
