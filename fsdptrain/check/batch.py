@@ -398,8 +398,8 @@ def writes_every_token(cfg: DictConfig) -> bool:
 def reference_sequences(trainer: Trainer, rollouts: list[Rollout], runs) -> tuple[list, bool]:
     """This rank's sequences as the reference makes them (:mod:`fsdptrain.check.raw_reference`), and whether it cut
     the responses itself: from the recorded ``decode`` call (``runs``) of a single-turn sampler; otherwise the
-    product's prompts and responses. The rewards come from the functions' raw values and the configured weights whenever the
-    source scored the rollouts (an environment's ``get_reward`` with the weight the sampler gave it; the reward
+    product's prompts and responses. The rewards come from the functions' raw values and the configured weights whenever
+    the source scored the rollouts (an environment's ``get_reward`` with the weight the sampler gave it; the reward
     models' scaled total as the source made it); None for offline rollouts."""
     cfg, source = trainer.cfg, trainer.source
     rewards = None

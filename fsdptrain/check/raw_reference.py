@@ -1,10 +1,10 @@
 """check-metrics, part 0: the reference's own inputs, from the raw generation output and the raw reward values.
 
 Before any layout, the product cuts each response out of the tokens its decoder drew (``rollout.engine=generate``
-or ``continuous``: fsdptrain/generation/decoder.py), decides which of its tokens the policy wrote, and adds the reward functions' values up into one reward. Every layout is then fed the same result, so a
-bug in those stages cannot show as a difference between layouts; the reference therefore redoes them itself, from
-their definitions, starting from what the model and the user's functions returned (docs/check-metrics.md, "What the
-reference recomputes before the layouts"):
+or ``continuous``: fsdptrain/generation/decoder.py), decides which of its tokens the policy wrote, and adds the reward
+functions' values up into one reward. Every layout is then fed the same result, so a bug in those stages cannot show as
+a difference between layouts; the reference therefore redoes them itself, from their definitions, starting from what the
+model and the user's functions returned (docs/check-metrics.md, "What the reference recomputes before the layouts"):
 
 - prompt: the ids of the row's request as the sampler handed it to the decoder (recorded through the decoder's
   ``recording`` hook, before any padding);

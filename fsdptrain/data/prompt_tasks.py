@@ -3,11 +3,12 @@
 ``repeat_digit`` ("repeat 7 =" -> "7 7 7"), ``copy_digits`` ("copy 3 1 4 =" -> "3 1 4"), ``reverse_digits``
 ("reverse 3 1 4 =" -> "4 1 3") and ``sort_digits`` ("sort 3 1 4 =" -> "1 3 4"). The ``answer`` column holds the
 answer words joined by single spaces, so the reward ``word_match`` (:mod:`fsdptrain.rewards.builtin`) reproduces
-the original digit-task reward (kept as the oracle in tests/helpers/digit_tasks_oracle.py) exactly: the share of answer words the completion gets right position by position.
+the original digit-task reward (kept as the oracle in tests/helpers/digit_tasks_oracle.py) exactly: the share of answer
+words the completion gets right position by position.
 
 Departure from the old stream: rows are a finite, seeded list visited epoch by epoch
-(:class:`fsdptrain.data.epoch_order.EpochOrder`), not a fresh random prompt per step; with 10 or 1000 possible prompts per
-task, a few thousand rows cover every prompt many times.
+(:class:`fsdptrain.data.epoch_order.EpochOrder`), not a fresh random prompt per step; with 10 or 1000 possible prompts
+per task, a few thousand rows cover every prompt many times.
 """
 
 from __future__ import annotations

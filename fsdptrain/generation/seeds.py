@@ -3,18 +3,20 @@
 A seed is a pure function of where a sample sits in the run; none reads torch's global RNG. Which one a draw uses
 depends on the engine (``rollout.engine``) and the mode (training, greedy or sampled evaluation):
 
-=====================  =========================================================  ==========================================
-seed                   depends on                                                 used by
-=====================  =========================================================  ==========================================
-:func:`row_seed`       trainer.seed, step, group (global index), sample, round,   ``continuous``: every training sample's
-                       turn -- never the rank                                     turn (its own generator)
-:func:`sampling_seed`  trainer.seed, step, rank (+ the round's offset,            ``generate``: one single-turn training
-                       :func:`batch_seed`)                                        batch per rank (one generator)
-:func:`group_seed`     trainer.seed, step, group, round, turn -- never the rank   ``generate``: one multi-turn group's
-                                                                                  training turn (one generator)
-:func:`eval_sample_seed` trainer.seed, step, prompt, sample -- never the rank     both engines: a sampled-evaluation sample
-:func:`eval_turn_seed` the sample's eval seed, turn                               both engines: its later turns
-=====================  =========================================================  ==========================================
+====================  ==================================================  =========================================
+seed                  depends on                                          used by
+====================  ==================================================  =========================================
+``row_seed``          trainer.seed, step, group (global index), sample,   ``continuous``: each training sample's
+                      round, turn -- never the rank                       turn (a generator of its own)
+``sampling_seed``     trainer.seed, step, rank                            ``generate``: through ``batch_seed``
+``batch_seed``        ``sampling_seed``, round                            ``generate``: a rank's single-turn
+                                                                          training batch (one generator)
+``group_seed``        trainer.seed, step, group, round, turn -- never     ``generate``: one multi-turn group's
+                      the rank                                            training turn (one generator)
+``eval_sample_seed``  trainer.seed, step, prompt, sample -- never the     both engines: a sampled-evaluation
+                      rank                                                sample (a generator of its own)
+``eval_turn_seed``    the sample's eval seed, turn                        both engines: its later turns
+====================  ==================================================  =========================================
 
 Greedy decoding (the greedy evaluation) uses no seed. The row-seeded ones (``row_seed``, the eval seeds) make a
 sample's tokens independent of the rank, the world size and the other rows of its batch; the batch seeds

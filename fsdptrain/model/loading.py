@@ -46,8 +46,9 @@ _CHECKPOINT_WRAPPED = "._checkpoint_wrapped_module"
 
 
 def resolve_config(*, path: str | None, config: Mapping[str, Any] | PretrainedConfig | None) -> PretrainedConfig:
-    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/location.py), or from `config` (a dict holding `model_type`
-    plus fields, or a config object; copied, never modified), with every dropout probability set to 0.
+    """The transformers config of the model: from `path` (a folder or a `.gguf` file, model/location.py), or from
+    `config` (a dict holding `model_type` plus fields, or a config object; copied, never modified), with every dropout
+    probability set to 0.
 
     Exactly one of `path` and `config` must be given.
     """

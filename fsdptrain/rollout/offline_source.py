@@ -1,5 +1,5 @@
-"""Offline rollouts: each step's rollouts read from a JSONL file (``data=jsonl``, fsdptrain/data/offline_rollouts.py reads
-and checks the file), cycling over its groups."""
+"""Offline rollouts: each step's rollouts read from a JSONL file (``data=jsonl``, fsdptrain/data/offline_rollouts.py
+reads and checks the file), cycling over its groups."""
 
 from __future__ import annotations
 

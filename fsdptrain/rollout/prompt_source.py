@@ -244,7 +244,8 @@ class PromptSource:
                         generation_logprobs=None if generated is None else generated[k])
                 for k in range(len(samples))]
 
-    def _sample(self, models: RolloutModels, batch: RewardBatch, scores: RewardScores, samples: Samples, k: int) -> dict:
+    def _sample(self, models: RolloutModels, batch: RewardBatch, scores: RewardScores, samples: Samples,
+                k: int) -> dict:
         """One sample for samples.jsonl and the first step's printout: the prompt, the completion, what the sampler
         adds (a trajectory's turns and truncation cause), the rewards."""
         return {"row": batch.rows[k], "prompt": batch.prompts[k], "completion": samples.response_texts[k],

@@ -4,9 +4,9 @@
 The sources: :class:`~fsdptrain.rollout.prompt_source.PromptSource` (prompt rows sampled by the policy, scored by
 reward functions and models) with a single-turn sampler (:class:`~fsdptrain.rollout.single_turn.SingleTurnSampler`)
 or a multi-turn one (:class:`~fsdptrain.rollout.multi_turn.MultiTurnSampler`: each sample a trajectory of several
-turns with tools or an environment), and :class:`~fsdptrain.rollout.offline_source.OfflineSource` (rollouts read from a JSONL
-file). The train loop imports this module only. Group ``i`` of a step is owned by rank ``i % world_size`` (docs/architecture.md,
-rank ownership).
+turns with tools or an environment), and :class:`~fsdptrain.rollout.offline_source.OfflineSource` (rollouts read from a
+JSONL file). The train loop imports this module only. Group ``i`` of a step is owned by rank ``i % world_size``
+(docs/architecture.md, rank ownership).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ truncated by ``length``; a tool segment that would not fit is not appended and e
 counted).
 
 Nothing here imports a model or runs a tool: the loop takes a :class:`~fsdptrain.generation.decoder.Decoder` and
-``call_tools``, so it is tested with scripted ones (tests/unit/test_multi_turn.py). The chat rendering it builds on (the template's ids, its
-checks, parsing a turn's calls) is :class:`fsdptrain.data.conversation.ChatTurns`.
+``call_tools``, so it is tested with scripted ones (tests/unit/test_multi_turn.py). The chat rendering it builds on (the
+template's ids, its checks, parsing a turn's calls) is :class:`fsdptrain.data.conversation.ChatTurns`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,13 @@ from typing import Callable, Optional, Protocol
 from fsdptrain.config import ConfigError
 from fsdptrain.distributed import world
 from fsdptrain.distributed.sharded_checkpoint import CheckpointMismatch, load_checkpoint, save_checkpoint
-from fsdptrain.storage.checkpoint_folders import checkpoint_info, foreign_checkpoint, intact_checkpoint, lineage_of, warn_damaged
+from fsdptrain.storage.checkpoint_folders import (
+    checkpoint_info,
+    foreign_checkpoint,
+    intact_checkpoint,
+    lineage_of,
+    warn_damaged,
+)
 from fsdptrain.distributed.export import export_hf, export_lora
 from fsdptrain.storage.atomic import read_jsonl_dropping_partial_tail, write_atomic
 from fsdptrain.model.lora import has_adapters

@@ -135,7 +135,7 @@ def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *
                     cu_seqlens=packed.cu_seqlens)
 
 
-# ---- the co-trained drafter -------------------------------------------------------------------------------------------
+# ---- the co-trained drafter ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

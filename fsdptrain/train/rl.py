@@ -41,7 +41,14 @@ from fsdptrain.rollout.rollout_source import build_source
 from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
 from fsdptrain.run.outputs import write_samples
 from fsdptrain.run.runner import resolve_steps, run_recipe
-from fsdptrain.train.setup import build_models, loss_scale_factor, max_response_length, resolve_device_type, skips_old_passes, value_settings
+from fsdptrain.train.setup import (
+    build_models,
+    loss_scale_factor,
+    max_response_length,
+    resolve_device_type,
+    skips_old_passes,
+    value_settings,
+)
 from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, replica_metrics
 from fsdptrain.train.trained_part import checkpointed_parts

@@ -1,6 +1,6 @@
 """`fsdptrain check-metrics` on a real model (docs/check-metrics.md, "On a real model"): SmolLM2-135M-Instruct from
-its GGUF file with the example's data passes on 1 and 2 ranks, and each planted bug of tests/helpers/planted_bugs.py that
-applies to that config fails it. Minutes each on a CPU: slow. Skipped where the GGUF file is absent
+its GGUF file with the example's data passes on 1 and 2 ranks, and each planted bug of tests/helpers/planted_bugs.py
+that applies to that config fails it. Minutes each on a CPU: slow. Skipped where the GGUF file is absent
 (examples/real-model/README.md says how to get it; ``FSDPTRAIN_SMOLLM2_GGUF`` names another place)."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ PLANTS = {  # each planted-bug class that applies to this config, and the ranks 
 }
 # Not here: the three bugs before the layouts change nothing on this batch (every response is cut at
 # rollout.max_new_tokens=6, so none ends with an EOS, and every reward is 0, inside the planted clip), so no check can
-# see them; tests/e2e/test_check_metrics_cli.py catches them on the tiny config. The others of tests/helpers/planted_bugs.py
-# need settings this config does not use (rollout correction or rejection, parallel.cp, distillation).
+# see them; tests/e2e/test_check_metrics_cli.py catches them on the tiny config. The others of
+# tests/helpers/planted_bugs.py need settings this config does not use (rollout correction or rejection, parallel.cp,
+# distillation).
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not GGUF.exists(), reason=f"no SmolLM2 GGUF at {GGUF} (FSDPTRAIN_SMOLLM2_GGUF)")]

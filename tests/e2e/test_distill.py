@@ -60,7 +60,8 @@ def test_check_metrics_passes_on_distillation_and_fails_the_teacher_shifted_by_o
     patch = tmp_path / "patch"
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(
-        "from tests.helpers.planted_bugs import plant_teacher_logprobs_shifted_by_one\nplant_teacher_logprobs_shifted_by_one()\n")
+        "from tests.helpers.planted_bugs import plant_teacher_logprobs_shifted_by_one\n"
+        "plant_teacher_logprobs_shifted_by_one()\n")
     env = {"PYTHONPATH": os.pathsep.join([str(patch), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     bad = cli("check-metrics", *args, "--json", str(tmp_path / "bad.json"), env=env)
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]

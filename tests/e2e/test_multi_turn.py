@@ -1,6 +1,6 @@
 """Multi-turn training end to end (docs/multi-turn.md): the real CLI trains a tiny model written here, whose
-character-level ChatML tokenizer (tests/helpers/chatml_tokenizer.py) holds a whole tool call as one added token, so a random policy
-calls tools from the first step; with a tool and with an environment class; resume after step 2 equals the
+character-level ChatML tokenizer (tests/helpers/chatml_tokenizer.py) holds a whole tool call as one added token, so a
+random policy calls tools from the first step; with a tool and with an environment class; resume after step 2 equals the
 uninterrupted run; 1 and 2 ranks give the same metrics."""
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ def test_a_bad_reward_model_folder_is_one_line_and_exit_2(cli, tmp_path, make, s
 
 @pytest.mark.slow
 def test_the_policy_learns_what_a_known_reward_model_rewards(cli, tmp_path):
-    """The reward model scores 1 when a completion ends in "7" (tests/helpers/reward_model_folders.py): the policy learns it."""
+    """The reward model scores 1 when a completion ends in "7" (tests/helpers/reward_model_folders.py): the policy
+    learns it."""
     seven = save_seven_reward_model(tmp_path / "seven")
     result = cli("train", "algorithm=grpo", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
                  "trainer.eval_every=0", "logging.progress=false", "trainer.lr_schedule=constant",

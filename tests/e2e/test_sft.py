@@ -1,7 +1,7 @@
 """``fsdptrain sft`` end to end (docs/sft.md), the real CLI on a tiny model written here with a character-level
-ChatML tokenizer (tests/helpers/chatml_tokenizer.py): it trains (the loss falls, eval/loss is logged); 2 steps then a resume to 3
-equal 3 uninterrupted steps; 2 ranks equal 1; the export is a folder ``fsdptrain train`` trains from; a bad row or
-a setting that does not apply is one line, exit 2, and no run folder."""
+ChatML tokenizer (tests/helpers/chatml_tokenizer.py): it trains (the loss falls, eval/loss is logged); 2 steps then a
+resume to 3 equal 3 uninterrupted steps; 2 ranks equal 1; the export is a folder ``fsdptrain train`` trains from; a bad
+row or a setting that does not apply is one line, exit 2, and no run folder."""
 
 from __future__ import annotations
 
@@ -164,8 +164,9 @@ def test_check_metrics_passes_on_sft_and_fails_the_per_micro_batch_mean(inputs, 
     assert "micro-batches=8 (one sequence each)" in report["layouts_run"]
     patch = inputs / "patch"
     patch.mkdir(exist_ok=True)
-    (patch / "sitecustomize.py").write_text("from tests.helpers.planted_bugs import plant_micro_batch_normalised_by_its_own_"
-                                           "tokens\nplant_micro_batch_normalised_by_its_own_tokens()\n")
+    (patch / "sitecustomize.py").write_text("from tests.helpers.planted_bugs import "
+                                           "plant_micro_batch_normalised_by_its_own_tokens\n"
+                                           "plant_micro_batch_normalised_by_its_own_tokens()\n")
     env = {"PYTHONPATH": os.pathsep.join([str(patch), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     bad = run_cli(*args, "--json", str(inputs / f"bad{nproc}.json"), cwd=inputs, env=env)
     assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Packed forwards of tiny HF decoders built from configs: equal to each sequence's own forward, no leakage,
 equal gradients, and generation untouched by the packed backend (fsdptrain/model/attention_switch.py + packing.py).
 
-Every packed forward asserts through `tests/helpers/attention_call_counts.py` that `sdpa_segments` served each layer, so transformers' own
-packed-mask path (plain sdpa) cannot be what makes these tests pass.
+Every packed forward asserts through `tests/helpers/attention_call_counts.py` that `sdpa_segments` served each layer, so
+transformers' own packed-mask path (plain sdpa) cannot be what makes these tests pass.
 """
 
 import contextlib

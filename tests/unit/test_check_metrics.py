@@ -402,7 +402,8 @@ def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
     from fsdptrain.rl import estimator_registry
 
     original = estimator_registry.gae
-    monkeypatch.setattr(estimator_registry, "gae", lambda r, v, m, *, gamma, lam: original(r, v, m, gamma=lam, lam=gamma))
+    monkeypatch.setattr(estimator_registry, "gae",
+                        lambda r, v, m, *, gamma, lam: original(r, v, m, gamma=lam, lam=gamma))
     report = run_checks(ppo, off_policy=False, update=False)
     failed = {k.rule for k in report.checks if not k.passed}
     assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}

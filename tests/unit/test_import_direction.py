@@ -2,11 +2,11 @@
 
 A numerics module never imports torch.distributed, a model, data or the loop; `rollout/` never imports a recipe
 (`train/`) and nothing below it imports `rollout/`; `generation/` imports no rollout, recipe, loss or check, and
-nothing below it imports `generation/`; `metrics/` and `storage/` import nothing of fsdptrain but themselves; a model module never imports a loss or a
-collective; `registry/` imports nothing of fsdptrain above it, and `config/` and `rl/` import nothing of fsdptrain but
-themselves and `registry/`; imports never form a cycle; the modules the CLI's parent process loads never import torch at
-module level. Imports under `if TYPE_CHECKING:` never run, so they are skipped for the torch-at-import rule, but they
-are edges of the picture of the code: they count for the other rules and for cycles.
+nothing below it imports `generation/`; `metrics/` and `storage/` import nothing of fsdptrain but themselves; a model
+module never imports a loss or a collective; `registry/` imports nothing of fsdptrain above it, and `config/` and `rl/`
+import nothing of fsdptrain but themselves and `registry/`; imports never form a cycle; the modules the CLI's parent
+process loads never import torch at module level. Imports under `if TYPE_CHECKING:` never run, so they are skipped for
+the torch-at-import rule, but they are edges of the picture of the code: they count for the other rules and for cycles.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ ONLY_FSDPTRAIN = {
 }
 # part -> the modules it may import despite FORBIDDEN: none; an exemption is a layer drawn wrong
 ALLOWED: dict[str, tuple[str, ...]] = {}
-TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.config.compose", "fsdptrain.launch", "fsdptrain.distributed.torchrun",
+TORCH_FREE_AT_IMPORT = ("fsdptrain.cli", "fsdptrain.config.compose", "fsdptrain.launch",
+                        "fsdptrain.distributed.torchrun",
                         "fsdptrain.config", "fsdptrain.registry")
 
 
@@ -168,7 +169,8 @@ def test_the_package_follows_the_import_rules():
     ("fsdptrain.rl.policy_loss", "import torch.distributed\n", "fsdptrain.rl.policy_loss imports torch.distributed"),
     ("fsdptrain.rl.policy_loss", "from fsdptrain.model.loading import TINY_CONFIG\n",
      "fsdptrain.rl.policy_loss imports fsdptrain.model.loading"),
-    ("fsdptrain.rl.policy_loss", "def f():\n    from fsdptrain.train import rl\n", "fsdptrain.rl.policy_loss imports fsdptrain.train"),
+    ("fsdptrain.rl.policy_loss", "def f():\n    from fsdptrain.train import rl\n",
+     "fsdptrain.rl.policy_loss imports fsdptrain.train"),
     ("fsdptrain.model.forward", "from fsdptrain.rl.policy_loss import policy_loss\n",
      "fsdptrain.model.forward imports fsdptrain.rl.policy_loss"),
     ("fsdptrain.cli", "import torch\n", "fsdptrain.cli imports torch at module level"),
@@ -182,7 +184,8 @@ def test_the_package_follows_the_import_rules():
      "fsdptrain.registry.names imports fsdptrain.config.schema"),
     ("fsdptrain.registry.user_functions", "import torch\n",
      "fsdptrain.registry.user_functions imports torch at module level"),
-    ("fsdptrain.rl.policy_loss", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.model import loading\n",
+    ("fsdptrain.rl.policy_loss",
+     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fsdptrain.model import loading\n",
      "fsdptrain.rl.policy_loss imports fsdptrain.model"),
     ("fsdptrain.distributed.collectives", "from fsdptrain.rl.policy_loss import policy_loss\n",
      "fsdptrain.distributed.collectives imports fsdptrain.rl.policy_loss"),

@@ -1,7 +1,8 @@
 """The multi-turn turn loop (fsdptrain/rollout/turns.py, on the chat rendering of fsdptrain/data/conversation.py)
-with a ChatML template with tools written by the test (tests/helpers/chatml_tokenizer.py) and scripted generations: ids built turn by turn equal the template's rendering of the final
-conversation token for token, the mask is 0 exactly on tool segments and separators, and each cap, a malformed call,
-a raising or unknown tool and an overflowing result behave as docs/multi-turn.md says."""
+with a ChatML template with tools written by the test (tests/helpers/chatml_tokenizer.py) and scripted generations: ids
+built turn by turn equal the template's rendering of the final conversation token for token, the mask is 0 exactly on
+tool segments and separators, and each cap, a malformed call, a raising or unknown tool and an overflowing result behave
+as docs/multi-turn.md says."""
 
 from __future__ import annotations
 

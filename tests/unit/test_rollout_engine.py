@@ -1,6 +1,6 @@
-"""The continuous engine (fsdptrain/generation/continuous.py): a row's tokens do not depend on its neighbours, their number or
-its arrival; a kept cache continues a conversation as re-prefilling it does; a finished row costs no decode forward;
-the engine's tokens are `generate`'s with the same row seeds."""
+"""The continuous engine (fsdptrain/generation/continuous.py): a row's tokens do not depend on its neighbours, their
+number or its arrival; a kept cache continues a conversation as re-prefilling it does; a finished row costs no decode
+forward; the engine's tokens are `generate`'s with the same row seeds."""
 
 from __future__ import annotations
 

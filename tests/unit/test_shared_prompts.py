@@ -1,6 +1,7 @@
 """Shared prompts (fsdptrain/data/shared_prompts.py): the model row laid out by hand, and a shared-prompt forward equal to
 the unshared one (log-probs, entropy, values, losses, metrics, gradients; fp32, 1e-6) on tiny Llama and Qwen2 models,
-on `sdpa_segments` and on the `flash_attn` backend's code with the CPU stand-in kernel (tests/helpers/varlen_kernel_standins.py)."""
+on `sdpa_segments` and on the `flash_attn` backend's code with the CPU stand-in kernel
+(tests/helpers/varlen_kernel_standins.py)."""
 
 from __future__ import annotations
 
