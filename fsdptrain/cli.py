@@ -20,7 +20,7 @@ import typer
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.compose import compose_config
-from fsdptrain.config import ConfigError, validate_world
+from fsdptrain.config import ConfigError, trainer_ranks, validate_world
 from fsdptrain.preflight import (
     check_command_source,
     check_inputs,
@@ -136,7 +136,7 @@ def _dispatch(command: str, overrides: Optional[List[str]], config_dir: Optional
         cfg = compose_config(overrides or [], config_dir=config_dir, config_name=config_name)
         check_command_source(command, cfg)
         world_size = torchrun_world_size() if under_torchrun() else nproc
-        validate_world(cfg, world_size)
+        validate_world(cfg, trainer_ranks(cfg, world_size) if command == "train" else world_size)
         check_user_functions(cfg)
         if command in ("train", "check-reward"):
             check_train_inputs(cfg)

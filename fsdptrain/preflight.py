@@ -109,7 +109,7 @@ def check_lora_targets(cfg: DictConfig) -> None:
     from fsdptrain.config.lora_rules import target_module_names
     from fsdptrain.model.loading import meta_model, resolve_config
     from fsdptrain.model.lora import resolve_target_modules
-    from fsdptrain.train.setup import tiny_model_config
+    from fsdptrain.model.loading import tiny_model_config
     from fsdptrain.model.loading import build_tokenizer
 
     source = (dict(path=cfg.model.path, config=None) if cfg.model.path is not None else

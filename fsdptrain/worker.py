@@ -34,6 +34,7 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
     they find it gone.
     """
     from fsdptrain.config import ConfigError
+    from fsdptrain.distributed.placement import GeneratorFailed
     from fsdptrain.rewards.runner import RewardFailedOnAnotherRank, UserCodeError
 
     rank = env_rank()
@@ -67,6 +68,9 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
         return 2
     except RewardFailedOnAnotherRank:  # the rank where it failed prints the error
         return 2
+    except GeneratorFailed as err:  # rollout.placement=separate: a generator rank died, hung or raised
+        report_failure(f"error: {err}", rank=rank)
+        return 1
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)) or not _disk_full(err):
             raise

@@ -9,10 +9,11 @@ from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS, Config, regist
 from fsdptrain.config.validate import (
     multi_turn,
     reward_specs,
+    trainer_ranks,
     validate,
     validate_mesh_shape,
     validate_world,
 )
 
-__all__ = ["DEFAULT_STEPS", "SCHEMA_GROUPS", "Config", "ConfigError", "multi_turn", "register_schemas", "reward_specs", "validate",
+__all__ = ["DEFAULT_STEPS", "SCHEMA_GROUPS", "Config", "ConfigError", "multi_turn", "register_schemas", "reward_specs", "trainer_ranks", "validate",
            "validate_mesh_shape", "validate_world"]

@@ -23,7 +23,7 @@ from fsdptrain.config.fields import Range, field_choices, field_item_range, fiel
 from fsdptrain.config.schema import DEFAULT_STEPS, SCHEMA_GROUPS
 
 __all__ = ["DEFAULT_STEPS", "RENAMED_KEYS", "ConfigError", "declared_range", "renamed_key_message", "reward_specs",
-           "schema_fields", "validate", "validate_mesh_shape", "validate_world"]
+           "schema_fields", "trainer_ranks", "validate", "validate_mesh_shape", "validate_world"]
 
 RENAMED_KEYS = {
     "data.eval_size": "data.num_eval_prompts",
@@ -235,9 +235,43 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.eval_k: pass@{too_big[0]} needs at least {too_big[0]} samples per prompt, but "
                           f"trainer.eval_n={eval_n}: each k must be in [1, eval_n]")
     _check_context_parallel(cfg)
+    _check_placement(cfg)
     if cfg.data.source != "sft" and cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
                           f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}")
+
+
+def _check_placement(cfg: DictConfig) -> None:
+    """rollout.placement=separate's settings apply to it only, and it generates what it can hand over whole: no
+    offline rollouts, no environment objects (they live with the rewards, on the trainer ranks), no extra rounds of
+    dynamic sampling, no drafter trained on the generating forward (docs/async.md)."""
+    r = cfg.rollout
+    if r.placement == "colocated":
+        for key, default in (("max_staleness", 0), ("generator_ranks", 1)):
+            if r[key] != default:
+                raise ConfigError(f"rollout.{key}={r[key]} applies to rollout.placement=separate only: set "
+                                  f"rollout.placement=separate or leave rollout.{key} out")
+        return
+    refusals = [(cfg.data.source == "jsonl", "data.source=jsonl (offline rollouts are not generated)"),
+                (r.environment is not None, "rollout.environment (its objects score on the trainer ranks)"),
+                (cfg.algorithm.filter_groups, "algorithm.filter_groups=true (extra rounds of generation)"),
+                (cfg.drafter.enabled, "drafter.enabled=true (it trains on the generating forward)")]
+    for refused, what in refusals:
+        if refused:
+            raise ConfigError(f"rollout.placement=separate does not run with {what}: use rollout.placement=colocated "
+                              "(docs/async.md)")
+
+
+def trainer_ranks(cfg: DictConfig, world_size: int) -> int:
+    """The ranks that train out of ``world_size`` launched: all of them colocated, all but the last
+    ``rollout.generator_ranks`` with ``rollout.placement=separate`` (ConfigError when none would be left)."""
+    if cfg.data.source == "sft" or cfg.rollout.placement == "colocated":
+        return world_size
+    generators = cfg.rollout.generator_ranks
+    if generators >= world_size:
+        raise ConfigError(f"rollout.generator_ranks={generators} leaves no trainer rank among the {world_size} "
+                          f"launched: launch more ranks (--nproc) or lower rollout.generator_ranks")
+    return world_size - generators
 
 
 CP_BACKENDS = ("auto", "sdpa_segments")

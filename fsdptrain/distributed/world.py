@@ -24,6 +24,7 @@ import torch.distributed
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdptrain.config import validate_mesh_shape
+from fsdptrain.distributed.placement import Bridge, Placement, set_bridge
 from fsdptrain.distributed.torchrun import under_torchrun
 
 DP_REPLICATE = "dp_replicate"
@@ -50,24 +51,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def attempt_store(store: torch.distributed.Store) -> torch.distributed.Store:
+def attempt_store(store: torch.distributed.Store, group: str = "default_pg") -> torch.distributed.Store:
     """`store` under a key prefix of its own for this torchrun restart attempt (``TORCHELASTIC_RESTART_COUNT``).
 
     torchrun's agent hosts one TCPStore for every restart of the worker group, and the ranks connect to it without a
     prefix; the process group's keys (each rank's gloo address) from a failed attempt are still there when the
     restarted ranks look them up, so a restarted rank would read a dead peer's address and fail or hang connecting
     to it. A prefix per attempt makes every attempt start from an empty namespace. The "default_pg" part is the
-    prefix ``init_process_group`` itself would add.
+    prefix ``init_process_group`` itself would add; ``group`` names another group's namespace (the sides of a
+    separate placement).
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return torch.distributed.PrefixStore(f"fsdptrain/attempt_{attempt}/default_pg", store)
+    return torch.distributed.PrefixStore(f"fsdptrain/attempt_{attempt}/{group}", store)
 
 
-def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
+def init_distributed(*, device_type: str, timeout_s: float = 600.0, generator_ranks: int = 0,
+                     generator_timeout_s: float = 1800.0) -> DistInfo:
     """Create the default process group from torchrun's environment, or a 1-rank group when there is none.
 
     `device_type` is "cpu" (gloo) or "cuda" (nccl for CUDA tensors plus gloo for CPU tensors; the device is
     cuda:LOCAL_RANK). Idempotent: a second call returns the existing group's info.
+
+    `generator_ranks` > 0 (``rollout.placement=separate``): the last ones of the launch are generator ranks; the
+    default group spans this process's side only (the returned rank and world size are the side's) and the
+    :class:`fsdptrain.distributed.placement.Bridge` between the sides is built (``placement.bridge()``).
     """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
@@ -91,14 +98,26 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0) -> DistInfo:
         timeout = datetime.timedelta(seconds=timeout_s)
         store, rank, world_size = next(torch.distributed.rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
-        torch.distributed.init_process_group(backend=backend, store=attempt_store(store), rank=rank,
-                                             world_size=world_size, timeout=timeout)
+        if generator_ranks:
+            placement = Placement(trainers=world_size - generator_ranks, generators=generator_ranks,
+                                  global_rank=rank)
+            side = "generators" if placement.is_generator else "trainers"
+            side_rank = placement.generator_index if placement.is_generator else rank
+            side_size = generator_ranks if placement.is_generator else placement.trainers
+            torch.distributed.init_process_group(backend=backend, store=attempt_store(store, side), rank=side_rank,
+                                                 world_size=side_size, timeout=timeout)
+            set_bridge(Bridge(attempt_store(store, "bridge"), placement, device=device,
+                              timeout_s=generator_timeout_s))
+        else:
+            torch.distributed.init_process_group(backend=backend, store=attempt_store(store), rank=rank,
+                                                 world_size=world_size, timeout=timeout)
     return DistInfo(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
                     local_rank=local_rank, device=device)
 
 
 def destroy_distributed() -> None:
     """Destroy the default process group if there is one. Call it on the success path before `exit_process`."""
+    set_bridge(None)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -406,3 +406,23 @@ def comparable(collection: Mapping[str, Metric]) -> dict[str, Kind]:
 # ---- the rank reduction -------------------------------------------------------------------------------------
 
 
+
+
+_PLAIN_KINDS = {cls.__name__: cls for cls in (Sum, Mean, Min, Max)}
+
+
+def to_plain(collection: Mapping[str, Metric]) -> dict[str, list]:
+    """``collection`` as plain data (a checkpoint's): name -> [kind, its slots' values]. Only the kinds whose
+    slots say everything (SUM, MEAN, MIN, MAX) can be written so; another kind is a ValueError."""
+    plain = {}
+    for name, metric in collection.items():
+        if type(metric).__name__ not in _PLAIN_KINDS:
+            raise ValueError(f"metric {name!r} is a {type(metric).__name__}, which has no plain form")
+        plain[name] = [type(metric).__name__, [float(stat) for _, stat in metric.slots()]]
+    return plain
+
+
+def from_plain(plain: Mapping[str, list]) -> Metrics:
+    """The inverse of :func:`to_plain`."""
+    return Metrics({name: _PLAIN_KINDS[kind]().from_slots([_stat(v) for v in values])
+                    for name, (kind, values) in plain.items()})

@@ -246,3 +246,28 @@ def build_tokenizer(cfg: DictConfig):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
+    """The config-built model's transformers config: ``TINY_CONFIG`` with the sizes of ``cfg.model``, sized to the
+    tokenizer."""
+    return {
+        **TINY_CONFIG,
+        "model_type": cfg.model.arch,
+        "vocab_size": len(tokenizer),
+        "hidden_size": cfg.model.hidden_size,
+        "intermediate_size": cfg.model.intermediate_size,
+        "num_hidden_layers": cfg.model.num_layers,
+        "num_attention_heads": cfg.model.num_heads,
+        "num_key_value_heads": cfg.model.num_kv_heads,
+        "tie_word_embeddings": cfg.model.tie_word_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def model_source(cfg: DictConfig, tokenizer) -> dict:
+    """Where the policy's weights come from: ``model.path`` (a folder or .gguf file), else the config-built model."""
+    path = model_path(cfg)
+    return dict(path=path, config=None if path else tiny_model_config(cfg, tokenizer))

@@ -18,6 +18,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from omegaconf import DictConfig
+
+from fsdptrain.config.lora_rules import target_module_names
 from fsdptrain.model.loading import decoder_layers
 
 PEFT_MISSING = "model.lora.r > 0 needs peft, which is not installed: pip install 'fsdptrain[lora]'"
@@ -116,3 +119,14 @@ def _is_tuner_layer(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, BaseTunerLayer)
+
+
+def lora_settings(cfg: DictConfig, *, critic: bool = False) -> Optional[LoraSettings]:
+    """The adapters of the policy (or, with ``critic``, of the value model, whose head then trains too) from
+    ``model.lora``; None when that model trains every weight."""
+    lora = cfg.model.lora
+    if lora.r == 0 or (critic and not lora.critic):
+        return None
+    names = target_module_names(lora.target_modules)
+    return LoraSettings(r=lora.r, alpha=float(lora.alpha), dropout=float(lora.dropout),
+                        target_modules=None if names is None else tuple(names), trainable_head=critic)

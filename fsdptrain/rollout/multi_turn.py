@@ -170,6 +170,7 @@ class MultiTurnSampler:
             completions=[t.messages for t in trajectories], response_texts=texts,
             answers=[_last_assistant_text(t) for t in trajectories],
             response_masks=[list(t.response_mask) for t in trajectories],
+            generation_logprobs=[list(t.logprobs) for t in trajectories] if mode == "train" else None,
             conversations=[m + [x for x in t.messages if x.get("appended", True)]
                            for m, t in zip(turns.prompt_messages, trajectories)],
             columns={"environments": turns.environments} if self.environment is not None else {},

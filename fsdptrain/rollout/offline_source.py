@@ -17,6 +17,7 @@ class OfflineSource:
     alone fixes which, so the source keeps no state)."""
 
     generates = False
+    link = None
     num_train_rows = None
 
     def __init__(self, cfg: DictConfig, tokenizer):

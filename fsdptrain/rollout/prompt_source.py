@@ -35,6 +35,7 @@ from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.rollout.evaluation import greedy_reward, sampled_eval
 from fsdptrain.generation.decoder import SampleMode
 from fsdptrain.generation.engines import make_decoder
+from fsdptrain.rollout.generator_link import GeneratorLink
 from fsdptrain.rollout.sampler import Sampler, Samples
 from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
 from fsdptrain.rollout.single_turn import SingleTurnSampler
@@ -82,8 +83,13 @@ class PromptSource:
 
     generates = True
 
-    def __init__(self, cfg: DictConfig, tokenizer, sampler: Optional[Sampler] = None):
+    def __init__(self, cfg: DictConfig, tokenizer, sampler: Optional[Sampler] = None,
+                 link: Optional[GeneratorLink] = None):
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.link = link
+        """With ``rollout.placement=separate``: this trainer rank's generator, which samples its training groups
+        (fsdptrain/rollout/generator_link.py); the evaluation still samples here."""
+        self.generates = link is None  # else the generators' FLOPs, not this rank's
         self.train_rows, self.eval_rows, self.dropped = load_rows(cfg, tokenizer)
         self.num_train_rows = len(self.train_rows)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
@@ -111,6 +117,8 @@ class PromptSource:
         return self.runner
 
     def close(self) -> None:
+        if self.link is not None:
+            self.link.stop()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -143,8 +151,11 @@ class PromptSource:
 
     def state_dict(self) -> dict:
         """The prompt order's position and the reward models' running moments."""
-        return {"prompt_order": self.order.state_dict(),
-                "reward_model_moments": [m.state_dict() for m in self.reward_moments]}
+        state = {"prompt_order": self.order.state_dict(),
+                 "reward_model_moments": [m.state_dict() for m in self.reward_moments]}
+        if self.link is not None:  # collective over the trainer ranks
+            state["generator_link"] = self.link.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; one saved by another data.source, or for other reward models, is a
@@ -157,6 +168,8 @@ class PromptSource:
             raise ConfigError(f"the checkpoint holds running moments of {len(saved)} reward models, but reward.models "
                               f"lists {len(self.reward_moments)}: resume with the run's own reward.models")
         self.reward_moments = [RunningMoments.from_state_dict(m) for m in saved]
+        if self.link is not None:
+            self.link.load_state_dict(state.get("generator_link", {"trainer_ranks": 0, "in_flight": []}))
 
     def sample_and_score(self, models: RolloutModels, mine: list[tuple[int, PromptRow]], *, repeat: int,
                          mode: SampleMode, step: int, round_index: int, rank: int,
@@ -226,10 +239,16 @@ class PromptSource:
         """This rank's rollouts of the step's next ``prompts_per_step`` rows; ``round_index`` > 0 is an extra round of
         dynamic sampling (the next rows of the order, its own sampling seed; the reward metrics cover every round)."""
         n = self.cfg.rollout.n
-        positions = self.order.take(self.cfg.rollout.prompts_per_step)
-        mine = [(i, self.train_rows[p]) for i, p in enumerate(positions) if i % world_size == rank]
-        samples, batch, scores, model_metrics = self.sample_and_score(
-            models, mine, repeat=n, mode="train", step=step, round_index=round_index, rank=rank, device=device)
+
+        def plan() -> list[tuple[int, PromptRow]]:
+            positions = self.order.take(self.cfg.rollout.prompts_per_step)
+            return [(i, self.train_rows[p]) for i, p in enumerate(positions) if i % world_size == rank]
+
+        if self.link is None:
+            samples, batch, scores, model_metrics = self.sample_and_score(
+                models, plan(), repeat=n, mode="train", step=step, round_index=round_index, rank=rank, device=device)
+        else:
+            samples, batch, scores, model_metrics = self._from_generator(models, step, plan, device=device)
         groups = batch.groups
         metrics = merge_all([reward_metrics(scores, groups=groups), model_metrics, samples.metrics])
         self.step_metrics = metrics if round_index == 0 else merge_all([self.step_metrics, metrics])
@@ -237,12 +256,27 @@ class PromptSource:
         self.samples = [self._sample(models, batch, scores, samples, k)
                         for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
         masks, generated = samples.response_masks, samples.generation_logprobs
+        behaviour = generated if self.link is not None and self.cfg.rollout.max_staleness > 0 else None
         return [Rollout(prompt_ids=samples.prompt_ids[k], response_ids=samples.response_ids[k],
                         reward=scores.total[k], group=groups[k], truncated=samples.truncated[k],
                         prompt_text=samples.prompts[k], response_text=samples.response_texts[k],
                         response_mask=None if masks is None else masks[k],
-                        generation_logprobs=None if generated is None else generated[k])
+                        generation_logprobs=None if generated is None else generated[k],
+                        behaviour_logprobs=None if behaviour is None else behaviour[k])
                 for k in range(len(samples))]
+
+    def _from_generator(self, models: RolloutModels, step: int, plan, *,
+                        device) -> tuple[Samples, RewardBatch, RewardScores, Metrics]:
+        """This rank's samples of ``step`` from its generator (the trainer's wait is the step's ``generate``
+        phase), scored here; the link's metrics join the sampler's."""
+        with phase("generate"):
+            mine, samples, link_metrics = self.link.samples(step, plan)
+        samples = dataclasses.replace(samples, metrics=merge_all([samples.metrics, link_metrics]))
+        rows = [row for _, row in mine for _ in range(self.cfg.rollout.n)]
+        groups = [i for i, _ in mine for _ in range(self.cfg.rollout.n)]
+        with phase("reward"):
+            batch, scores, model_metrics = self.score(models, rows, groups, samples, device=device, training=True)
+        return samples, batch, scores, model_metrics
 
     def _sample(self, models: RolloutModels, batch: RewardBatch, scores: RewardScores, samples: Samples,
                 k: int) -> dict:

@@ -18,6 +18,9 @@ from omegaconf import DictConfig
 from fsdptrain.config import multi_turn
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.metrics.typed import Metrics
+from fsdptrain.distributed import world
+from fsdptrain.distributed.placement import bridge
+from fsdptrain.rollout.generator_link import GeneratorLink
 from fsdptrain.rollout.multi_turn import MultiTurnSampler
 from fsdptrain.rollout.offline_source import OfflineSource
 from fsdptrain.rollout.prompt_source import PromptSource
@@ -37,7 +40,9 @@ class RolloutSource(Protocol):
     """
 
     generates: bool
-    """The policy samples the rollouts (generation's FLOPs count in ``perf/*``)."""
+    """This rank's policy samples the rollouts (generation's FLOPs count in ``perf/*``)."""
+    link: Optional[GeneratorLink]
+    """With ``rollout.placement=separate``: this trainer rank's generator (docs/async.md); else None."""
     num_train_rows: Optional[int]
     """Training rows behind ``trainer.epochs`` (None: the source has no epochs)."""
     max_response_length: int
@@ -71,8 +76,13 @@ class RolloutSource(Protocol):
 
 def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
     """The source ``data.source`` names: offline JSONL rollouts, else prompts with a sampler, multi-turn when
-    ``rollout.tools`` or ``rollout.environment`` is set, else single-turn."""
+    ``rollout.tools`` or ``rollout.environment`` is set, else single-turn; with ``rollout.placement=separate`` the
+    training samples come from this rank's generator (the sampler still serves the evaluation)."""
     if cfg.data.source == "jsonl":
         return OfflineSource(cfg, tokenizer)
     sampler = MultiTurnSampler(cfg, tokenizer) if multi_turn(cfg) else SingleTurnSampler(cfg, tokenizer)
-    return PromptSource(cfg, tokenizer, sampler)
+    link = None
+    if cfg.rollout.placement == "separate":
+        link = GeneratorLink(bridge(), rank=world.rank(), max_staleness=cfg.rollout.max_staleness,
+                             repeat=cfg.rollout.n)
+    return PromptSource(cfg, tokenizer, sampler, link)

@@ -7,12 +7,13 @@ evaluation all go through the same sampler, so a multi-turn run is evaluated on 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from fsdptrain.data.prompts import PromptRow
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.metrics.typed import Metrics
+from fsdptrain.metrics.typed import Metrics, from_plain, to_plain
 from fsdptrain.generation.decoder import Decoder, SampleMode
 
 
@@ -50,6 +51,18 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def to_plain(self) -> dict:
+        """Plain data (a checkpoint's, docs/async.md): every field as it is, the metrics by their slots. Samples
+        with per-sample objects in ``columns`` (an environment's) have none (ValueError)."""
+        if self.columns:
+            raise ValueError(f"samples with reward-function columns {sorted(self.columns)} have no plain form")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "metrics"}
+        return {**fields, "metrics": to_plain(self.metrics)}
+
+    @staticmethod
+    def from_plain(plain: dict) -> "Samples":
+        return Samples(**{**plain, "metrics": from_plain(plain["metrics"])})
 
 
 class Sampler(Protocol):

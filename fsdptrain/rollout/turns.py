@@ -46,6 +46,8 @@ class Trajectory:
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """Per response token, the generating forward's log-prob of a sampled token (0.0 at a tool's or the template's)."""
     messages: list[dict] = field(default_factory=list)
     num_turns: int = 0
     num_calls: int = 0
@@ -112,7 +114,7 @@ def run_turns(decoder: Decoder, sampling: Sampling, chat: ChatTurns, prompts: Se
         for generated in finished:
             t = trajectories[generated.key]
             calls = finish_turn(chat, t, generated.new_ids, generated.ended, budget=len(generated.new_ids),
-                                last_turn=t.num_turns == caps.max_turns - 1)
+                                last_turn=t.num_turns == caps.max_turns - 1, logprobs=generated.logprobs)
             if calls:
                 calling.append((generated, calls))
         return [tool_thread.submit(after_tools, calling)] if calling else []
@@ -130,13 +132,15 @@ def run_turns(decoder: Decoder, sampling: Sampling, chat: ChatTurns, prompts: Se
 
 
 def finish_turn(chat: ChatTurns, t: Trajectory, new_ids: list[int], ended: bool, *, budget: int,
-                last_turn: bool) -> Optional[list[tuple[str, dict]]]:
-    """Append one assistant turn (``new_ids``, cut to ``budget``; ``ended``: it ended on EOS) to ``t``; the tool calls
-    to run next, or None when the trajectory ended here (no call, a malformed one, its length, its last turn)."""
+                last_turn: bool, logprobs: Sequence[float] = ()) -> Optional[list[tuple[str, dict]]]:
+    """Append one assistant turn (``new_ids``, cut to ``budget``; ``ended``: it ended on EOS; ``logprobs``: the
+    generating forward's, one per new id, or none) to ``t``; the tool calls to run next, or None when the trajectory
+    ended here (no call, a malformed one, its length, its last turn)."""
     if len(new_ids) > budget:
         new_ids, ended = new_ids[:budget], False
     prefix = t.prompt_ids + t.response_ids
     extend_response(t.response_ids, t.response_mask, new_ids, trained=True)
+    t.logprobs.extend([float(x) for x in logprobs[:len(new_ids)]] if len(logprobs) else [0.0] * len(new_ids))
     t.num_turns += 1
     text_ids = new_ids[:-1] if ended else new_ids
     message = {"role": "assistant", "content": chat.tokenizer.decode(text_ids, skip_special_tokens=False)}
@@ -184,5 +188,6 @@ def append_tool_results(chat: ChatTurns, t: Trajectory, calls: list[tuple[str, d
         t.end("tool_overflow")
         return
     extend_response(t.response_ids, t.response_mask, segment, trained=False)
+    t.logprobs.extend([0.0] * len(segment))
     t.num_tool_tokens += len(segment)
     t.messages.extend(tool_messages)

@@ -49,7 +49,11 @@ from fsdptrain.train.setup import (
     skips_old_passes,
     value_settings,
 )
-from fsdptrain.model.loading import build_tokenizer
+from fsdptrain.distributed.placement import bridge
+from fsdptrain.distributed.weight_handover import WeightSender
+from fsdptrain.generation.schedule import sent_versions
+from fsdptrain.model.loading import DTYPES, build_tokenizer
+from fsdptrain.rollout.generator_rank import serve
 from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, replica_metrics
 from fsdptrain.train.trained_part import checkpointed_parts
 
@@ -106,7 +110,8 @@ class Trainer:
     name = "train"
     stats = (("reward/mean", "reward", ".3f"), ("perf/tokens_per_s", "tok/s", ".0f"), ("perf/step_s", "step", ".2f"),
              ("perf/generate_s", "gen", ".2f"), ("perf/experience_s", "exp", ".2f"), ("perf/update_s", "upd", ".2f"),
-             ("actor/pg_loss", "pg", ".3g"), ("critic/vf_loss", "vf", ".3g"), ("actor/grad_norm", "|g|", ".3g"))
+             ("actor/pg_loss", "pg", ".3g"), ("critic/vf_loss", "vf", ".3g"), ("actor/grad_norm", "|g|", ".3g"),
+             ("async/staleness", "stale", ".0f"), ("perf/trainer_wait_s", "wait", ".2f"))
 
     def __init__(self, cfg: DictConfig, run_dir: Path, info: world.DistInfo, mesh):
         self.cfg, self.run_dir, self.info, self.mesh = cfg, run_dir, info, mesh
@@ -130,6 +135,12 @@ class Trainer:
         self.eval_rewards: dict[int, float] = {}
         """``eval/reward`` after each number of steps this run evaluated at, for the summary."""
         self.extensions = build_extensions(cfg, self.models, mesh=mesh, device=self.device, num_steps=self.num_steps)
+        self.weights: Optional[WeightSender] = None
+        """With ``rollout.placement=separate``: the policy's weights to the generators after each step."""
+        self.sent_versions = range(0)
+        if self.source.link is not None:
+            self.weights = WeightSender(self.models.policy, bridge(), param_dtype=DTYPES[cfg.parallel.param_dtype],
+                                        bucket_bytes=cfg.rollout.weight_bucket_mb * 2**20)
 
     # -- one step ----------------------------------------------------------------------------------------------------
 
@@ -151,6 +162,7 @@ class Trainer:
                 update_metrics, update_facts = self.update(batches, experience["on_policy"])
             for scheduler in self.checkpointed().schedulers.values():
                 scheduler.step()
+            self.send_weights(step + 1)
             experience_metrics = merge_all([filter_metrics, replica_metrics(experience["metrics"], self.context)])
             if experience_metrics:  # names fixed by the config
                 experience_metrics = reduce_metrics(experience_metrics)
@@ -256,13 +268,25 @@ class Trainer:
                     facts.append(part.facts(outcome))
         return merge_all(collected), merge_all(facts)
 
+    def send_weights(self, version: int, *, full: bool = False) -> None:
+        """With ``rollout.placement=separate``: version ``version`` of the policy to the generators, when a step
+        they generate needs it (fsdptrain/generation/schedule.py; collective over the trainer ranks)."""
+        if self.weights is not None and version in self.sent_versions:
+            self.weights.send(version, full=full)
+
     def step_facts(self) -> Metrics:
         """The step's settings and run totals, the same on every rank (so MAX over ranks is the value): the policy's
         learning rate (after this step's scheduler step), the loss scale factor, the optimizer steps skipped so far;
-        then the source's and the extensions' facts."""
+        with separate placement the bytes of the weights sent after the step (trainer rank 0's; 0 elsewhere) and
+        their time; then the source's and the extensions' facts."""
         own = Metrics({"actor/lr": Max(self.models.policy_part.lr),
                        "loss/loss_scale_factor": Max(self.loss_scale_factor),
                        "train/nonfinite_skipped": Max(sum(part.guard.num_skipped for part in self.models.trained))})
+        if self.weights is not None:
+            sent = self.weights.last
+            self.weights.last = None
+            own = own.merge(Metrics({"async/broadcast_bytes": Max(sent.bytes if sent else 0),
+                                     "perf/broadcast_s": Max(sent.seconds if sent else 0.0)}))
         return merge_all([own, self.source.step_facts(), *(e.step_facts() for e in self.extensions)])
 
     def evaluate_if_due(self, done: int) -> Metrics:
@@ -336,9 +360,15 @@ class Trainer:
                            source_line=self.source.describe(self.num_steps))
 
     def begin(self, start: int) -> None:
-        """A fresh run's ``eval/reward`` before any step (collective)."""
+        """A fresh run's ``eval/reward`` before any step (collective); with separate placement, the generators learn
+        where the run starts and get its first version of the weights."""
         if self.can_evaluate() and start == 0:
             self.eval_rewards[0] = self.evaluate()
+        if self.source.link is not None:
+            k = self.cfg.rollout.max_staleness
+            self.sent_versions = sent_versions(start, k, self.num_steps)
+            self.source.link.begin(start, self.num_steps)
+            self.send_weights(start, full=True)
 
     def after_step(self, step: int, result: dict[str, float], *, first: bool, console) -> None:
         """Keeps the step's ``eval/reward`` for the summary; rank 0 writes samples.jsonl every
@@ -378,5 +408,13 @@ def on_policy_deviation(values: dict[str, float]) -> Metrics:
 
 
 def train(cfg: DictConfig, run_dir: str) -> int:
-    """The ``fsdptrain train`` job on this rank (the shared run flow over :class:`Trainer`); returns the exit code."""
-    return run_recipe(cfg, run_dir, Trainer, device_type=resolve_device_type(cfg))
+    """The ``fsdptrain train`` job on this rank (the shared run flow over :class:`Trainer`); returns the exit code.
+    With ``rollout.placement=separate`` the last ``rollout.generator_ranks`` ranks serve as generators instead
+    (fsdptrain/rollout/generator_rank.py; docs/async.md)."""
+    device_type = resolve_device_type(cfg)
+    if cfg.rollout.placement == "separate":
+        world.init_distributed(device_type=device_type, generator_ranks=cfg.rollout.generator_ranks,
+                               generator_timeout_s=cfg.rollout.generator_timeout_s)
+        if bridge().placement.is_generator:
+            return serve(cfg, bridge())
+    return run_recipe(cfg, run_dir, Trainer, device_type=device_type)

@@ -15,14 +15,13 @@ import torch
 from omegaconf import DictConfig
 
 from fsdptrain.config.distill_rules import distilling
-from fsdptrain.config.lora_rules import target_module_names
 from fsdptrain.config.validate import share_prompts_off_reason
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
 from fsdptrain.distributed.fsdp_reward_models import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
-from fsdptrain.model.loading import DTYPES, TINY_CONFIG, model_path
-from fsdptrain.model.lora import LoraSettings
+from fsdptrain.model.loading import DTYPES, model_source
+from fsdptrain.model.lora import lora_settings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_terms import PolicyLossSettings, resolve_policy_loss
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
@@ -31,25 +30,6 @@ from fsdptrain.train.step import LossFn
 from fsdptrain.train.trained_part import TrainedPart
 from fsdptrain.rl.fused_loss import ValueLossSettings
 
-
-
-def tiny_model_config(cfg: DictConfig, tokenizer) -> dict:
-    """The config-built model's transformers config: ``TINY_CONFIG`` with the sizes of ``cfg.model``, sized to the
-    tokenizer."""
-    return {
-        **TINY_CONFIG,
-        "model_type": cfg.model.arch,
-        "vocab_size": len(tokenizer),
-        "hidden_size": cfg.model.hidden_size,
-        "intermediate_size": cfg.model.intermediate_size,
-        "num_hidden_layers": cfg.model.num_layers,
-        "num_attention_heads": cfg.model.num_heads,
-        "num_key_value_heads": cfg.model.num_kv_heads,
-        "tie_word_embeddings": cfg.model.tie_word_embeddings,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
 
 
 def max_response_length(cfg: DictConfig) -> int:
@@ -64,17 +44,6 @@ def loss_scale_factor(cfg: DictConfig) -> float:
 
 def needs_reference(cfg: DictConfig) -> bool:
     return cfg.algorithm.use_kl_loss or cfg.algorithm.kl_in_reward_coef > 0
-
-
-def lora_settings(cfg: DictConfig, *, critic: bool = False) -> Optional[LoraSettings]:
-    """The adapters of the policy (or, with ``critic``, of the value model, whose head then trains too) from
-    ``model.lora``; None when that model trains every weight."""
-    lora = cfg.model.lora
-    if lora.r == 0 or (critic and not lora.critic):
-        return None
-    names = target_module_names(lora.target_modules)
-    return LoraSettings(r=lora.r, alpha=float(lora.alpha), dropout=float(lora.dropout),
-                        target_modules=None if names is None else tuple(names), trainable_head=critic)
 
 
 @dataclass(frozen=True)
@@ -136,12 +105,6 @@ def resolve_share_prompts(cfg: DictConfig, backend: str, model_config) -> tuple[
         return setting == "true", f"trainer.share_prompts={setting}"
     why = share_prompts_off_reason(cfg, backend) or shared_prompts_blocker(model_config)
     return why is None, "auto: " + (why or "the backend, the model and the features in use allow it")
-
-
-def model_source(cfg: DictConfig, tokenizer) -> dict:
-    """Where the policy's weights come from: ``model.path`` (a folder or .gguf file), else the config-built model."""
-    path = model_path(cfg)
-    return dict(path=path, config=None if path else tiny_model_config(cfg, tokenizer))
 
 
 def parallel_settings(cfg: DictConfig, mesh) -> dict:
@@ -259,10 +222,12 @@ def skips_old_passes(cfg: DictConfig) -> bool:
     skipped exactly: one epoch of one mini-batch, so the first update forward sees the weights that generated the
     experience; no behaviour log-probs from data; no KL-in-reward and no distillation (both read the old log-probs before
     the update); and
-    no rollout correction or rejection: their ratios exp(old - behaviour) need the old log-probs before the update. On-policy the
+    no rollout correction or rejection: their ratios exp(old - behaviour) need the old log-probs before the update; and
+    no staleness (``rollout.max_staleness`` > 0 generates with older weights: docs/async.md). On-policy the
     behaviour log-probs are the old ones, so the kept pass gives weights of exactly 1 (exp(0)) and the logged
     ``experience/rollout_is_*`` (docs/off-policy.md)."""
     return (cfg.algorithm.recompute_old_logprobs == "auto" and cfg.algorithm.ppo_epochs == 1
             and cfg.trainer.mini_batches_per_step == 1 and cfg.data.source != "jsonl"
             and cfg.algorithm.kl_in_reward_coef == 0 and not distilling(cfg) and cfg.algorithm.rollout_correction == "none"
-            and cfg.algorithm.rollout_rejection == "none" and cfg.algorithm.rollout_rejection_divergence == "none")
+            and cfg.algorithm.rollout_rejection == "none" and cfg.algorithm.rollout_rejection_divergence == "none"
+            and (cfg.rollout.placement == "colocated" or cfg.rollout.max_staleness == 0))
