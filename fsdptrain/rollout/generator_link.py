@@ -24,7 +24,7 @@ from fsdptrain.config import ConfigError
 from fsdptrain.data.prompts import PromptRow
 from fsdptrain.distributed import world
 from fsdptrain.distributed.placement import Bridge, GeneratorFailed
-from fsdptrain.generation.schedule import first_generated_step, generating_version, staleness
+from fsdptrain.generation.schedule import first_generated_step, generating_version, restored_steps, staleness
 from fsdptrain.metrics.typed import Max, Mean, Metrics
 from fsdptrain.rollout.sampler import Samples
 
@@ -65,6 +65,12 @@ class GeneratorLink:
         the run starts (each then waits for the first version of the weights)."""
         self.num_steps = num_steps
         self.next_job = first_generated_step(start, self.k)
+        missing = [step for step in restored_steps(start, self.k, num_steps) if step not in self.ready]
+        if missing:
+            raise ConfigError(f"the checkpoint after step {start} holds no rollouts of steps {missing[0]}.."
+                              f"{missing[-1]}, which rollout.max_staleness={self.k} generates with older weights (its "
+                              f"run ended at step {start}): resume with the run's own trainer.steps, or "
+                              "rollout.max_staleness=0 (docs/async.md)")
         if self.rank == 0:
             placement = self.bridge.placement
             for generator in range(placement.generators):
