@@ -25,7 +25,7 @@ from fsdptrain.data.prompts import PromptRow
 from fsdptrain.distributed import world
 from fsdptrain.distributed.placement import Bridge, GeneratorFailed
 from fsdptrain.generation.schedule import first_generated_step, generating_version, restored_steps, staleness
-from fsdptrain.metrics.typed import Max, Mean, Metrics
+from fsdptrain.metrics.typed import Diagnostic, Max, Mean, Metrics
 from fsdptrain.rollout.sampler import Samples
 
 Groups = list[tuple[int, PromptRow]]
@@ -92,9 +92,9 @@ class GeneratorLink:
                                f"{expected}: the schedule of fsdptrain/generation/schedule.py was broken")
         metrics = Metrics({
             "async/staleness": Max(staleness(step, self.k)),
-            "perf/trainer_wait_s": Mean(waited, 1),
-            "perf/generator_wait_s": Mean(reply.wait_s, 1),
-            "perf/generator_tokens_per_s": Mean(reply.tokens, reply.decode_s),
+            "perf/trainer_wait_s": Diagnostic(Mean(waited, 1)),
+            "perf/generator_wait_s": Diagnostic(Mean(reply.wait_s, 1)),
+            "perf/generator_tokens_per_s": Diagnostic(Mean(reply.tokens, reply.decode_s)),
         })
         return groups, reply.samples, metrics
 

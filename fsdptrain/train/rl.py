@@ -30,7 +30,7 @@ from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
-from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.metrics.typed import Diagnostic, Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
@@ -286,7 +286,7 @@ class Trainer:
             sent = self.weights.last
             self.weights.last = None
             own = own.merge(Metrics({"async/broadcast_bytes": Max(sent.bytes if sent else 0),
-                                     "perf/broadcast_s": Max(sent.seconds if sent else 0.0)}))
+                                     "perf/broadcast_s": Diagnostic(Max(sent.seconds if sent else 0.0))}))
         return merge_all([own, self.source.step_facts(), *(e.step_facts() for e in self.extensions)])
 
     def evaluate_if_due(self, done: int) -> Metrics:
