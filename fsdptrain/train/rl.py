@@ -369,6 +369,8 @@ class Trainer:
             self.sent_versions = sent_versions(start, k, self.num_steps)
             self.source.link.begin(start, self.num_steps)
             self.send_weights(start, full=True)
+            if self.weights is not None:
+                self.weights.last = None  # the steps' facts count what is sent after each step
 
     def after_step(self, step: int, result: dict[str, float], *, first: bool, console) -> None:
         """Keeps the step's ``eval/reward`` for the summary; rank 0 writes samples.jsonl every
