@@ -18,6 +18,8 @@ import math
 import os
 from pathlib import Path
 
+from fsdptrain.registry.user_paths import output_path, user_path
+
 # (panel title, metric names it gathers)
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/mean",)),
@@ -116,13 +118,15 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the folder of a run (runs/<run_name>)")
     metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.is_file():
+    if not metrics_path.exists():
         raise ValueError(f"{metrics_path} does not exist: has this run logged a step yet?")
+    user_path(metrics_path, key="RUN_DIR/metrics.jsonl")  # a named pipe would hold the read below forever
     panels = collect_series(read_metrics(metrics_path))
     if not panels:
         known = ", ".join(name for _, names in PANELS for name in names)
         raise ValueError(f"{metrics_path} holds none of the plotted metrics ({known})")
     out_path = Path(out) if out is not None else run_dir / "metrics.png"
+    output_path(out_path, option="--out")
 
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator

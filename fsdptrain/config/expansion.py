@@ -22,6 +22,9 @@ from typing import Any, Optional
 
 import yaml
 
+from fsdptrain.registry.errors import ConfigError
+from fsdptrain.registry.user_paths import user_path
+
 MAX_YAML_VALUES = 100_000
 """A config file whose values, with every alias expanded, outnumber this is refused (ours hold a few hundred)."""
 MAX_VALUE_CHARS = 1_000_000
@@ -60,6 +63,10 @@ def yaml_expansion(path: Path) -> int:
 def check_yaml_files(folder: Path) -> Optional[str]:
     """One line naming the first YAML file under ``folder`` that expands past :data:`MAX_YAML_VALUES`, else None."""
     for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
+        try:  # what it is before hydra opens it: a named pipe would hold the CLI forever
+            user_path(path, key="config file")
+        except ConfigError as err:
+            return str(err)
         if path.is_file():
             count = yaml_expansion(path)
             if count > MAX_YAML_VALUES:
