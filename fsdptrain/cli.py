@@ -4,7 +4,8 @@ Thin by design: typer parses, hydra's compose API builds the config from ``conf/
 pass checks it, and the work is handed to the ranks (``--nproc`` local processes through torch's elastic launcher, or
 this process under torchrun). Importing this module does not import torch, so ``--help`` is instant.
 
-Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, bad value, missing file).
+Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, bad value, missing file), 3 an output
+the user named (``--json``, ``--out``) could not be written.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError, validate_world
+from fsdptrain.registry.errors import OUTPUT_NOT_WRITTEN_EXIT, OutputNotWritten
 from fsdptrain.preflight import (
     check_command_source,
     check_inputs,
@@ -258,6 +260,9 @@ def plot(
         path = plot_run(run_dir, out)
     except ValueError as err:  # a missing run, metrics file or matplotlib: the user's to fix
         _fail_usage(str(err))
+    except OutputNotWritten as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(OUTPUT_NOT_WRITTEN_EXIT)
     typer.echo(f"wrote {path}")
 
 

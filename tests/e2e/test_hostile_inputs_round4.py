@@ -90,3 +90,23 @@ def test_a_named_pipe_anywhere_a_path_is_named_is_one_line_at_once(tmp_path, cas
     line = one_error_line(run_cli(*make(tmp_path), cwd=tmp_path, timeout=HANG))
     assert "named pipe" in line and culprit in line, line
     assert not (tmp_path / "runs").exists()
+
+
+def test_check_metrics_json_on_a_full_disk_names_the_option_not_a_run_folder(tmp_path):
+    """/dev/full takes the open and fails every write with ENOSPC: the checks run and pass, the report cannot be
+    written, and the line says so (not a training run's disk-full stop with a resume, not a failed comparison's 1)."""
+    result = run_cli("check-metrics", "--json", "/dev/full", cwd=tmp_path, timeout=600)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: --json /dev/full could not be written (No space left on device)"), lines[0]
+    assert "resume" not in lines[0] and "runs/" not in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_plot_out_on_a_full_disk_names_the_option(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = run_cli("plot", str(_run_with_metrics(tmp_path)), "--out", "/dev/full", cwd=tmp_path, timeout=HANG)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 3 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: --out /dev/full could not be written (No space left on device)"), lines[0]
