@@ -101,13 +101,9 @@ def _refuse_hydra_flags(overrides: List[str], print_cfg: bool) -> None:
 
 
 def _sft_overrides(overrides: List[str]) -> List[str]:
-    """``fsdptrain sft``'s overrides: the ``data=sft`` preset first (a user's ``data=...`` replaces it); an
-    ``algorithm`` choice or setting is refused, since supervised fine-tuning has none."""
-    for item in overrides:
-        key = item.lstrip("+~").split("=", 1)[0]
-        if key == "algorithm" or key.startswith("algorithm."):
-            raise ConfigError(f"{item} does not apply to fsdptrain sft, which trains on demonstrations (no "
-                              "algorithm, rollout or reward settings): drop it (docs/sft.md)")
+    """``fsdptrain sft``'s overrides: the ``data=sft`` preset first (a user's ``data=...`` replaces it). What does not
+    apply to supervised fine-tuning (an algorithm, rollout or reward setting) is refused by the rules of the composed
+    config, whatever route set it (`fsdptrain/config/sft_rules.py`)."""
     has_data = any(item.split("=", 1)[0] == "data" for item in overrides)
     return list(overrides) if has_data else ["data=sft", *overrides]
 

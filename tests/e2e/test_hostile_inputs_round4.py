@@ -110,3 +110,13 @@ def test_plot_out_on_a_full_disk_names_the_option(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 3 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("error: --out /dev/full could not be written (No space left on device)"), lines[0]
+
+
+def test_a_setting_sft_refuses_is_refused_from_the_users_config_file(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text(
+        f"defaults:\n  - config\n  - override algorithm: grpo\n  - _self_\ndata:\n  path: {_chats(tmp_path / 'c.jsonl')}\n"
+        "trainer:\n  steps: 1\n")
+    line = one_error_line(run_cli("sft", "--config-dir", "conf", "--config-name", "mine", cwd=tmp_path, timeout=HANG))
+    assert "algorithm.name='grpo' does not apply to fsdptrain sft" in line, line
+    assert not (tmp_path / "runs").exists()
