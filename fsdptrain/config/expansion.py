@@ -34,44 +34,103 @@ _REFERENCE = re.compile(r"\$\{([^${}]*)\}")
 _SELECTING = ("oc.select", "oc.deprecated")
 
 
-def yaml_expansion(path: Path) -> int:
-    """The number of nodes (scalars, sequences, mappings, and mapping keys) of the YAML file ``path`` with every
-    alias expanded; 0 for a file that does not parse (hydra reports that one)."""
-    try:
-        documents = list(yaml.compose_all(path.read_text(encoding="utf-8", errors="replace"), Loader=yaml.SafeLoader))
-    except yaml.YAMLError:
-        return 0
-    sizes: dict[int, int] = {}
+MAX_YAML_DEPTH = 32
+"""A config file nesting deeper than this is refused (ours nest three levels; OmegaConf and hydra build a value by
+recursion and fail past Python's stack)."""
+YAML_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "seq", "map",
+                                                                 "merge"))
+"""The tags a config file may carry: the values OmegaConf builds (``!!binary``, ``!!timestamp``, ``!!set``,
+``!!omap``, ``!!pairs`` and any ``!custom`` tag are refused)."""
+_NULLS = ("", "~", "null", "Null", "NULL")
+"""A plain scalar YAML reads as null (a null key is one no config can hold)."""
+_KEY_TAGS = frozenset(f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool"))
 
-    def size(node: yaml.Node) -> int:
+
+class _Refused(Exception):
+    def __init__(self, node: yaml.Node, why: str):
+        super().__init__(f"{node.start_mark.line + 1}: {why}")
+
+
+def _compose(path: Path) -> list[yaml.Node]:
+    """The file's documents as YAML nodes, composed without resolving plain scalars (BaseLoader: a tag on a node was
+    written in the file); YAMLError for a file that does not parse, RecursionError for one nested past the stack."""
+    return [document for document in yaml.compose_all(path.read_text(encoding="utf-8", errors="replace"),
+                                                       Loader=yaml.BaseLoader) if document is not None]
+
+
+def _expansion(documents: list[yaml.Node]) -> int:
+    """The nodes of ``documents`` with every alias expanded; _Refused for a shape OmegaConf cannot build (a node
+    inside itself, nesting past :data:`MAX_YAML_DEPTH`, a tag outside :data:`YAML_TAGS`, a key that is not a string,
+    a number or a bool)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if id(node) in open_nodes:
+            raise _Refused(node, "a node that contains itself (a recursive alias), which no config can hold")
+        if depth > MAX_YAML_DEPTH:
+            raise _Refused(node, f"values nest deeper than {MAX_YAML_DEPTH} levels")
+        if node.tag not in YAML_TAGS:
+            raise _Refused(node, f"the tag {node.tag!r} makes a value the config library cannot hold (it takes "
+                                 "strings, numbers, bools, null, lists and mappings)")
         known = sizes.get(id(node))
         if known is not None:
             return known
-        sizes[id(node)] = 1  # a node that contains itself (a recursive alias) counts once
+        open_nodes.add(id(node))
         if isinstance(node, yaml.SequenceNode):
-            total = 1 + sum(size(child) for child in node.value)
+            total = 1 + sum(size(child, depth + 1) for child in node.value)
         elif isinstance(node, yaml.MappingNode):
-            total = 1 + sum(size(key) + size(value) for key, value in node.value)
+            for key, _ in node.value:
+                if (not isinstance(key, yaml.ScalarNode) or key.tag not in _KEY_TAGS
+                        or (key.style is None and key.value in _NULLS)):
+                    raise _Refused(key, "a mapping key that is not a string, a number or a bool")
+            total = 1 + sum(size(key, depth + 1) + size(value, depth + 1) for key, value in node.value)
         else:
             total = 1
+        open_nodes.discard(id(node))
         sizes[id(node)] = total
         return total
 
-    return sum(size(document) for document in documents if document is not None)
+    return sum(size(document, 0) for document in documents)
+
+
+def yaml_expansion(path: Path) -> int:
+    """The number of nodes (scalars, sequences, mappings, and mapping keys) of the YAML file ``path`` with every
+    alias expanded; 0 for a file that does not parse (hydra reports that one) or that :func:`yaml_problem` refuses."""
+    try:
+        return _expansion(_compose(path))
+    except (yaml.YAMLError, RecursionError, _Refused):
+        return 0
+
+
+def yaml_problem(path: Path) -> Optional[str]:
+    """One line naming ``path`` (and its line) when the config library could not build it or it expands past
+    :data:`MAX_YAML_VALUES`, else None (a file that is not YAML at all is left to hydra's one line)."""
+    try:
+        count = _expansion(_compose(path))
+    except yaml.YAMLError:
+        return None
+    except RecursionError:
+        return f"{path}: values nest deeper than {MAX_YAML_DEPTH} levels: flatten the file"
+    except _Refused as err:
+        return f"{path}:{err}: fix the file"
+    if count > MAX_YAML_VALUES:
+        return (f"{path}: its YAML aliases expand to {count} values, more than {MAX_YAML_VALUES} (a file built to "
+                f"expand without bound): write the values out, or fix the file")
+    return None
 
 
 def check_yaml_files(folder: Path) -> Optional[str]:
-    """One line naming the first YAML file under ``folder`` that expands past :data:`MAX_YAML_VALUES`, else None."""
+    """One line naming the first YAML file under ``folder`` that is not a regular file, that the config library cannot
+    build, or that expands past :data:`MAX_YAML_VALUES`; else None."""
     for path in sorted([*folder.rglob("*.yaml"), *folder.rglob("*.yml")]):
         try:  # what it is before hydra opens it: a named pipe would hold the CLI forever
             user_path(path, key="config file")
         except ConfigError as err:
             return str(err)
-        if path.is_file():
-            count = yaml_expansion(path)
-            if count > MAX_YAML_VALUES:
-                return (f"{path}: its YAML aliases expand to {count} values, more than {MAX_YAML_VALUES} (a file built "
-                        f"to expand without bound): write the values out, or fix the file")
+        problem = yaml_problem(path)
+        if problem is not None:
+            return problem
     return None
 
 

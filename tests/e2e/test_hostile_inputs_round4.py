@@ -120,3 +120,16 @@ def test_a_setting_sft_refuses_is_refused_from_the_users_config_file(tmp_path):
     line = one_error_line(run_cli("sft", "--config-dir", "conf", "--config-name", "mine", cwd=tmp_path, timeout=HANG))
     assert "algorithm.name='grpo' does not apply to fsdptrain sft" in line, line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("text", "culprit"), [
+    ("algorithm:\n  plugins: " + "[" * 3000 + "]" * 3000 + "\n", "values nest deeper than 32 levels"),
+    ("trainer: &t\n  x: *t\n", "a node that contains itself"),
+    ("trainer:\n  steps: !!int abc\n", "the config library cannot build it (ValueError"),
+])
+def test_a_config_the_library_cannot_build_is_one_line_not_a_traceback(tmp_path, text, culprit):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text("defaults:\n  - config\n  - _self_\n" + text)
+    line = one_error_line(run_cli("train", "--config-dir", "conf", "--config-name", "mine", cwd=tmp_path,
+                                  timeout=HANG))
+    assert "mine.yaml" in line and culprit in line, line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fsdptrain.config.expansion import (
     MAX_VALUE_CHARS,
     check_interpolations,
@@ -52,3 +54,52 @@ def test_exponential_and_recursive_interpolations_are_refused_with_their_key():
     assert check_interpolations({"g": {"a": "${g.b}", "b": "${g.a}"}}).startswith("g.a: its interpolations (${...}) "
                                                                                    "refer back to themselves")
     assert check_interpolations({"a": "${b}", "b": "c" * 100}) is None
+
+
+HEAD = "defaults:\n  - config\n  - _self_\n"
+UNBUILDABLE = {  # a shape of the user's config file: what the one line says (issue 56, class 2)
+    "deep list": (HEAD + "algorithm:\n  plugins: " + "[" * 3000 + "]" * 3000 + "\n", "nest deeper than"),
+    "deep mapping": (HEAD + "trainer:\n  x: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", "nest deeper than"),
+    "nesting past the bound": (HEAD + "algorithm:\n  plugins: " + "[" * 40 + "]" * 40 + "\n", "nest deeper than"),
+    "recursive alias in a list": (HEAD + "algorithm:\n  plugins: &a [*a]\n", "contains itself"),
+    "recursive alias in a mapping": (HEAD + "trainer: &t\n  x: *t\n", "contains itself"),
+    "binary": (HEAD + "trainer:\n  run_name: !!binary aGVsbG8=\n", "'tag:yaml.org,2002:binary'"),
+    "timestamp tag": (HEAD + "trainer:\n  run_name: !!timestamp 2001-12-14\n", "'tag:yaml.org,2002:timestamp'"),
+    "set": (HEAD + "algorithm:\n  plugins: !!set {a, b}\n", "'tag:yaml.org,2002:set'"),
+    "omap": (HEAD + "algorithm:\n  plugins: !!omap [a: 1]\n", "'tag:yaml.org,2002:omap'"),
+    "pairs": (HEAD + "algorithm:\n  plugins: !!pairs [a: 1]\n", "'tag:yaml.org,2002:pairs'"),
+    "custom tag": (HEAD + "trainer:\n  run_name: !mine x\n", "'!mine'"),
+    "python tag": (HEAD + "trainer:\n  run_name: !!python/tuple [1, 2]\n", "python/tuple"),
+    "a list as a key": (HEAD + "trainer:\n  ? [a, b]\n  : 1\n", "a mapping key that is not a string"),
+    "a mapping as a key": (HEAD + "trainer:\n  ? {a: 1}\n  : 1\n", "a mapping key that is not a string"),
+    "a binary key": (HEAD + "trainer:\n  !!binary aGVsbG8=: 1\n", "a mapping key that is not a string"),
+    "a tag that does not fit its text": (HEAD + "trainer:\n  steps: !!int abc\n", "cannot build it (ValueError"),
+    "defaults of a number": ("defaults:\n  - 1\n", "cannot build it (ValueError: Unsupported type in defaults"),
+    "defaults of null": ("defaults:\n  - null\n", "cannot build it (ValueError"),
+    "defaults as a mapping": ("defaults: {a: 1}\n", "defaults must be a list"),
+    "defaults holding a list": ("defaults:\n  - config\n  - [a]\n", "cannot build it (ValueError"),
+    "a null key": (HEAD + "trainer:\n  ~: 1\n", "a mapping key that is not a string"),
+    "an int key": (HEAD + "trainer:\n  5: 1\n", "Key '5' not in 'TrainerConfig'"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNBUILDABLE))
+def test_a_config_file_the_library_cannot_build_is_one_line_naming_it(tmp_path, case):
+    from fsdptrain.config import ConfigError
+    from fsdptrain.config.compose import compose_config
+
+    text, culprit = UNBUILDABLE[case]
+    (tmp_path / "mine.yaml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        compose_config([], config_dir=str(tmp_path), config_name="mine")
+    line = str(err.value)
+    assert culprit in line and "\n" not in line, line
+    assert "mine.yaml" in line or "In 'mine'" in line, line
+
+
+def test_merge_keys_and_a_plain_date_still_build(tmp_path):
+    from fsdptrain.config.compose import compose_config
+
+    (tmp_path / "mine.yaml").write_text(HEAD + "trainer:\n  <<: {steps: 3}\n  run_name: 2001-12-14\n")
+    cfg = compose_config([], config_dir=str(tmp_path), config_name="mine")
+    assert cfg.trainer.steps == 3 and cfg.trainer.run_name == "2001-12-14"
