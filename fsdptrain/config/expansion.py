@@ -16,6 +16,7 @@ refers back to itself (a cycle) is refused with the same one line, naming the ke
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -30,7 +31,6 @@ MAX_YAML_VALUES = 100_000
 MAX_VALUE_CHARS = 1_000_000
 """A config value longer than this once its interpolations are resolved is refused."""
 
-_REFERENCE = re.compile(r"\$\{([^${}]*)\}")
 _SELECTING = ("oc.select", "oc.deprecated")
 
 
@@ -160,10 +160,70 @@ def _target(reference: str, where: str) -> Optional[str]:
     return text
 
 
+class Unfollowed(ValueError):
+    """An interpolation form the count does not follow (its size is not known before resolving): refused."""
+
+
+FOLLOWED_RESOLVERS = ("oc.select", "oc.deprecated", "oc.dict.keys", "oc.dict.values", "oc.env", "fsdptrain_required")
+"""The resolvers the count follows; any other (``oc.create``, ``oc.decode``, ``hydra:``, ``now:``...) is refused."""
+
+
+def _interpolations(ctx) -> bool:
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
+
+    return isinstance(ctx, Grammar.InterpolationContext) or any(
+        _interpolations(child) for child in (ctx.getChildren() if hasattr(ctx, "getChildren") else ()))
+
+
+def _text_size(value: str, where: str, size) -> int:
+    """The length of the string ``value`` (held at ``where``) once OmegaConf resolves it, read from OmegaConf's own
+    grammar: a reference counts the size of what it names, a followed resolver its result, literal text and escapes
+    their length. Unfollowed for any form the count cannot size (a key built from an interpolation, another
+    resolver)."""
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
+    from antlr4 import Token
+    from omegaconf.grammar_parser import parse
+
+    try:
+        tree = parse(value)
+    except Exception:  # noqa: BLE001 - not valid interpolation syntax: OmegaConf reports it when it resolves
+        return len(value)
+
+    def reference(ctx, text: str) -> int:
+        if _interpolations(ctx):
+            raise Unfollowed(f"{where}: the interpolation ${{{ctx.getText()}}} builds a key from another "
+                             "interpolation")
+        return size(_target(text, where))
+
+    def walk(ctx) -> int:
+        if isinstance(ctx, Grammar.InterpolationNodeContext):
+            return reference(ctx, ctx.getText()[2:-1])
+        if isinstance(ctx, Grammar.InterpolationResolverContext):
+            name = ctx.resolverName().getText()
+            if name not in FOLLOWED_RESOLVERS:
+                raise Unfollowed(f"{where}: the resolver {name!r} in {ctx.getText()} is not one the expansion bound "
+                                 f"follows ({', '.join(FOLLOWED_RESOLVERS)})")
+            elements = ctx.sequence().element() if ctx.sequence() is not None else []
+            if not elements or name == "fsdptrain_required":
+                return len(ctx.getText())
+            first, defaults = elements[0], sum(walk(element) for element in elements[1:])
+            if name == "oc.env":
+                if _interpolations(first):
+                    raise Unfollowed(f"{where}: {ctx.getText()} names its variable through an interpolation")
+                return len(os.environ.get(first.getText().strip(), "")) + defaults
+            return reference(first, first.getText().strip()) + defaults
+        if not hasattr(ctx, "getChildren"):  # a token: literal text, an escape (the end of input is none)
+            return 0 if ctx.getSymbol().type == Token.EOF else len(ctx.getText())
+        return sum(walk(child) for child in ctx.getChildren())
+
+    return walk(tree)
+
+
 def interpolation_sizes(raw: dict) -> dict[str, int]:
     """``{dotted key: size}`` of every value of the unresolved config ``raw`` (``OmegaConf.to_container(cfg,
-    resolve=False)``): a string's length once its references are resolved, a container's the sum of its items'
-    plus one. Counted on the references, never by resolving them (module docstring)."""
+    resolve=False)``): a string's length once its interpolations are resolved; a container's, at least the length of
+    its text (a container interpolated into a string is its text): its items' sizes, its keys and punctuation.
+    Counted on the references, never by resolving them (module docstring); Unfollowed for a form it cannot count."""
     values: dict[str, Any] = {}
     _flatten(raw, "", values)
     sizes: dict[str, int] = {}
@@ -176,14 +236,12 @@ def interpolation_sizes(raw: dict) -> dict[str, int]:
             return sizes[key]
         pending.add(key)
         value = values.get(key)
-        if isinstance(value, (dict, list)):
-            children = value.keys() if isinstance(value, dict) else range(len(value))
-            total = 1 + sum(size(f"{key}.{child}" if key else str(child)) for child in children)
+        if isinstance(value, dict):
+            total = 2 + sum(len(str(name)) + 4 + size(f"{key}.{name}" if key else str(name)) for name in value)
+        elif isinstance(value, list):
+            total = 2 + sum(2 + size(f"{key}.{index}" if key else str(index)) for index in range(len(value)))
         elif isinstance(value, str) and "${" in value:
-            total = len(_REFERENCE.sub("", value))
-            for reference in _REFERENCE.findall(value):
-                target = _target(reference, key)
-                total += len(reference) if target is None else size(target)
+            total = _text_size(value, key, size)
         else:
             total = len(str(value))
         pending.discard(key)
@@ -199,6 +257,9 @@ def check_interpolations(raw: dict) -> Optional[str]:
     """One line naming the first config value that resolves to more than :data:`MAX_VALUE_CHARS`, else None."""
     try:
         sizes = interpolation_sizes(raw)
+    except Unfollowed as err:
+        return (f"{err}: fsdptrain refuses what its bound on config expansion cannot count before resolving; write "
+                f"the value out (docs/configuration.md)")
     except RecursionError as err:  # ours (a cycle, naming its key) or Python's (a chain deeper than its stack)
         where = f"{err.args[0]}: " if err.args and isinstance(err.args[0], str) and " " not in err.args[0] else ""
         return (f"{where}its interpolations (${{...}}) refer back to themselves, or nest too deep to resolve: fix "
