@@ -180,8 +180,8 @@ def _text_size(value: str, where: str, size) -> int:
     grammar: a reference counts the size of what it names, a followed resolver its result, literal text and escapes
     their length. Unfollowed for any form the count cannot size (a key built from an interpolation, another
     resolver)."""
-    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
     from antlr4 import Token
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
     from omegaconf.grammar_parser import parse
 
     try:
