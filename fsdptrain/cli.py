@@ -4,7 +4,8 @@ Thin by design: typer parses, hydra's compose API builds the config from ``conf/
 pass checks it, and the work is handed to the ranks (``--nproc`` local processes through torch's elastic launcher, or
 this process under torchrun). Importing this module does not import torch, so ``--help`` is instant.
 
-Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, bad value, missing file).
+Exit codes: 0 success, 1 a failed check or run, 2 a usage error (bad override, bad value, missing file), 3 an output
+the user named (``--json``, ``--out``) could not be written.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config.compose import compose_config
 from fsdptrain.config import ConfigError, trainer_ranks, validate_world
+from fsdptrain.registry.errors import OUTPUT_NOT_WRITTEN_EXIT, OutputNotWritten
 from fsdptrain.preflight import (
     check_command_source,
     check_inputs,
@@ -99,13 +101,9 @@ def _refuse_hydra_flags(overrides: List[str], print_cfg: bool) -> None:
 
 
 def _sft_overrides(overrides: List[str]) -> List[str]:
-    """``fsdptrain sft``'s overrides: the ``data=sft`` preset first (a user's ``data=...`` replaces it); an
-    ``algorithm`` choice or setting is refused, since supervised fine-tuning has none."""
-    for item in overrides:
-        key = item.lstrip("+~").split("=", 1)[0]
-        if key == "algorithm" or key.startswith("algorithm."):
-            raise ConfigError(f"{item} does not apply to fsdptrain sft, which trains on demonstrations (no "
-                              "algorithm, rollout or reward settings): drop it (docs/sft.md)")
+    """``fsdptrain sft``'s overrides: the ``data=sft`` preset first (a user's ``data=...`` replaces it). What does not
+    apply to supervised fine-tuning (an algorithm, rollout or reward setting) is refused by the rules of the composed
+    config, whatever route set it (`fsdptrain/config/sft_rules.py`)."""
     has_data = any(item.split("=", 1)[0] == "data" for item in overrides)
     return list(overrides) if has_data else ["data=sft", *overrides]
 
@@ -258,6 +256,9 @@ def plot(
         path = plot_run(run_dir, out)
     except ValueError as err:  # a missing run, metrics file or matplotlib: the user's to fix
         _fail_usage(str(err))
+    except OutputNotWritten as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(OUTPUT_NOT_WRITTEN_EXIT)
     typer.echo(f"wrote {path}")
 
 

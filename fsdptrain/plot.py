@@ -13,10 +13,14 @@ matplotlib is an optional extra (`pip install 'fsdptrain[plot]'`); it is importe
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 from pathlib import Path
+
+from fsdptrain.registry.errors import OutputNotWritten
+from fsdptrain.registry.user_paths import output_path, user_path
 
 # (panel title, metric names it gathers)
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -109,20 +113,25 @@ def _pyplot():
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Draw the run's metrics to a PNG (default run_dir/metrics.png) and return its path.
 
-    Raises ValueError when the run directory or its metrics.jsonl is missing or holds none of the plotted metrics,
-    PlotDependencyError (a ValueError) when matplotlib is not installed.
+    Raises ValueError when the run directory or its metrics.jsonl is missing, is not a folder or a regular file (a
+    named pipe), or holds none of the plotted metrics, PlotDependencyError (a ValueError) when matplotlib is not
+    installed, OutputNotWritten when the PNG cannot be written.
     """
     run_dir = Path(run_dir)
+    if run_dir.exists():
+        user_path(run_dir, key="RUN_DIR", expect="folder")
     if not run_dir.is_dir():
         raise ValueError(f"run directory {run_dir} does not exist: pass the folder of a run (runs/<run_name>)")
     metrics_path = run_dir / METRICS_FILE
-    if not metrics_path.is_file():
+    if not metrics_path.exists():
         raise ValueError(f"{metrics_path} does not exist: has this run logged a step yet?")
+    user_path(metrics_path, key="RUN_DIR/metrics.jsonl")  # a named pipe would hold the read below forever
     panels = collect_series(read_metrics(metrics_path))
     if not panels:
         known = ", ".join(name for _, names in PANELS for name in names)
         raise ValueError(f"{metrics_path} holds none of the plotted metrics ({known})")
     out_path = Path(out) if out is not None else run_dir / "metrics.png"
+    output_path(out_path, option="--out")
 
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
@@ -144,6 +153,13 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
+    image = io.BytesIO()  # drawn in memory, written by us: matplotlib's writers do not all report a failed write
+    try:
+        fig.savefig(image, format=out_path.suffix[1:].lower() or None, dpi=100)
+    finally:
+        plt.close(fig)
+    try:
+        out_path.write_bytes(image.getvalue())
+    except OSError as err:  # a full disk, a folder made read-only since the check
+        raise OutputNotWritten("--out", str(out_path), err) from None
     return out_path

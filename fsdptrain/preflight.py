@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError
+from fsdptrain.registry.user_paths import output_path, user_path
 
 MIN_FREE_BYTES = 16 * 2**20
 """A run directory on a file system with less free space than this is refused before the run starts."""
@@ -123,11 +124,7 @@ def check_lora_targets(cfg: DictConfig) -> None:
 
 def check_text_file(path: str, *, key: str) -> None:
     """A readable UTF-8 text file (no NUL bytes), or ConfigError naming ``key``."""
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise ConfigError(f"{key}={path!r}: no such file")
-    if not file.is_file():
-        raise ConfigError(f"{key}={path!r} is not a file")
+    file = user_path(path, key=key)  # what it is, before any read
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     try:
@@ -173,7 +170,9 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def check_output_file(path: Path, *, option: str) -> None:
-    """A file the command will write at its end: its folder exists and a file can be created there now."""
+    """A file the command will write at its end: not a named pipe or a folder (`output_path`), its folder exists and
+    a file can be created there now."""
+    output_path(path, option=option)
     if path.is_dir():
         raise ConfigError(f"{option} {path} is a folder: give a file path")
     if not path.parent.is_dir():

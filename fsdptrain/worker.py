@@ -75,10 +75,19 @@ def run_rank(command: str, cfg: DictConfig, run_dir: str, options: list[str]) ->
         if isinstance(err, (KeyboardInterrupt, SystemExit)) or not _disk_full(err):
             raise
         if rank == 0:
-            report_failure(f"error: no space left on the device while writing {run_dir}; the run stopped and "
-                           "earlier checkpoints are intact: free some space and resume with trainer.resume=auto",
-                           rank=rank)
+            report_failure(_disk_full_message(command, run_dir, err), rank=rank)
         return 1
+
+
+def _disk_full_message(command: str, run_dir: str, err: BaseException) -> str:
+    """The one line of a full disk: a run folder and a resume only for the commands that have one (train, sft); the
+    others name what failed (an output the user named has its own message and exit code: OutputNotWritten)."""
+    if command in ("train", "sft"):
+        return (f"error: no space left on the device while writing {run_dir}; the run stopped and earlier checkpoints "
+                "are intact: free some space and resume with trainer.resume=auto")
+    from fsdptrain.registry.errors import first_line
+
+    return f"error: no space left on the device during fsdptrain {command} ({first_line(err)}): free some space"
 
 
 def _disk_full(err: BaseException | None, depth: int = 0) -> bool:

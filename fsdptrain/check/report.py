@@ -10,6 +10,8 @@ from typing import Optional
 from fsdptrain.check.batch import CheckSession
 from fsdptrain.check.compare import Check, Comparison, MetricRow, Outcome, failure_lines, rows, to_json
 from fsdptrain.check.passes import off_policy_settings
+from fsdptrain.distributed.rank_errors import report_failure
+from fsdptrain.registry.errors import OUTPUT_NOT_WRITTEN_EXIT, OutputNotWritten
 from fsdptrain.rl.grad_scale import GradScaleReport
 
 OFF = "off-policy/"
@@ -51,14 +53,28 @@ class CheckReport:
             "failures": self.failures,
         }
 
-def write_report_json(report: CheckReport, json_path: Optional[str]) -> None:
-    """``--json``: every result of the report (rank 0), when asked for."""
-    if json_path is not None:
-        import json
-        from pathlib import Path
+def write_report_json(report: CheckReport, json_path: Optional[str]) -> bool:
+    """``--json``: every result of the report (rank 0), when asked for. False when the file could not be written (a
+    full disk, say): the one ``error:`` line names ``--json`` and the path, and the command's exit code is
+    :data:`OUTPUT_NOT_WRITTEN_EXIT`, never a failed comparison's 1 (:func:`exit_code`)."""
+    if json_path is None:
+        return True
+    import json
+    from pathlib import Path
 
+    try:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
-        print(f"wrote {json_path}", flush=True)
+    except OSError as err:
+        report_failure(f"error: {OutputNotWritten('--json', json_path, err)}", rank=0)
+        return False
+    print(f"wrote {json_path}", flush=True)
+    return True
+
+
+def exit_code(*, failed: bool, unwritten: bool) -> int:
+    """check-metrics' exit code, agreed by every rank: 1 when a comparison failed, else
+    :data:`OUTPUT_NOT_WRITTEN_EXIT` when ``--json`` could not be written, else 0."""
+    return 1 if failed else OUTPUT_NOT_WRITTEN_EXIT if unwritten else 0
 
 
 def _fmt(x: Optional[float]) -> str:

@@ -71,7 +71,7 @@ from fsdptrain.check.reference import (
 )
 from fsdptrain.check.precision import checked_precision
 from fsdptrain.check.progress import Progress
-from fsdptrain.check.report import OFF, CheckReport, GradScale, print_report, write_report_json
+from fsdptrain.check.report import OFF, CheckReport, GradScale, exit_code, print_report, write_report_json
 from fsdptrain.check.update_pass import update_pass
 from fsdptrain.config import validate_world
 from fsdptrain.distributed import world
@@ -528,11 +528,13 @@ def check_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> int:
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type, cp=cfg.parallel.cp)
     session = build_session(cfg, info, mesh)
     report = run_checks(session)
+    written = True
     if info.is_main:
         print_report(report, session)
-        write_report_json(report, json_path)
+        written = write_report_json(report, json_path)
     # Also a barrier: a rank leaving early with 1 makes the launcher stop rank 0 in the middle of its report.
-    code = world.agree_max_int(0 if report.ok else 1)
+    code = exit_code(failed=world.agree_max_int(0 if report.ok else 1) > 0,
+                     unwritten=world.agree_max_int(0 if written else 1) > 0)
     world.destroy_distributed()
     return code
 

@@ -31,7 +31,7 @@ from fsdptrain.check.layouts import (
 )
 from fsdptrain.check.per_sequence import reference_policy_outputs
 from fsdptrain.check.precision import checked_precision, in_checked_precision, tolerances
-from fsdptrain.check.report import CheckReport, GradScale, add_columns, row_cells, write_report_json
+from fsdptrain.check.report import CheckReport, GradScale, add_columns, exit_code, row_cells, write_report_json
 from fsdptrain.config import validate_world
 from fsdptrain.data.packing import pad_sequences
 from fsdptrain.distributed import world
@@ -205,9 +205,11 @@ def check_sft_metrics(cfg: DictConfig, *, json_path: Optional[str] = None) -> in
     with checked_precision(cfg):
         report = run_sft_checks(cfg, policy, batch, mesh, info.device)
     report.notes += notes
+    written = True
     if info.is_main:
         print_sft_report(report, cfg, batch, info.world_size)
-        write_report_json(report, json_path)
-    code = world.agree_max_int(0 if report.ok else 1)
+        written = write_report_json(report, json_path)
+    code = exit_code(failed=world.agree_max_int(0 if report.ok else 1) > 0,
+                     unwritten=world.agree_max_int(0 if written else 1) > 0)
     world.destroy_distributed()
     return code

@@ -55,7 +55,17 @@ def _hydra_message(err: HydraException) -> str:
     if isinstance(err, OverrideParseException):
         lines = [line for line in text.strip().splitlines() if line and not line.startswith("See ")]
         return "; ".join(lines[:2])
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # "In 'mine': ValidationError raised while composing config:"
+        return f"{lines[0]} {lines[1]}"
     return first_line(text)
+
+
+def _library_failure(where: str, err: BaseException) -> str:
+    """The one line of a config the checks let through but hydra or OmegaConf could not build."""
+    if isinstance(err, RecursionError):
+        return f"{where}: the config nests or refers too deep for the config library to build: flatten it"
+    return f"{where}: the config library cannot build it ({type(err).__name__}: {first_line(err)}): fix the file"
 
 
 def _yaml_message(err: "yaml.YAMLError") -> str:
@@ -141,6 +151,9 @@ def compose_config(
         raise _own_error(err) or ConfigError(_hydra_message(err)) from None
     except OmegaConfBaseException as err:
         raise _own_error(err) or ConfigError(_omegaconf_message(err)) from None
+    except Exception as err:  # noqa: BLE001 - the config library failing on a shape the checks let through
+        where = str(primary / f"{config_name}.yaml") if config_dir is not None else "the config (conf/ and overrides)"
+        raise _own_error(err) or ConfigError(_library_failure(where, err)) from None
     if missing:
         raise ConfigError(f"missing required value: {missing[0]} (set it with {missing[0]}=...)")
     validate(cfg)

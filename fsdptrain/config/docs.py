@@ -106,7 +106,14 @@ def render_configuration_md() -> str:
         "your config folder (or a `hydra.searchpath` folder) whose aliases (`*a`) expand to more than 100,000",
         "values, a value whose interpolations",
         "(`${a}${a}`, nested) would resolve to more than 1,000,000 characters, and one that refers back to itself",
-        "(fsdptrain/config/expansion.py counts both on the unexpanded structure).",
+        "(fsdptrain/config/expansion.py counts both on the unexpanded structure). The count follows every reference",
+        "(absolute, relative `${..x}`, bracketed `${a[0]}`, inside resolver arguments and quotes) and the resolvers",
+        "`oc.select`, `oc.deprecated`, `oc.dict.keys`, `oc.dict.values` and `oc.env` (the variable's real length); a",
+        "form it cannot size before resolving is refused: a key built from an interpolation (`${a.${b}}`) and any",
+        "other resolver (`oc.create`, `oc.decode`, `hydra:`, `now:`). A config file the config library cannot build",
+        "is refused with its file and line: values nested deeper than 32 levels, a recursive alias, a tag other than",
+        "the plain ones (`!!binary`, `!!timestamp`, `!!set`, `!!omap`, `!!pairs`, `!custom`), a mapping key that is",
+        "not a string, a number or a bool; any other failure of the library composing it is one line naming the file.",
         "",
     ]
     for group, schema in SCHEMA_GROUPS.items():

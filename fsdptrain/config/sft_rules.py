@@ -1,17 +1,17 @@
 """The rules of an ``fsdptrain sft`` config (``data.source=sft``; docs/sft.md), registered in
 :mod:`fsdptrain.config.validate` with one line. Torch-free.
 
-Supervised fine-tuning trains on the demonstrations it is given: there is no sampling, no reward and no critic, so a
-setting of those parts is refused (one line naming it) rather than silently ignored.
+Supervised fine-tuning trains on the demonstrations it is given: there is no algorithm, no sampling, no reward and no
+critic, so a setting of those parts is refused (one line naming it) rather than silently ignored. The rules read the
+composed config, so a value is refused whatever set it: an override, a preset, or the user's own config file
+(``--config-dir``/``--config-name``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from omegaconf import DictConfig, OmegaConf
 
-from omegaconf import DictConfig
-
-from fsdptrain.config.schema import RewardConfig, RolloutConfig
+from fsdptrain.config.schema import AlgorithmConfig, RewardConfig, RolloutConfig
 from fsdptrain.registry.errors import ConfigError
 
 
@@ -20,26 +20,31 @@ def fine_tuning(cfg: DictConfig) -> bool:
     return cfg.data.source == "sft"
 
 
-def _first_changed(group: DictConfig, schema: type) -> str | None:
-    """The first field of ``group`` whose value differs from the schema's default, or None."""
-    for f in dataclasses.fields(schema):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        if group[f.name] != default:
-            return f.name
-    return None
+def _first_changed(value, default, key: str) -> tuple[str, object] | None:
+    """``(dotted key, value)`` of the first leaf of ``value`` (a plain container) that differs from ``default``'s."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        for name in default:
+            changed = _first_changed(value.get(name), default[name], f"{key}.{name}")
+            if changed is not None:
+                return changed
+        return None
+    return None if value == default else (key, value)
 
 
 def check_sft(cfg: DictConfig) -> None:
-    """Refuse what supervised fine-tuning does not use (rollout.*, reward.*, a teacher, the drafter, context
-    parallelism) and a mini-batch split that does not divide ``sft.rows_per_step``."""
+    """Refuse what supervised fine-tuning does not use (algorithm.* with a teacher, rollout.*, reward.*, the
+    drafter, context parallelism) and a mini-batch split that does not divide ``sft.rows_per_step``."""
     if not fine_tuning(cfg):
         return
-    for name, schema in (("rollout", RolloutConfig), ("reward", RewardConfig)):
-        changed = _first_changed(cfg[name], schema)
+    for name, schema in (("algorithm", AlgorithmConfig), ("rollout", RolloutConfig), ("reward", RewardConfig)):
+        default = OmegaConf.to_container(OmegaConf.structured(schema), resolve=True)
+        changed = _first_changed(OmegaConf.to_container(cfg[name], resolve=True), default, name)
         if changed is not None:
-            raise ConfigError(f"{name}.{changed}={cfg[name][changed]!r} does not apply to fsdptrain sft, which "
-                              f"trains on the demonstrations of data.path (no sampling, no reward): drop it")
-    for key, off in (("algorithm.distill.teacher", None), ("drafter.enabled", False), ("parallel.cp", 1)):
+            key, value = changed
+            raise ConfigError(f"{key}={value!r} does not apply to fsdptrain sft, which trains on the demonstrations "
+                              f"of data.path (no algorithm, no sampling, no reward): drop it, from the command line "
+                              f"or from your config file (docs/sft.md)")
+    for key, off in (("drafter.enabled", False), ("parallel.cp", 1)):
         group, field = key.rsplit(".", 1)
         value = _select(cfg, group)[field]
         if value != off:

@@ -322,7 +322,7 @@ def _check_loss_settings(alg: DictConfig) -> None:
                           f"{', '.join(names.ROLLOUT_DIVERGENCE_REJECTIONS)}, or the max to null")
 
 
-EXTENSION_RULES = (check_drafter, check_lora, check_distill, check_sft)
+EXTENSION_RULES = (check_drafter, check_lora, check_distill)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
 
@@ -357,6 +357,7 @@ def validate(cfg: DictConfig) -> None:
     _normalise_switches(cfg)
     _check_choices(cfg)
     _check_ranges(cfg)
+    check_sft(cfg)  # before the rules of the parts sft refuses: a setting that does not apply is named as such
     _check_cross_fields(cfg)
     _check_loss_settings(cfg.algorithm)
     _check_steps_and_logging(cfg)

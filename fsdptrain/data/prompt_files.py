@@ -31,6 +31,7 @@ from typing import Sequence
 
 from fsdptrain.config import ConfigError
 from fsdptrain.registry.errors import first_line
+from fsdptrain.registry.user_paths import user_path
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -103,6 +104,7 @@ def _local_path(text: str, *, what: str) -> Path:
     if not path.exists():
         raise ConfigError(f"{what}={text!r}: no such file or folder (hub dataset names are not downloaded; "
                           f"pass a local .jsonl, .json, .parquet or .csv file, or a save_to_disk folder)")
+    user_path(path, key=what, expect="file or folder")  # before any read: a named pipe would hold the read forever
     if path.is_file() and path.suffix.lower() not in FORMATS:
         raise ConfigError(f"{what}={text!r}: unknown file type {path.suffix!r}; use .jsonl, .json, .parquet or .csv")
     return path

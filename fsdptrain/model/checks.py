@@ -17,6 +17,7 @@ from pathlib import Path
 from fsdptrain.config import ConfigError
 from fsdptrain.model.location import gguf_package_problem, is_gguf, model_location
 from fsdptrain.registry.errors import first_line
+from fsdptrain.registry.user_paths import check_folder_entries, user_path
 
 CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -56,6 +57,8 @@ def check_model_source(path: str | None, gguf_file: str | None) -> None:
 def check_gguf_file(location: str, *, key: str) -> None:
     """A readable file that starts with the GGUF magic, and the ``gguf`` package to read it, or ConfigError."""
     file = Path(location).expanduser()
+    if file.exists():
+        user_path(location, key=key, expect="file or folder")  # a named pipe is refused before the read below
     if not file.is_file():
         raise ConfigError(f"{key}: {location!r}: no such file" if not file.exists() else
                           f"{key}: {location!r} is a folder, not a .gguf file")
@@ -91,9 +94,11 @@ def check_model_folder(path: str, *, key: str = "model.path") -> None:
             raise ConfigError(f"{key}={path!r} is not a local folder; fsdptrain never downloads (offline mode): "
                               f"fetch it first (huggingface-cli download {path} --local-dir DIR) and set {key}=DIR")
         raise ConfigError(f"{key}={path!r}: no such folder")
+    user_path(path, key=key, expect="file or folder")  # a named pipe is refused before anything opens it
     if not folder.is_dir():
         raise ConfigError(f"{key}={path!r} is a file, not a folder: give the folder that holds config.json "
                           f"(or a .gguf file)")
+    check_folder_entries(folder, key=key)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{key}={path!r} has no config.json: not a Hugging Face model folder "

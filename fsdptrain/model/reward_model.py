@@ -39,6 +39,7 @@ from fsdptrain.model.attention_switch import packed_model_inputs
 from fsdptrain.model.loading import zero_dropout_in_config, zero_dropout_modules
 from fsdptrain.model.checks import WEIGHT_FILES, check_no_remote_code
 from fsdptrain.registry.errors import first_line
+from fsdptrain.registry.user_paths import check_folder_entries
 
 HEAD = "score"
 """The name of transformers' sequence-classification head (`nn.Linear(hidden, num_labels)`)."""
@@ -82,6 +83,7 @@ def load_reward_model_spec(path: str | os.PathLike) -> RewardModelSpec:
         raise ConfigError(f"{where} does not exist; give the local folder of a sequence-classification model")
     if not folder.is_dir():
         raise ConfigError(f"{where} is not a folder; give the folder that holds config.json, weights and tokenizer")
+    check_folder_entries(folder, key="reward.models")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{where} has no config.json; save the model with save_pretrained")
     check_no_remote_code(folder, where=where)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from fsdptrain.registry.errors import ConfigError
+from fsdptrain.registry.user_paths import user_path
 
 
 def load_callable(spec: str, *, what: str) -> Callable:
@@ -55,6 +56,8 @@ def load_file(path: Path, *, spec: str, what: str):
     module, ``1/0`` at top level, ``sys.exit()``) is a ConfigError naming the file and the line of the file where it
     happened; a Ctrl-C passes through. No bytecode cache is written next to the file.
     """
+    if path.exists():
+        user_path(path, key=what)  # a named pipe would hold the import forever
     if not path.is_file():
         raise ConfigError(f"{what}: file {str(path)!r} not found (from {spec!r})")
     resolved = path.resolve()

@@ -81,7 +81,7 @@ def _data_cases() -> list[Case]:
         Case("data-binary", (*jsonl, "data.path={inputs}/binary.jsonl"), "is a binary file"),
         Case("data-not-utf8", (*jsonl, "data.path={inputs}/latin1.jsonl"), "is not UTF-8 text"),
         Case("data-missing", (*jsonl, "data.path={inputs}/nope.jsonl"), "data.path="),
-        Case("data-a-folder", (*jsonl, "data.path={inputs}"), "is not a file"),
+        Case("data-a-folder", (*jsonl, "data.path={inputs}"), "is a folder, not a regular file"),
         Case("data-truncated-string-nproc-2", ("--nproc", "2", *jsonl, "data.path={inputs}/truncated_string.jsonl"),
              "'truncated' must be a JSON boolean"),
         Case("data-nan-logprob", (*jsonl, "data.path={inputs}/nan_logprob.jsonl"), "behaviour_logprobs"),
