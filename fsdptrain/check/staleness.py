@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.check.compare import Check
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
-from fsdptrain.rollout.prompt_source import stale_behaviour
+from fsdptrain.rollout import prompt_source
 from fsdptrain.train.experience import policy_logprobs
 from fsdptrain.train.rl import Trainer
 
@@ -57,7 +57,7 @@ def made_stale(trainer: Trainer, rollouts: list[Rollout], *, max_staleness: int)
     for _ in range(max_staleness):
         targets, facts = trainer.make_experience(rollouts)
         trainer.update(trainer.minibatches(rollouts, targets), facts["on_policy"])
-    return stale_behaviour(rollouts, max_staleness=max_staleness)
+    return prompt_source.stale_behaviour(rollouts, max_staleness=max_staleness)  # looked up now: the product's
 
 
 def behaviour_check(trainer: Trainer, rollouts: list[Rollout], used: list[Optional[torch.Tensor]],
