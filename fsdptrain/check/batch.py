@@ -45,7 +45,7 @@ from fsdptrain.check.compare import Check
 from fsdptrain.check.draft_check import check_vocab
 from fsdptrain.check.precision import checked_precision, in_checked_precision, tolerances
 from fsdptrain.check.progress import say
-from fsdptrain.check.staleness import ON_POLICY_NOTE, as_colocated, behaviour_check, made_stale, separate_staleness
+from fsdptrain.check.staleness import ON_POLICY_NOTE, as_colocated, behaviour_checks, made_stale, separate_staleness
 from fsdptrain.check.raw_reference import (
     RawSequence,
     decoded_logprobs,
@@ -152,7 +152,8 @@ class CheckBatch:
     """With rejection: the trainer's own old log-probs of ``full``'s sequences (the rejection's numerator)."""
     raw_checks: list[Check] = dataclasses.field(default_factory=list)
     """The product's prompts, responses and rewards against the reference's own from the raw generation output and
-    the raw reward values (:mod:`fsdptrain.check.raw_reference`)."""
+    the raw reward values (:mod:`fsdptrain.check.raw_reference`); with a stale batch, its behaviour log-probs against
+    the recorded generation ones (:mod:`fsdptrain.check.staleness`)."""
     raw_notes: list[str] = dataclasses.field(default_factory=list)
     """What the reference could not recompute from the raw output on this config (it took the product's)."""
 
@@ -318,13 +319,10 @@ def _sample(trainer: Trainer, *, mask_holes: bool) -> Sampled:
 def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values: bool = True,
                mask_holes: bool = True, staleness: int = 0) -> CheckBatch:
     """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch;
-    ``staleness`` k > 0: the experience made k versions after the weights that sampled it
-    (:mod:`fsdptrain.check.staleness`)."""
+    ``staleness`` k > 0: the experience made k versions after the sampling weights (fsdptrain/check/staleness.py)."""
     info = trainer.info
     sampled = _sample(trainer, mask_holes=mask_holes)
-    rollouts = sampled.rollouts
-    if staleness:
-        rollouts = made_stale(trainer, rollouts, max_staleness=staleness)
+    rollouts = made_stale(trainer, sampled.rollouts, max_staleness=staleness)
     shift = None
     if trainer.models.critic is not None and negative_values:
         shift = shift_values_below_zero(trainer, rollouts)
@@ -352,14 +350,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     carried = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None else None
                for r in rollouts]
     policy = sampled.policy(rollouts, [len(r.response_ids) for r in rollouts])
-    stale_checks, stale_notes = [], []
-    if staleness:  # without a correction the old log-probs are the behaviour's; with one, the carried ones are
-        used = [t.old_logprobs for t in targets] if correction is None else carried
-        check, stale_notes = behaviour_check(trainer, rollouts, used, sampled.generated, policy,
-                                             what="the old log-probs" if correction is None else "the carried ones",
-                                             max_staleness=staleness, rtol=trainer.cfg.check.rtol,
-                                             atol=trainer.cfg.check.atol)
-        stale_checks = [check]
+    stale_checks, stale_notes = behaviour_checks(trainer, rollouts, targets, carried, sampled.generated, policy,
+                                                 corrected=correction is not None, max_staleness=staleness)
     olds = trainer_old if trainer_old is not None else [None] * len(rollouts)
     entries = [((r.group, k), p, resp, t, info.rank, reward_of(raw, r), b, m, o, c, mine, raw)
                for k, (r, p, resp, t, b, m, o, c, mine, raw) in

@@ -12,7 +12,7 @@ colocated (the same sampler, engine and seeds), with the weights of version ``ma
   log-prob as the generating forward computed it), then k of the trainer's own updates on that batch (its real
   optimiser) make the weights version k, as at step k. The product's ``stale_behaviour`` gives the rollouts their
   behaviour log-probs, the experience is made from them at version k (off-policy: the old pass runs), and every
-  layout runs on that batch. :func:`behaviour_check` compares the behaviour log-probs the experience used with the
+  layout runs on that batch. :func:`behaviour_checks` compares the behaviour log-probs the experience used with the
   recorded ones, so an experience that takes the current weights' log-probs as the behaviour's fails.
 
 Left out: what moves between the ranks (the weights' buckets, the samples, the checkpointed in-flight rollouts) and
@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.check.compare import Check
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.rollout import prompt_source
 from fsdptrain.train.experience import policy_logprobs
 from fsdptrain.train.rl import Trainer
@@ -60,14 +61,22 @@ def made_stale(trainer: Trainer, rollouts: list[Rollout], *, max_staleness: int)
     return prompt_source.stale_behaviour(rollouts, max_staleness=max_staleness)  # looked up now: the product's
 
 
-def behaviour_check(trainer: Trainer, rollouts: list[Rollout], used: list[Optional[torch.Tensor]],
-                    recorded: list[list[float]], policy_masks: list[list[bool]], *, what: str, max_staleness: int,
-                    rtol: float, atol: float) -> tuple[Check, list[str]]:
-    """The behaviour log-probs the experience used (``used``, this rank's rollouts; ``what`` says which tensor) against
-    the generating forward's (``recorded``), on the policy's tokens, within ``atol + rtol * |recorded|``; one check
-    over every rank's tokens and its notes (collective). Its detail gives the largest gap between the current
-    weights' (version k) log-probs and the recorded ones: what a behaviour taken from the current weights would
-    differ by (0: the check proves nothing, a note says so)."""
+def behaviour_checks(trainer: Trainer, rollouts: list[Rollout], targets: list[SeqTargets],
+                     carried: list[Optional[torch.Tensor]], recorded: list[list[float]],
+                     policy_masks: list[list[bool]], *, corrected: bool,
+                     max_staleness: int) -> tuple[list[Check], list[str]]:
+    """With ``max_staleness`` k > 0, the behaviour log-probs this rank's experience used against the generating
+    forward's (``recorded``), on the policy's tokens, within ``atol + rtol * |recorded|``: one check over every
+    rank's tokens, and the notes (collective); none at k = 0. Without a rollout correction (``corrected``) the
+    experience used them as the targets' old log-probs; with one, as the rollouts ``carried`` them into the
+    experience (the correction's own rows then compare its weights with the reference's from these). The check's
+    detail gives the largest gap between the current weights' (version k) log-probs and the recorded ones: what a
+    behaviour taken from the current weights would differ by (0: the check proves nothing, a note says so)."""
+    if not max_staleness:
+        return [], []
+    used = carried if corrected else [t.old_logprobs for t in targets]
+    what = "the carried ones" if corrected else "the old log-probs"
+    rtol, atol = trainer.cfg.check.rtol, trainer.cfg.check.atol
     exp = trainer.experience_settings
     current = policy_logprobs(trainer.models.policy, rollouts, temperature=exp.temperature, chunk_size=exp.chunk_size,
                               token_budget=exp.token_budget, device=trainer.device)
@@ -95,7 +104,7 @@ def behaviour_check(trainer: Trainer, rollouts: list[Rollout], used: list[Option
              "generation log-probs as the behaviour's"]
     if gap <= atol:
         notes.append("the updates did not move the policy's log-probs: the behaviour check proves nothing here")
-    return Check(BEHAVIOUR_RULE, "experience", worst, bad == 0 and total > 0, detail), notes
+    return [Check(BEHAVIOUR_RULE, "experience", worst, bad == 0 and total > 0, detail)], notes
 
 
 ON_POLICY_NOTE = ("rollout.placement=separate, rollout.max_staleness=0: the generator ranks sample exactly what each "
