@@ -45,8 +45,10 @@ from fsdptrain.check.compare import Check
 from fsdptrain.check.draft_check import check_vocab
 from fsdptrain.check.precision import checked_precision, in_checked_precision, tolerances
 from fsdptrain.check.progress import say
+from fsdptrain.check.staleness import ON_POLICY_NOTE, as_colocated, behaviour_checks, made_stale, separate_staleness
 from fsdptrain.check.raw_reference import (
     RawSequence,
+    decoded_logprobs,
     decoded_sequences,
     raw_checks,
     recording_decoders,
@@ -150,7 +152,8 @@ class CheckBatch:
     """With rejection: the trainer's own old log-probs of ``full``'s sequences (the rejection's numerator)."""
     raw_checks: list[Check] = dataclasses.field(default_factory=list)
     """The product's prompts, responses and rewards against the reference's own from the raw generation output and
-    the raw reward values (:mod:`fsdptrain.check.raw_reference`)."""
+    the raw reward values (:mod:`fsdptrain.check.raw_reference`); with a stale batch, its behaviour log-probs against
+    the recorded generation ones (:mod:`fsdptrain.check.staleness`)."""
     raw_notes: list[str] = dataclasses.field(default_factory=list)
     """What the reference could not recompute from the raw output on this config (it took the product's)."""
 
@@ -278,6 +281,9 @@ class Sampled:
     recut: bool
     fixture: bool
     single_turn: bool
+    generated: list[list[float]]
+    """Per rollout, its tokens' log-probs as the generating forward computed them: as the recorder saw the engine
+    report them (:func:`decoded_logprobs`), else (a multi-turn sampler) the rollout's own ``generation_logprobs``."""
 
     def policy(self, rollouts: list[Rollout], lengths: list[int]) -> list[list[bool]]:
         """:func:`reference_policy` over responses of ``lengths``."""
@@ -303,16 +309,20 @@ def _sample(trainer: Trainer, *, mask_holes: bool) -> Sampled:
     product = [RawSequence(list(r.prompt_ids), list(r.response_ids), r.truncated, float(r.reward)) for r in rollouts]
     reference, recut = reference_sequences(trainer, rollouts, runs)
     fixture = mask_holes and all(r.response_mask is None for r in rollouts)
+    generated = decoded_logprobs(runs, [len(r.response_ids) for r in rollouts])
+    if generated is None:
+        generated = [list(r.generation_logprobs or []) for r in rollouts]
     return Sampled(with_tool_segments(rollouts) if fixture else rollouts, product, reference, recut, fixture,
-                   writes_every_token(trainer.cfg))
+                   writes_every_token(trainer.cfg), generated)
 
 
 def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values: bool = True,
-               mask_holes: bool = True) -> CheckBatch:
-    """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch."""
+               mask_holes: bool = True, staleness: int = 0) -> CheckBatch:
+    """This rank's rollouts and experience (collective, as in training), the fixtures, and the gathered full batch;
+    ``staleness`` k > 0: the experience made k versions after the sampling weights (fsdptrain/check/staleness.py)."""
     info = trainer.info
     sampled = _sample(trainer, mask_holes=mask_holes)
-    rollouts = sampled.rollouts
+    rollouts = made_stale(trainer, sampled.rollouts, max_staleness=staleness)
     shift = None
     if trainer.models.critic is not None and negative_values:
         shift = shift_values_below_zero(trainer, rollouts)
@@ -340,6 +350,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
     carried = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None else None
                for r in rollouts]
     policy = sampled.policy(rollouts, [len(r.response_ids) for r in rollouts])
+    stale_checks, stale_notes = behaviour_checks(trainer, rollouts, targets, carried, sampled.generated, policy,
+                                                 corrected=correction is not None, max_staleness=staleness)
     olds = trainer_old if trainer_old is not None else [None] * len(rollouts)
     entries = [((r.group, k), p, resp, t, info.rank, reward_of(raw, r), b, m, o, c, mine, raw)
                for k, (r, p, resp, t, b, m, o, c, mine, raw) in
@@ -382,7 +394,8 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
                       counted=reference_counted(policy_masks, full_old, full_behaviour, rejection),
                       rejection=rejection, trainer_old=full_old if rejection is not None else None,
                       carried_behaviour=full_carried if any(c is not None for c in full_carried) else None,
-                      raw_checks=found_raw, raw_notes=[] if sampled.recut else [NOT_RECUT])
+                      raw_checks=found_raw + stale_checks,
+                      raw_notes=([] if sampled.recut else [NOT_RECUT]) + stale_notes)
 
 
 NOT_RECUT = ("the responses are the sampler's own (the multi-turn sampler or offline rollouts): "
@@ -542,6 +555,10 @@ def without_context_parallel(cfg: DictConfig) -> DictConfig:
 def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     """The checked config, the models (as ``fsdptrain train`` builds them) and the batch (collective)."""
     checked, notes = in_checked_precision(check_config(cfg, info.world_size), info.device)
+    staleness = separate_staleness(checked)  # None: colocated
+    if staleness is not None:  # every launched rank checks as a trainer rank (fsdptrain/check/staleness.py)
+        checked = as_colocated(checked)
+        notes = notes + ([ON_POLICY_NOTE] if staleness == 0 else [])
     random.seed(checked.trainer.seed)
     torch.manual_seed(checked.trainer.seed)
     start = time.perf_counter()
@@ -549,7 +566,7 @@ def build_session(cfg: DictConfig, info: world.DistInfo, mesh) -> CheckSession:
     say(f"check-metrics: models built ({time.perf_counter() - start:.1f} s)")
     start = time.perf_counter()
     with checked_precision(checked):
-        batch = make_batch(trainer)
+        batch = make_batch(trainer, staleness=staleness or 0)
     say(f"check-metrics: batch generated and its experience made ({time.perf_counter() - start:.1f} s)")
     if checked.drafter.enabled and trainer.auxiliary_loss() is None:  # no vocabulary file or saved drafter yet:
         vocab_size = trainer.models.policy.config.vocab_size  # the batch's ids

@@ -50,13 +50,15 @@ class RawSequence:
 @dataclass
 class DecodeRun:
     """One ``decode`` call as the engine sampled it: the requests' keys and ids as the caller handed them (None for
-    a request onto a kept context), every token the engine drew, per request key, in order, and whether the caller
-    could add requests (``on_finish``: a multi-turn sampler's later turns)."""
+    a request onto a kept context), every token the engine drew, per request key, in order, with its log-prob as the
+    generating forward computed it (where the engine records them), and whether the caller could add requests
+    (``on_finish``: a multi-turn sampler's later turns)."""
 
     keys: list[Hashable]
     prompts: list[Optional[list[int]]]
     follow_ups: bool
     sampled: dict[Hashable, list[int]] = field(default_factory=dict)
+    logprobs: dict[Hashable, list[float]] = field(default_factory=dict)
 
 
 class DecodeRecorder:
@@ -69,8 +71,10 @@ class DecodeRecorder:
         self.runs.append(DecodeRun([r.key for r in requests],
                                    [list(r.new_ids) if r.kept is None else None for r in requests], follow_ups))
 
-    def on_tokens(self, key, tokens) -> None:
+    def on_tokens(self, key, tokens, logprobs=None) -> None:
         self.runs[-1].sampled.setdefault(key, []).extend(int(t) for t in tokens)
+        if logprobs is not None:
+            self.runs[-1].logprobs.setdefault(key, []).extend(float(x) for x in logprobs)
 
 
 @contextlib.contextmanager
@@ -116,6 +120,18 @@ def decoded_sequences(runs: Sequence[DecodeRun], rewards: Optional[list[Optional
             truncated = None
         out.append(RawSequence(list(prompt), response, truncated, None if rewards is None else rewards[row]))
     return out
+
+
+def decoded_logprobs(runs: Sequence[DecodeRun], lengths: Sequence[int]) -> Optional[list[list[float]]]:
+    """Per rollout, the generating forward's log-probs of its ``lengths[k]`` response tokens as the engine reported
+    them, from the one recorded ``decode`` call whose requests are the rollouts, in order (the single-turn sampler's
+    training call, as :func:`decoded_sequences` reads it); None when the runs are not that, or a request's recorded
+    log-probs do not cover its response."""
+    if len(runs) != 1 or runs[0].follow_ups or len(runs[0].keys) != len(lengths):
+        return None
+    run = runs[0]
+    out = [run.logprobs.get(key, [])[:n] for key, n in zip(run.keys, lengths)]
+    return out if all(len(x) == n for x, n in zip(out, lengths)) else None
 
 
 def reference_reward(values: Sequence[Optional[float]], weights: Sequence[float]) -> float:

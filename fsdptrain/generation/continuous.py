@@ -529,7 +529,7 @@ class ContinuousEngine:
                                        top_p=self.top_p)
         for r, token, logprob in zip(rows, tokens, logprobs):
             if self._recorder is not None:
-                self._recorder.on_tokens(r.request.key, [token])
+                self._recorder.on_tokens(r.request.key, [token], [logprob])
             r.ids.append(token)
             r.logprobs.append(logprob)
             r.last = token

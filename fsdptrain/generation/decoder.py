@@ -18,8 +18,9 @@ then whatever the caller appends). ``on_finish(generated)`` returns the follow-u
 while other rows decode).
 
 **Recording.** Inside ``with recording(recorder):`` every decoder reports each ``decode`` call as handed to it and
-every token it draws, by request key (:class:`Recorder`). check-metrics cuts its own responses from these
-(fsdptrain/check/raw_reference.py); nothing replaces an engine's method to see them.
+every token it draws with its log-prob, by request key (:class:`Recorder`). check-metrics cuts its own responses
+from these and compares the behaviour log-probs with them (fsdptrain/check/raw_reference.py); nothing replaces an
+engine's method to see them.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ class Recorder(Protocol):
     def on_decode(self, requests: Sequence[Request], *, follow_ups: bool) -> None:
         """A ``decode`` call's requests as the caller handed them; ``follow_ups``: the caller may add more."""
 
-    def on_tokens(self, key: Hashable, tokens: Sequence[int]) -> None:
-        """Tokens the engine drew for request ``key``, in order (before any cut at EOS)."""
+    def on_tokens(self, key: Hashable, tokens: Sequence[int], logprobs: Optional[Sequence[float]] = None) -> None:
+        """Tokens the engine drew for request ``key``, in order (before any cut at EOS), and each one's log-prob as
+        the generating forward computed it (``Generated.logprobs``' rule; None where the engine records none)."""
 
 
 _RECORDER: contextvars.ContextVar[Optional[Recorder]] = contextvars.ContextVar("fsdptrain_decode_recorder",

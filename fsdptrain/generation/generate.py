@@ -228,7 +228,7 @@ class GenerateDecoder:
         for row, (r, context) in enumerate(zip(batch, contexts)):
             new_tokens = out[row, width:].tolist()
             if recorder is not None:
-                recorder.on_tokens(r.key, new_tokens)
+                recorder.on_tokens(r.key, new_tokens, logprobs[row].tolist() if logprobs is not None else None)
             ids, truncated = split_response(new_tokens, eos_id=self.tokenizer.eos_token_id)
             row_logprobs = logprobs[row, :len(ids)].tolist() if logprobs is not None else []
             generated.append(generated_in_context(r, context, ids, not truncated, row_logprobs))

@@ -47,6 +47,18 @@ NUM_SAMPLES_SHOWN = 4
 """Samples of rank 0 kept for samples.jsonl and the first step's printout."""
 
 
+def stale_behaviour(rollouts: list[Rollout], *, max_staleness: int) -> list[Rollout]:
+    """Rollouts a generator rank sampled (``rollout.placement=separate``) with the behaviour log-probs the experience
+    must use: at ``max_staleness`` k > 0 the weights that sampled them are up to k versions older than the trainer's,
+    so each carries its generating forward's log-probs (``generation_logprobs``) as ``behaviour_logprobs`` and the
+    step is off-policy (the old pass runs; without a rollout correction the old log-probs are these); at k = 0 the
+    generator held the trainer's own weights, so they carry none (on-policy, as colocated). check-metrics runs this
+    same function on its emulated stale batch (fsdptrain/check/staleness.py)."""
+    if max_staleness == 0:
+        return rollouts
+    return [dataclasses.replace(r, behaviour_logprobs=r.generation_logprobs) for r in rollouts]
+
+
 def _task_rows(rows: list[dict]) -> list[PromptRow]:
     return [PromptRow(index=i, text=r["prompt"], columns={"answer": r["answer"]}) for i, r in enumerate(rows)]
 
@@ -256,14 +268,15 @@ class PromptSource:
         self.samples = [self._sample(models, batch, scores, samples, k)
                         for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
         masks, generated = samples.response_masks, samples.generation_logprobs
-        behaviour = generated if self.link is not None and self.cfg.rollout.max_staleness > 0 else None
-        return [Rollout(prompt_ids=samples.prompt_ids[k], response_ids=samples.response_ids[k],
-                        reward=scores.total[k], group=groups[k], truncated=samples.truncated[k],
-                        prompt_text=samples.prompts[k], response_text=samples.response_texts[k],
-                        response_mask=None if masks is None else masks[k],
-                        generation_logprobs=None if generated is None else generated[k],
-                        behaviour_logprobs=None if behaviour is None else behaviour[k])
-                for k in range(len(samples))]
+        rollouts = [Rollout(prompt_ids=samples.prompt_ids[k], response_ids=samples.response_ids[k],
+                            reward=scores.total[k], group=groups[k], truncated=samples.truncated[k],
+                            prompt_text=samples.prompts[k], response_text=samples.response_texts[k],
+                            response_mask=None if masks is None else masks[k],
+                            generation_logprobs=None if generated is None else generated[k])
+                    for k in range(len(samples))]
+        if self.link is None:
+            return rollouts
+        return stale_behaviour(rollouts, max_staleness=self.cfg.rollout.max_staleness)
 
     def _from_generator(self, models: RolloutModels, step: int, plan, *,
                         device) -> tuple[Samples, RewardBatch, RewardScores, Metrics]:

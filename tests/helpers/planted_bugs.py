@@ -213,3 +213,32 @@ def plant_reward_clipped_before_the_advantages(set_attr=setattr) -> None:
         return dataclasses.replace(scores, total=[min(max(t, -0.25), 0.25) for t in scores.total])
 
     set_attr(runner, "_combine", clipped)
+
+
+def plant_current_weights_as_behaviour(set_attr=setattr) -> None:
+    """An asynchronous trainer whose experience takes the behaviour log-probs of stale rollouts from its own forward
+    at the current weights (the version it trains) instead of the generating forward's: every ratio against the
+    behaviour policy is 1, so neither the loss's old log-probs nor a rollout correction sees the staleness."""
+    from fsdptrain.distributed import world
+
+    make = rl.make_targets
+
+    def current_as_behaviour(models, rollouts, settings, *, device, **kw):
+        if world.any_flag(any(r.behaviour_logprobs is not None for r in rollouts)):  # collective forward
+            current = experience.policy_logprobs(models.policy, rollouts, temperature=settings.temperature,
+                                                 chunk_size=settings.chunk_size, token_budget=settings.token_budget,
+                                                 device=device)
+            rollouts = [dataclasses.replace(r, behaviour_logprobs=c.tolist()) if r.behaviour_logprobs is not None
+                        else r for r, c in zip(rollouts, current)]
+        return make(models, rollouts, settings, device=device, **kw)
+
+    set_attr(rl, "make_targets", current_as_behaviour)
+
+
+def plant_stale_rollouts_taken_as_on_policy(set_attr=setattr) -> None:
+    """A separate placement that hands its generators' rollouts to the experience without their generation log-probs
+    at any staleness, as if the generators held the trainer's weights: the old pass at the current weights then
+    stands in for the behaviour policy."""
+    from fsdptrain.rollout import prompt_source
+
+    set_attr(prompt_source, "stale_behaviour", lambda rollouts, *, max_staleness: rollouts)

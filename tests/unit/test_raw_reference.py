@@ -14,6 +14,7 @@ from transformers import LlamaForCausalLM
 from fsdptrain.check.raw_reference import (
     DecodeRun,
     RawSequence,
+    decoded_logprobs,
     decoded_sequences,
     raw_checks,
     recording_decoders,
@@ -64,6 +65,16 @@ def test_decoded_sequences_from_one_single_turn_call_and_none_otherwise():
     assert decoded_sequences([DecodeRun([0, 0, 2], run.prompts, False, run.sampled)], None, 3, **kw) is None
 
 
+def test_decoded_logprobs_cover_each_response_from_one_single_turn_call_and_none_otherwise():
+    run = DecodeRun(keys=[0, 1], prompts=[[7], [9]], follow_ups=False, sampled={0: [5, EOS, 0], 1: [4, 4]},
+                    logprobs={0: [-0.5, -1.25, -3.0], 1: [-2.0, -0.125]})
+    assert decoded_logprobs([run], [2, 2]) == [[-0.5, -1.25], [-2.0, -0.125]]  # the padding after EOS left out
+    assert decoded_logprobs([run], [3, 3]) is None  # request 1 recorded 2 log-probs for 3 tokens
+    assert decoded_logprobs([run, run], [2, 2]) is None and decoded_logprobs([], []) is None
+    assert decoded_logprobs([DecodeRun([0, 1], run.prompts, True, run.sampled, run.logprobs)], [2, 2]) is None
+    assert decoded_logprobs([DecodeRun([0, 1], run.prompts, False, run.sampled)], [2, 2]) is None  # none recorded
+
+
 def test_checks_fail_on_a_different_cut_and_a_different_reward():
     want = [RawSequence([7], [5, EOS], False, 0.5), RawSequence([8], [4, 4], True, 1.0)]
     assert all(c.passed for c in raw_checks(want, want, atol=1e-6, rtol=1e-5, responses_recut=True))
@@ -101,3 +112,6 @@ def test_the_recorded_decode_cuts_as_the_decoder_does(engine):
     assert [(s.prompt_ids, s.response_ids, s.truncated) for s in got] == \
         [(p, out[i].new_ids, out[i].truncated) for i, p in enumerate(prompts)]
     assert 0 < sum(not s.truncated for s in got) < len(got)  # both kinds of row
+    # the generating forward's log-probs as the engine reported them: the records' own, bit for bit
+    lengths = [len(out[i].new_ids) for i in range(len(prompts))]
+    assert decoded_logprobs(runs, lengths) == [out[i].logprobs for i in range(len(prompts))]
