@@ -22,24 +22,24 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError, reward_specs
-from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.epoch_order import EpochOrder
+from fsdptrain.data.prompt_tasks import digit_task_rows
 from fsdptrain.data.prompts import PromptRow, drop_long_prompts, hold_out_eval, load_prompts
 from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
+from fsdptrain.generation.decoder import SampleMode
+from fsdptrain.generation.engines import make_decoder
+from fsdptrain.metrics.typed import Max, Metrics, merge_all
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
-from fsdptrain.metrics.typed import Max, Metrics, merge_all
 from fsdptrain.rl.reward_scale import RunningMoments
 from fsdptrain.rollout.evaluation import greedy_reward, sampled_eval
-from fsdptrain.generation.decoder import SampleMode
-from fsdptrain.generation.engines import make_decoder
 from fsdptrain.rollout.generator_link import GeneratorLink
+from fsdptrain.rollout.rollout_models import RolloutModels
 from fsdptrain.rollout.sampler import Sampler, Samples
 from fsdptrain.rollout.scoring import ModelScores, score_with_reward_models
 from fsdptrain.rollout.single_turn import SingleTurnSampler
-from fsdptrain.rollout.rollout_models import RolloutModels
 from fsdptrain.run.perf import phase
 from fsdptrain.run.signals import user_code
 

@@ -30,17 +30,22 @@ from fsdptrain.data.rollout_record import Rollout
 from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
+from fsdptrain.distributed.placement import bridge
+from fsdptrain.distributed.weight_handover import WeightSender
+from fsdptrain.generation.schedule import sent_versions
 from fsdptrain.metrics.typed import Diagnostic, Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
+from fsdptrain.model.loading import DTYPES, build_tokenizer
 from fsdptrain.rl.fused_loss import SeqTargets
+from fsdptrain.rollout.generator_rank import serve
+from fsdptrain.rollout.rollout_source import build_source
+from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
+from fsdptrain.run.console import print_samples, print_start_report, print_summary
+from fsdptrain.run.outputs import write_samples
+from fsdptrain.run.perf import StepTimer, peak_tflops, phase, step_flops, throughput
+from fsdptrain.run.runner import resolve_steps, run_recipe
 from fsdptrain.train.drafter_setup import DrafterExtension
 from fsdptrain.train.experience import experience_settings, make_targets
 from fsdptrain.train.group_filter import filter_groups
-from fsdptrain.run.perf import StepTimer, peak_tflops, phase, step_flops, throughput
-from fsdptrain.run.console import print_samples, print_start_report, print_summary
-from fsdptrain.rollout.rollout_source import build_source
-from fsdptrain.run.checkpointer import Checkpointed, export_hf_models
-from fsdptrain.run.outputs import write_samples
-from fsdptrain.run.runner import resolve_steps, run_recipe
 from fsdptrain.train.setup import (
     build_models,
     loss_scale_factor,
@@ -49,11 +54,6 @@ from fsdptrain.train.setup import (
     skips_old_passes,
     value_settings,
 )
-from fsdptrain.distributed.placement import bridge
-from fsdptrain.distributed.weight_handover import WeightSender
-from fsdptrain.generation.schedule import sent_versions
-from fsdptrain.model.loading import DTYPES, build_tokenizer
-from fsdptrain.rollout.generator_rank import serve
 from fsdptrain.train.step import AuxiliaryLoss, MiniBatch, replica_metrics
 from fsdptrain.train.trained_part import checkpointed_parts
 
