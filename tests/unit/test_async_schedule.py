@@ -83,3 +83,20 @@ def test_buckets_hold_at_most_their_size_and_a_larger_tensor_alone():
     assert bucket_plan([1, 10, 1], 8) == [[0], [1], [2]]
     assert bucket_plan([], 8) == []
     assert bucket_plan([8, 8], 8) == [[0], [1]]
+
+
+def test_a_policy_that_does_not_fit_a_generator_is_refused_in_one_line_before_it_is_built():
+    import torch
+
+    from fsdptrain.config import ConfigError
+    from fsdptrain.config.compose import compose_config
+    from fsdptrain.model.loading import build_tokenizer
+    from fsdptrain.rollout.generator_rank import generator_policy
+
+    # 64 layers 32768 wide: ~0.8 T parameters, ~3 TB in fp32; only its shape is built (on the meta device)
+    cfg = compose_config(["rollout.placement=separate", "model.hidden_size=32768", "model.intermediate_size=32768",
+                          "model.num_layers=64", "model.num_heads=64", "model.num_kv_heads=64"])
+    with pytest.raises(ConfigError, match=r"rollout.placement=separate: the unsharded policy needs [\d.]+ GiB in "
+                                          r"float32, more than 0.8 of a generator rank's free memory .*"
+                                          r"use rollout.placement=colocated"):
+        generator_policy(cfg, build_tokenizer(cfg), torch.device("cpu"))
