@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.logprobs import chunked_logprobs_entropy
-from fsdptrain.metrics.typed import Metrics
+from fsdptrain.metrics.typed import Max, Mean, Metrics
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.rl.policy_loss import policy_loss
 from fsdptrain.rl.value_loss import value_loss
@@ -67,6 +67,9 @@ class SeqTargets:
     """Rollout-correction importance weights (detached), with `algorithm.rollout_correction`."""
     response_mask: Optional[Tensor] = None
     """bool `[R]`: the response tokens that count (packing turns it into the row's `response_mask`); None: all."""
+    generation_logprobs: Optional[Tensor] = None
+    """The generating forward's log-prob of each response token (`Rollout.generation_logprobs`), carried only when
+    the old log-prob pass is skipped, for `generation_gap_metrics`; a diagnostic the loss never reads."""
 
 
 def scatter_responses(per_seq_R: Sequence[Tensor], packed: PackedRow, *, device=None) -> Tensor:
@@ -141,7 +144,7 @@ def policy_loss_of_pack(logprobs_T: Tensor, entropy_T: Optional[Tensor], packed:
         ref_T = scatter_responses([t.ref_logprobs for t in targets], packed, device=device)
     if settings.use_is_weights:
         is_weights_T = scatter_responses([t.is_weights for t in targets], packed, device=device)
-    return policy_loss(
+    loss, metrics = policy_loss(
         logprobs_T,
         *_on_row(logprobs_T, [t.old_logprobs for t in targets], [t.advantages for t in targets], packed),
         norms=norms,
@@ -151,6 +154,26 @@ def policy_loss_of_pack(logprobs_T: Tensor, entropy_T: Optional[Tensor], packed:
         entropy=entropy_T,
         rollout_is_weights=is_weights_T,
     )
+    if settings.generation_gap:
+        metrics = metrics.merge(generation_gap_metrics(logprobs_T, packed, targets))
+    return loss, metrics
+
+
+def generation_gap_metrics(logprobs_T: Tensor, packed: PackedRow, targets: Sequence[SeqTargets]) -> Metrics:
+    """``rollout/logprob_diff/mean`` and ``/max``: |this forward - generating forward| log-prob over the row's
+    counted tokens (the policy's) of the sequences whose targets carry ``generation_logprobs`` (the others are left
+    out): a token-pooled MEAN (total and count) and a MAX, so summed over packs and ranks the value is the same at
+    any packing and dp size. With the old log-prob pass skipped this forward scores the rollouts on the weights that
+    generated them, which is what that pass (`fsdptrain.train.experience.logprob_diff_metrics`) would have
+    compared; nothing carried: empty, never 0.0."""
+    device = logprobs_T.device
+    generated_T = scatter_responses([t.advantages.new_zeros(t.advantages.shape) if t.generation_logprobs is None
+                                     else t.generation_logprobs for t in targets], packed, device=device)
+    carried_T = scatter_responses([t.advantages.new_full(t.advantages.shape, float(t.generation_logprobs is not None))
+                                   for t in targets], packed, device=device) > 0
+    diff_T = (logprobs_T.detach().double() - generated_T.double()).abs()
+    return Metrics({"rollout/logprob_diff/mean": Mean.of(diff_T, carried_T),
+                    "rollout/logprob_diff/max": Max.of(diff_T, carried_T)})
 
 
 def value_loss_of_pack(values_T: Tensor, packed: PackedRow, targets: Sequence[SeqTargets], *,

@@ -233,6 +233,10 @@ class PolicyLossSettings:
     dro_beta: Optional[float] = None
     use_is_weights: bool = False
     """Multiply the pg term by the rollout-correction weights (`policy_loss` then needs `rollout_is_weights`)."""
+    generation_gap: bool = False
+    """Log ``rollout/logprob_diff/*`` from this forward (`fsdptrain.rl.fused_loss.generation_gap_metrics`): on when
+    the old log-prob pass is skipped, whose stand-in this forward is; fixed per run, so every rank's metric names
+    agree, empty packs included. Never read by the loss."""
 
     def __post_init__(self):
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:

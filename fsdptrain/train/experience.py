@@ -310,6 +310,12 @@ def off_policy_metrics(old_R: Sequence[Tensor], behaviour_R: Sequence[Optional[T
     return off_policy_diagnostics(old_BR.double(), behaviour_BR.double(), mask_BR).prefixed("rollout_corr/")
 
 
+def generation_logprobs(rollouts: Sequence[Rollout]) -> list[Optional[Tensor]]:
+    """Per rollout, its ``generation_logprobs`` as float32 `_R`, or None where it carries none."""
+    return [None if r.generation_logprobs is None else torch.tensor(r.generation_logprobs, dtype=torch.float32)
+            for r in rollouts]
+
+
 def logprob_diff_metrics(old_R: Sequence[Tensor], generated_R: Sequence[Optional[Tensor]],
                          masks: Sequence[Optional[Tensor]]) -> Metrics:
     """``rollout/logprob_diff/mean`` and ``/max``: |training forward - generating forward| log-prob, over the policy
@@ -366,8 +372,7 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     on_policy = all(b is None for b in behaviour)
     behaviour_or_old = [b if b is not None else o for b, o in zip(behaviour, old)]  # none carried: ratio 1
     weights, kept, metrics = _off_policy_corrections(old, behaviour_or_old, masks, settings)
-    generated = [torch.tensor(r.generation_logprobs, dtype=torch.float32) if r.generation_logprobs is not None
-                 else None for r in rollouts]
+    generated = generation_logprobs(rollouts)
     metrics = merge_all([off_policy_metrics(old, behaviour, masks), logprob_diff_metrics(old, generated, masks),
                          metrics])
     if settings.rollout_correction == "none":  # without a correction the behaviour log-probs are the old policy's
@@ -425,8 +430,11 @@ def _targets(*, policy_mask: Optional[Tensor], response_mask: Optional[Tensor], 
 def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettings,
                        logprob_args: dict, sum_across_ranks=None) -> tuple[list[SeqTargets], bool, Metrics]:
     """`make_targets` without the old log-prob pass (and without the critic's pass when the built-in estimator reads
-    no values): no behaviour log-probs, no KL in the reward, no rollout correction (the caller guarantees it)."""
+    no values): no behaviour log-probs, no KL in the reward, no rollout correction (the caller guarantees it). The
+    targets carry the generation log-probs, whose gap the first update forward logs instead of the pass
+    (`fsdptrain.rl.fused_loss.generation_gap_metrics`)."""
     masks = rollout_masks(rollouts)
+    generated = generation_logprobs(rollouts)
     any_mask = any(m is not None for m in masks)
     ref = reference_logprobs(models.reference, rollouts, **logprob_args)
     rewards = token_rewards(rollouts, kl_R=None, kl_coef=0.0, masks=masks)
@@ -442,6 +450,6 @@ def _on_policy_targets(models, rollouts: Sequence[Rollout], settings: Experience
                         ref_logprobs=ref[i] if ref is not None else None,
                         old_values=values[i] if values is not None else None,
                         returns=returns[i] if models.critic is not None else None,
-                        policy_mask=masks[i], response_mask=masks[i])
+                        generation_logprobs=generated[i], policy_mask=masks[i], response_mask=masks[i])
                for i in range(len(rollouts))]
     return targets, True, Metrics({})

@@ -203,7 +203,7 @@ def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
         kl_estimator=alg.kl_estimator, entropy_coef=alg.entropy_coef, temperature=cfg.rollout.temperature,
         chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss), kl_clamp=alg.kl_clamp,
         pg_loss_fn=resolve_policy_loss(alg.policy_loss), policy_loss=alg.policy_loss, dro_beta=alg.dro_beta,
-        use_is_weights=alg.rollout_correction != "none",
+        use_is_weights=alg.rollout_correction != "none", generation_gap=skips_old_passes(cfg),
     )
 
 

@@ -1,17 +1,20 @@
 """Generation log-probs (``Rollout.generation_logprobs``, docs/rollout.md): each engine records every sampled token's
 ``log_softmax(logits / temperature)`` as an independent full-sequence forward computes it; ``rollout/logprob_diff/*``
-pools |old - generated| over policy tokens, so splitting the rollouts over ranks gives the same numbers."""
+pools |old - generated| over policy tokens, so splitting the rollouts over ranks gives the same numbers; with the old
+pass skipped, the first update forward pools the same over its packed rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fsdptrain.data.packing import pack_sequences
 from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.generate import generate_responses
 from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.generation.continuous import ContinuousEngine
 from fsdptrain.generation.decoder import Request
+from fsdptrain.rl.fused_loss import SeqTargets, generation_gap_metrics, scatter_responses
 from fsdptrain.train.experience import logprob_diff_metrics
 from tests.helpers.tiny_llama import tiny_llama
 
@@ -67,3 +70,25 @@ def test_logprob_diff_pools_policy_tokens_over_ranks():
                                 logprob_diff_metrics(old[1:], generated[1:], masks[1:])]))
     assert split == whole
     assert finalize(logprob_diff_metrics(old[2:], generated[2:], masks[2:])) == {}
+
+
+def test_the_update_forward_pools_the_same_gap_at_any_packing():
+    # The same hand numbers as above, from the first update forward (the old pass skipped): the forward's log-probs
+    # on the packed row against the targets' generation log-probs, over the row's counted tokens.
+    old = [torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-0.5, -0.25]), torch.tensor([-4.0])]
+    generated = [torch.tensor([-1.5, -2.0, -1.0]), torch.tensor([-0.75, -0.25]), None]
+    masks = [torch.tensor([True, True, False]), None, None]
+    prompts, responses = [[5, 6], [7], [8, 9, 10]], [[11, 12, 13], [14, 15], [16]]
+    targets = [SeqTargets(old_logprobs=None, advantages=torch.zeros(len(r)), generation_logprobs=g,
+                          response_mask=m) for r, g, m in zip(responses, generated, masks)]
+
+    def gap(pack):
+        packed = pack_sequences(prompts, responses, pack, response_masks=masks)
+        logprobs_T = scatter_responses([old[i] for i in pack], packed)
+        return generation_gap_metrics(logprobs_T, packed, [targets[i] for i in pack])
+
+    want = {"rollout/logprob_diff/mean": pytest.approx(0.1875, abs=1e-7),
+            "rollout/logprob_diff/max": pytest.approx(0.5, abs=1e-7)}
+    assert finalize(gap([0, 1, 2])) == want
+    assert finalize(merge_all([gap([2, 0]), gap([1])])) == want  # two packs (or two ranks), another order
+    assert finalize(gap([2])) == {} and finalize(gap([])) == {}  # nothing carried: absent, never 0.0
