@@ -1,6 +1,7 @@
 """``fsdptrain check-reward``: does the reward give the current model something to learn from? No training.
 
-On every rank, build what ``fsdptrain train`` builds (data, reward functions, model), generate the first step's
+On every rank, build what sampling and scoring need as ``fsdptrain train`` builds it (data, reward functions, the
+policy, the reward models; no critic, reference or optimizer), generate the first step's
 ``rollout.prompts_per_step`` prompts ``rollout.n`` times each with the current model, score them through the same
 code as training, and report over all ranks, per function and for the weighted total: mean, population std, and the
 share of prompt groups whose samples all scored the same (GRPO's group baseline learns nothing from those). Rank 0
@@ -21,10 +22,11 @@ from omegaconf import DictConfig
 
 from fsdptrain.config import ConfigError, validate_world
 from fsdptrain.distributed import world
-from fsdptrain.train.rl import Trainer
-from fsdptrain.run.console import log, print_samples
+from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.rollout.prompt_source import PromptSource
-from fsdptrain.train.setup import resolve_device_type
+from fsdptrain.rollout.rollout_source import build_source
+from fsdptrain.run.console import log, print_samples
+from fsdptrain.train.setup import build_sampling_models, resolve_device_type
 
 
 def spread(values: list, groups: list[int]) -> list[float]:
@@ -57,12 +59,12 @@ def check_reward(cfg: DictConfig) -> int:
     mesh = world.build_mesh(dp_replicate=replicate, dp_shard=shard, device_type=info.device.type)
     random.seed(cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    trainer = Trainer(cfg, run_dir=None, info=info, mesh=mesh)
-    source: PromptSource = trainer.source
+    tokenizer = build_tokenizer(cfg)
+    source: PromptSource = build_source(cfg, tokenizer)
     try:
+        models = build_sampling_models(cfg, tokenizer, mesh, info.device)
         start = time.perf_counter()
-        rollouts = source.rollouts(trainer.models, 0, rank=info.rank, world_size=info.world_size,
-                                   device=trainer.device)
+        rollouts = source.rollouts(models, 0, rank=info.rank, world_size=info.world_size, device=info.device)
         elapsed = time.perf_counter() - start
         batch, scores = source.last_batch, source.last_scores
         groups = [r.group for r in rollouts]

@@ -171,13 +171,38 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     if distilling(cfg):
         models.teacher = build_reference_model(path=cfg.algorithm.distill.teacher, config=None, **parallel, seed=seed)
         set_attention(models.teacher, backend)
-    for spec in models.reward_specs:
-        reward_model = build_reward_model(spec, mesh=mesh, param_dtype=parallel["param_dtype"],
+    models.reward_models = build_reward_models(cfg, models.reward_specs, mesh, backend)
+    return models
+
+
+def build_reward_models(cfg: DictConfig, specs: list[RewardModelSpec], mesh, backend: str) -> list[torch.nn.Module]:
+    """The frozen sharded reward models of ``specs`` (``reward.models``), on the packed attention ``backend``."""
+    out = []
+    for spec in specs:
+        reward_model = build_reward_model(spec, mesh=mesh, param_dtype=DTYPES[cfg.parallel.param_dtype],
                                           reshard_after_forward=cfg.parallel.reshard_after_forward,
                                           offload=cfg.reward.model_offload)
         set_attention(reward_model, backend)
-        models.reward_models.append(reward_model)
-    return models
+        out.append(reward_model)
+    return out
+
+
+@dataclass
+class SamplingModels:
+    """What sampling and scoring read (a `fsdptrain.rollout.rollout_models.RolloutModels`): the policy and the
+    reward models, and nothing that trains (no critic, reference, teacher or optimizer): ``fsdptrain check-reward``'s."""
+
+    policy: torch.nn.Module
+    reward_specs: list[RewardModelSpec]
+    reward_models: list[torch.nn.Module]
+
+
+def build_sampling_models(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> SamplingModels:
+    """The policy as ``fsdptrain train`` builds it (sharded, on the packed backend) and the reward models."""
+    policy, backend = build_policy_model(cfg, tokenizer, mesh, device)
+    specs = [load_reward_model_spec(path) for path in cfg.reward.models]
+    return SamplingModels(policy=policy, reward_specs=specs, reward_models=build_reward_models(cfg, specs, mesh,
+                                                                                              backend))
 
 
 def _build_critic(cfg: DictConfig, source: dict, parallel: dict, tokenizer, reward_specs: list) -> torch.nn.Module:
