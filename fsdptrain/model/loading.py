@@ -9,8 +9,10 @@ later initialisation; `torch.device("meta")` has no such trap (docs/architecture
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from transformers import (
 from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
 from fsdptrain.model.checks import check_tokenizer_fits
 from fsdptrain.model.location import model_location, pretrained_args
+
+logger = logging.getLogger(__name__)
 
 TINY_CONFIG: dict[str, Any] = {  # the embedded default: a tiny Llama that trains in seconds on a CPU
     "model_type": "llama",
@@ -124,8 +128,7 @@ def build_full_model(
         torch.manual_seed(seed)
         if path is not None:
             name, gguf = pretrained_args(path)  # a GGUF file is dequantised to fp32 here
-            model = auto_class.from_pretrained(name, config=resolved, dtype=torch.float32, trust_remote_code=False,
-                                               **gguf)
+            model = _from_pretrained(kind, name, resolved, gguf)
         else:
             model = auto_class.from_config(resolved, dtype=torch.float32)
     if backbone_from is not None:
@@ -134,6 +137,42 @@ def build_full_model(
     if lora is not None:
         lora.apply_to(model, seed=seed)
     return model.train()
+
+
+def _from_pretrained(kind: str, name: str, config: PretrainedConfig, gguf: dict) -> PreTrainedModel:
+    """The weights of ``name`` in the model of ``kind``. A value model's head is missing from a causal LM's
+    checkpoint and drawn on purpose (`value_head_names`; the run says so in a line of its own,
+    `fsdptrain.train.setup.critic_head_line`), so transformers' load report of that load, which calls it MISSING
+    and bids to train it, is silenced; any other weight the checkpoint lacks is still reported, here."""
+    args = dict(config=config, dtype=torch.float32, trust_remote_code=False, **gguf)
+    if kind != "value":
+        return model_class(kind).from_pretrained(name, **args)
+    with transformers_quiet():
+        model, info = model_class(kind).from_pretrained(name, output_loading_info=True, **args)
+    head = set(value_head_names(model))
+    lacking = sorted(key for key in info["missing_keys"] if key.split(".")[0] not in head)
+    if lacking:
+        logger.warning("the value model's checkpoint %s lacks %s: drawn at random", name, ", ".join(lacking))
+    return model
+
+
+@contextlib.contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """transformers' logging at errors only, for the block (its verbosity restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def value_head_names(model: nn.Module) -> list[str]:
+    """The modules of a value model outside its backbone (``score``: the head mapping a hidden state to a value)."""
+    return [name for name, child in model.named_children()
+            if name != model.base_model_prefix and next(child.parameters(), None) is not None]
 
 
 def meta_model(kind: str, config: PretrainedConfig, *, lora=None) -> PreTrainedModel:

@@ -20,10 +20,11 @@ from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_re
 from fsdptrain.distributed.fsdp_reward_models import build_reward_model, build_value_model_from_reward_model
 from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
-from fsdptrain.model.loading import DTYPES, model_source
+from fsdptrain.model.loading import DTYPES, model_source, value_head_names
 from fsdptrain.model.lora import lora_settings
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_terms import PolicyLossSettings, resolve_policy_loss
+from fsdptrain.run.console import log
 from fsdptrain.train.optim import GradNormWatch, NonFiniteGuard, build_optimizer, build_scheduler
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 from fsdptrain.train.step import LossFn
@@ -158,6 +159,7 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     models.reward_specs = [load_reward_model_spec(path) for path in cfg.reward.models]
     if cfg.algorithm.use_critic:
         critic = _build_critic(cfg, source, parallel, tokenizer, models.reward_specs)
+        log(critic_head_line(cfg, critic, from_path=source["path"]))
         set_attention(critic, backend)
         models.critic_part = build_part(cfg, critic, name="critic", prefix="critic/", lr=cfg.trainer.critic_lr,
                                         grad_clip=cfg.trainer.critic_grad_clip, loss_fn=packed_value_loss,
@@ -216,8 +218,27 @@ def _build_critic(cfg: DictConfig, source: dict, parallel: dict, tokenizer, rewa
     if cfg.model.value_init == "policy":
         backbone = (dict(backbone_from_path=source["path"]) if source["path"] else
                     dict(backbone_from_config=source["config"], backbone_seed=cfg.trainer.seed))
-    return build_value_model(**source, **parallel, seed=cfg.trainer.seed + 1, activation_checkpointing=checkpointing,
+    return build_value_model(**source, **parallel, seed=critic_seed(cfg), activation_checkpointing=checkpointing,
                              lora=lora_settings(cfg, critic=True), **backbone)
+
+
+def critic_seed(cfg: DictConfig) -> int:
+    """The seed the critic's new weights (its value head, a fresh backbone) are drawn from."""
+    return cfg.trainer.seed + 1
+
+
+def critic_head_line(cfg: DictConfig, critic: torch.nn.Module, *, from_path: Optional[str]) -> str:
+    """One line on where the critic's value head and backbone come from: the head is new, drawn on purpose (a causal
+    LM has none), unless it is the reward model's (``model.value_init=reward_model``)."""
+    if cfg.model.value_init == "reward_model":
+        return f"critic: value head and backbone from the reward model {cfg.reward.models[0]} (model.value_init)"
+    if from_path is not None:
+        backbone = f"loaded from {from_path}"
+    else:
+        backbone = "the policy's initial weights" if cfg.model.value_init == "policy" else "drawn at random"
+    heads = ", ".join(value_head_names(critic))
+    return (f"critic: value head {heads} ({critic.config.hidden_size} -> 1) drawn at random from seed "
+            f"{critic_seed(cfg)}, on purpose (a causal LM has none); backbone {backbone}")
 
 
 def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
