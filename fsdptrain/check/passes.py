@@ -11,7 +11,10 @@
   (the configured correction, else tis per token with cap 2) and a sampling temperature of 0.7 when 1 is configured.
 - The **experience checks**: the batch's advantages and returns against :mod:`fsdptrain.check.experience_reference`,
   then the product's estimator rerun on the real ranks with gamma = 0.9, lambda = 0.8 (so a swap shows) against the
-  oracle with those settings.
+  oracle with those settings, then the product's rewards, advantages and returns (`advantages_and_returns`) on the
+  off-policy pass's perturbed old and reference log-probs and values against the oracle on the same inputs: on the
+  generated batch the reference is the policy, so the KL penalty in the reward is 0 there and a wrong sign or
+  coefficient of it would pass (the configured ``algorithm.kl_in_reward_coef``, else 0.1, so the path always runs).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from fsdptrain.distributed import world
 from fsdptrain.rl.fused_loss import SeqTargets, ValueLossSettings
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.rl.rollout_correction import rollout_correction_weights
-from fsdptrain.train.experience import estimate_advantages, rollout_masks, token_rewards
+from fsdptrain.train.experience import advantages_and_returns, estimate_advantages, rollout_masks, token_rewards
 
 OFF_POLICY_SEED = 20_250_515
 OLD_SPREAD, REF_SPREAD, BEHAVIOUR_SPREAD, VALUE_SPREAD = 1.5, 4.0, 1.0, 0.5
@@ -38,6 +41,8 @@ reference +-4 (k3 above its clamp of 10 for d < -2.5), behaviour +-1 (weights ab
 ADVANTAGE_SEED, ADVANTAGE_SPREAD = 20_261_206, 1.0
 """Advantages +-1: both signs, so the clip bounds and dual-clip bind on the policy-gradient term."""
 PROBE_GAMMA, PROBE_LAM = 0.9, 0.8
+PROBE_KL_IN_REWARD_COEF = 0.1
+"""The KL-in-reward coefficient of the perturbed experience check when none is configured (the path still runs)."""
 OFF_POLICY_TEMPERATURE = 0.7
 
 
@@ -117,6 +122,7 @@ def experience_checks(session: CheckSession, *, rtol: float, atol: float) -> tup
     inputs = _inputs(batch, real)
     want = oracle_experience(inputs, _oracle_settings(cfg, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam))
     probe_local = _probe(session)  # collective: every rank runs it, whatever the estimator
+    perturbed = _perturbed_experience(session, rtol=rtol, atol=atol)  # collective too
     if want is None:
         return [], (f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} is a user's function: its advantages "
                     "are not recomputed (no oracle)")
@@ -132,12 +138,54 @@ def experience_checks(session: CheckSession, *, rtol: float, atol: float) -> tup
                              [w[1] for w in want], rtol=rtol, atol=atol))
     probe_want = oracle_experience(inputs, _oracle_settings(cfg, gamma=PROBE_GAMMA, lam=PROBE_LAM))
     mine = [i for i in batch.local_index if i < len(real)]
-    local = _check("", [a for a, _ in probe_local], [probe_want[i][0] for i in mine], rtol=rtol, atol=atol)
+    checks.append(_over_ranks(f"experience: advantages = oracle at gamma={PROBE_GAMMA}, lambda={PROBE_LAM} on the "
+                              "real ranks", [a for a, _ in probe_local], [probe_want[i][0] for i in mine],
+                              rtol=rtol, atol=atol))
+    return checks + perturbed(), None
+
+
+def _over_ranks(rule: str, got: list, want: list, *, rtol: float, atol: float) -> Check:
+    """One check of this rank's sequences, agreed over the ranks (collective): the largest difference, and a pass
+    only where every rank passed."""
+    local = _check("", got, want, rtol=rtol, atol=atol)
     worst = float(world.all_reduce_max(torch.tensor([local.value], dtype=torch.float64))[0])
     ok = world.agree_max_int(0 if local.passed else 1) == 0
-    checks.append(Check(f"experience: advantages = oracle at gamma={PROBE_GAMMA}, lambda={PROBE_LAM} on the real "
-                        "ranks", "experience", worst, ok, f"max |diff| {worst:.3g}"))
-    return checks, None
+    return Check(rule, "experience", worst, ok, f"max |diff| {worst:.3g}")
+
+
+def _perturbed_experience(session: CheckSession, *, rtol: float, atol: float):
+    """The product's advantages and returns (`advantages_and_returns`) of this rank's real sequences on the
+    off-policy pass's perturbed batch (:func:`off_policy_batch`: old and reference log-probs, values), at the
+    configured gamma and lambda and the KL-in-reward coefficient (:data:`PROBE_KL_IN_REWARD_COEF` when 0), run here
+    (collective); returns what compares them with the oracle on the same inputs (collective too; no check for a
+    user's estimator, which has no oracle)."""
+    cfg, batch, tr = session.cfg, session.batch, session.trainer
+    perturbed = off_policy_batch(batch, correction="tis", level="token", cap=2.0)  # the weights are not read here
+    coef = cfg.algorithm.kl_in_reward_coef or PROBE_KL_IN_REWARD_COEF
+    mine = [i for i in batch.local_index if i < len(batch.scores)]
+    targets = [perturbed.full.targets[i] for i in mine]
+    rollouts = [_Scored(batch.scores[i], batch.groups[i], [int(m) for m in batch.policy_token_masks()[i]],
+                        [0] * len(batch.full.responses[i])) for i in mine]
+    values = [t.old_values for t in targets] if tr.models.critic is not None else None
+    got_adv, got_ret = advantages_and_returns(
+        rollouts, [t.old_logprobs for t in targets], [t.ref_logprobs for t in targets], values,
+        rollout_masks(rollouts), dataclasses.replace(tr.experience_settings, kl_in_reward_coef=coef))
+    settings = dataclasses.replace(_oracle_settings(cfg, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam),
+                                   kl_in_reward_coef=coef)
+    want = oracle_experience(_inputs(perturbed, list(range(len(batch.scores)))), settings)
+    what = f"on the perturbed batch (old, reference, values; KL-in-reward coef {coef:g})"
+
+    def compare() -> list[Check]:
+        if want is None:
+            return []
+        checks = [_over_ranks(f"experience: advantages = oracle {what}", [a.double().tolist() for a in got_adv],
+                              [want[i][0] for i in mine], rtol=rtol, atol=atol)]
+        if got_ret is not None and want[0][1] is not None:  # the oracle's returns: a critic's targets
+            checks.append(_over_ranks(f"experience: returns = oracle {what}", [r.double().tolist() for r in got_ret],
+                                      [want[i][1] for i in mine], rtol=rtol, atol=atol))
+        return checks
+
+    return compare
 
 
 def _distilled_oracle(session: CheckSession, inputs: list[SeqInputs], want: Optional[list], *, rtol: float,

@@ -365,7 +365,6 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     if skip_old_passes:
         return _on_policy_targets(models, rollouts, settings, logprob_args, sum_across_ranks)
     masks = rollout_masks(rollouts)
-    any_mask = any(m is not None for m in masks)
     old = policy_logprobs(models.policy, rollouts, **logprob_args)
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else None for r in rollouts]
@@ -378,19 +377,14 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     if settings.rollout_correction == "none":  # without a correction the behaviour log-probs are the old policy's
         old = behaviour_or_old
     ref = reference_logprobs(models.reference, rollouts, **logprob_args)
-    kl_R = [o - r for o, r in zip(old, ref)] if ref is not None else None
-    rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef, masks=masks)
     values = (critic_values(models.critic, rollouts, token_budget=budget, device=device,
                             share_prompts=settings.share_prompts) if models.critic is not None else None)
-    advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn,
-                                              settings=settings.adv, masks=masks if any_mask else None,
-                                              sum_across_ranks=sum_across_ranks)
+    advantages, returns = advantages_and_returns(rollouts, old, ref, values, masks, settings,
+                                                 sum_across_ranks=sum_across_ranks)
     teacher = teacher_logprobs(models.teacher, rollouts, **logprob_args)
     if teacher is not None:  # the student's log-probs are the old ones (the sampler's, when rollouts carry them)
         advantages, distill_facts = distilled(advantages, old, teacher, masks, settings.distill)
         metrics = metrics.merge(distill_facts)
-    if values is not None and returns is None:
-        returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
     targets = [_targets(old_logprobs=old[i], advantages=advantages[i],
                         ref_logprobs=ref[i] if ref is not None else None,
                         old_values=values[i] if values is not None else None,
@@ -399,6 +393,24 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
                         policy_mask=masks[i], response_mask=kept[i])
                for i in range(len(rollouts))]
     return targets, on_policy, metrics
+
+
+def advantages_and_returns(rollouts: Sequence[Rollout], old: Sequence[Tensor], ref: Optional[Sequence[Tensor]],
+                           values: Optional[Sequence[Tensor]], masks: Sequence[Optional[Tensor]],
+                           settings: ExperienceSettings, *, sum_across_ranks=None) -> tuple[list, Optional[list]]:
+    """Per sequence, the advantages and the returns (None without ``values``) from the old and the reference
+    log-probs (the KL-in-reward penalty of `token_rewards`) and the critic's values: the estimator's
+    (`estimate_advantages`), with the undiscounted reward-to-go where it defines no returns. Collective (its one
+    all-reduce). A function of its inputs only: check-metrics also runs it on perturbed ones, where the reference
+    differs from the policy (fsdptrain/check/passes.py)."""
+    kl_R = [o - r for o, r in zip(old, ref)] if ref is not None else None
+    rewards = token_rewards(rollouts, kl_R=kl_R, kl_coef=settings.kl_in_reward_coef, masks=masks)
+    any_mask = any(m is not None for m in masks)
+    advantages, returns = estimate_advantages(rewards, values, rollouts, adv_fn=settings.adv_fn, settings=settings.adv,
+                                              masks=masks if any_mask else None, sum_across_ranks=sum_across_ranks)
+    if values is not None and returns is None:
+        returns = [at_policy_tokens(reward_to_go(r), m) for r, m in zip(rewards, masks)]
+    return advantages, returns
 
 
 def _off_policy_corrections(old: list[Tensor], behaviour: list[Tensor], masks: list[Optional[Tensor]],

@@ -242,3 +242,25 @@ def plant_stale_rollouts_taken_as_on_policy(set_attr=setattr) -> None:
     from fsdptrain.rollout import prompt_source
 
     set_attr(prompt_source, "stale_behaviour", lambda rollouts, *, max_staleness: rollouts)
+
+
+def plant_kl_penalty_sign_flipped_in_the_reward(set_attr=setattr) -> None:
+    """The KL-in-reward penalty added instead of subtracted: r_t + coef * (old_t - ref_t), a bonus for leaving the
+    reference. On the batch as generated the reference is the policy and the term is 0 either way."""
+    rewards = experience.token_rewards
+
+    def flipped(rollouts, *, kl_R, kl_coef, masks=None):
+        return rewards(rollouts, kl_R=None if kl_R is None else [-k for k in kl_R], kl_coef=kl_coef, masks=masks)
+
+    set_attr(experience, "token_rewards", flipped)
+
+
+def plant_kl_penalty_coefficient_applied_twice(set_attr=setattr) -> None:
+    """The KL-in-reward coefficient applied twice (a controller's coefficient times the configured one): r_t - coef^2
+    * (old_t - ref_t)."""
+    rewards = experience.token_rewards
+
+    def squared(rollouts, *, kl_R, kl_coef, masks=None):
+        return rewards(rollouts, kl_R=kl_R, kl_coef=kl_coef * kl_coef, masks=masks)
+
+    set_attr(experience, "token_rewards", squared)

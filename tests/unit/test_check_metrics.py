@@ -395,7 +395,10 @@ def test_catches_gae_skipping_the_last_token(ppo, monkeypatch):
     monkeypatch.setattr(estimator_registry, "gae", skipping)
     report = run_checks(ppo, off_policy=False, update=False)
     failed = {k.rule for k in report.checks if not k.passed}
-    assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks"}
+    # caught by the probe (gamma 0.9, lambda 0.8) and on the perturbed batch (values and KL penalty perturbed)
+    perturbed = "on the perturbed batch (old, reference, values; KL-in-reward coef 0.1)"
+    assert failed == {"experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks",
+                      f"experience: advantages = oracle {perturbed}", f"experience: returns = oracle {perturbed}"}
 
 
 def test_catches_gamma_and_lambda_swapped(ppo, monkeypatch):
