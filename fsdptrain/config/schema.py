@@ -206,7 +206,7 @@ class DataConfig:
     max_prompt_length: Optional[int] = bounded(None, ge=1)
     """source=prompts: prompts with more tokens are skipped and counted (or an error, see long_prompts); null keeps all."""
     long_prompts: str = choice("skip", LONG_PROMPTS)
-    """source=prompts: what a prompt over max_prompt_length does: skip (counted) or error."""
+    """source=prompts: what a prompt over max_prompt_length (or that with rollout.max_new_tokens passes the model's max_position_embeddings) does: skip (counted) or error."""
     skip_bad_rows: bool = False
     """Offline data: skip and count malformed rows instead of stopping with an error."""
     num_eval_prompts: int = bounded(32, ge=0)

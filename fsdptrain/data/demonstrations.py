@@ -54,9 +54,10 @@ class Demonstration:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def load_demonstrations(source, *, tokenizer, keys: DemoKeys, token_budget: int,
-                        what: str = "data.path") -> list[Demonstration]:
-    """Every row of ``source`` as a :class:`Demonstration`, in file order; ConfigError (one line) on a bad row."""
+def load_demonstrations(source, *, tokenizer, keys: DemoKeys, token_budget: int, what: str = "data.path",
+                        max_positions: int | None = None) -> list[Demonstration]:
+    """Every row of ``source`` as a :class:`Demonstration`, in file order; ConfigError (one line) on a bad row, a
+    row over ``token_budget`` or past the model's ``max_positions`` (None: no limit)."""
     demos: list[Demonstration] = []
     for part in read_table(source, what=what):
         names = list(part.table.column_names)
@@ -71,6 +72,10 @@ def load_demonstrations(source, *, tokenizer, keys: DemoKeys, token_budget: int,
                 raise ConfigError(f"{where} is {demo.num_tokens} tokens, more than trainer.token_budget="
                                   f"{token_budget} (a sequence is never split): raise trainer.token_budget or "
                                   "shorten the row")
+            if max_positions is not None and demo.num_tokens > max_positions:
+                raise ConfigError(f"{where} is {demo.num_tokens} tokens, past the model's max_position_embeddings="
+                                  f"{max_positions}: shorten the row, or raise max_position_embeddings in the "
+                                  "model's config where its RoPE scaling makes longer positions valid")
             demos.append(demo)
     return demos
 

@@ -105,27 +105,47 @@ def prompt_token_ids(tokenizer, row: PromptRow) -> list[int]:
 
 
 def drop_long_prompts(rows: Sequence[PromptRow], *, tokenizer, max_prompt_length: int | None,
-                      long_prompts: str = "skip", label: str = "data.path") -> tuple[list[PromptRow], int]:
-    """The rows of at most ``max_prompt_length`` tokens (:func:`prompt_token_ids`) and how many were dropped.
+                      long_prompts: str = "skip", label: str = "data.path", max_positions: int | None = None,
+                      max_new_tokens: int = 0) -> tuple[list[PromptRow], int]:
+    """The rows whose prompt fits, and how many were dropped: at most ``max_prompt_length`` tokens
+    (:func:`prompt_token_ids`; None: any length), and with ``max_new_tokens`` sampled after it within the model's
+    ``max_positions`` (None: no limit; RoPE past a model's positions computes angles it was never trained at).
 
-    ``long_prompts='error'`` raises ConfigError naming the first long row instead. ``None`` keeps every row.
-    A source whose rows are all too long is an error either way.
+    ``long_prompts='error'`` raises ConfigError naming the first long row and the limit instead. A source whose rows
+    are all too long is an error either way.
     """
     if long_prompts not in ("skip", "error"):
         raise ConfigError(f"data.long_prompts={long_prompts!r} is not a valid choice; choose one of: skip, error")
-    if max_prompt_length is None:
+    if max_prompt_length is None and max_positions is None:
         return list(rows), 0
     kept = []
     for row in rows:
         length = len(prompt_token_ids(tokenizer, row))
-        if length <= max_prompt_length:
+        why = _too_long(length, max_prompt_length, max_positions, max_new_tokens)
+        if why is None:
             kept.append(row)
         elif long_prompts == "error":
-            raise ConfigError(f"{label}: row {row.index} (0-based, over all files) has {length} prompt tokens, more "
-                              f"than data.max_prompt_length={max_prompt_length} (or set data.long_prompts=skip)")
+            raise ConfigError(f"{label}: row {row.index} (0-based, over all files) has {length} prompt tokens, {why} "
+                              "(or set data.long_prompts=skip)")
     if not kept:
-        raise ConfigError(f"{label}: every prompt is longer than data.max_prompt_length={max_prompt_length}")
+        limits = [f"data.max_prompt_length={max_prompt_length}"] if max_prompt_length is not None else []
+        if max_positions is not None:
+            limits.append(f"the model's max_position_embeddings={max_positions} less rollout.max_new_tokens="
+                          f"{max_new_tokens}")
+        raise ConfigError(f"{label}: every prompt is longer than {' and '.join(limits)} allow")
     return kept, len(rows) - len(kept)
+
+
+def _too_long(length: int, max_prompt_length: int | None, max_positions: int | None, max_new_tokens: int
+              ) -> str | None:
+    """Why a prompt of ``length`` tokens is too long (the limit it passes and the setting that moves it), or None."""
+    if max_prompt_length is not None and length > max_prompt_length:
+        return f"more than data.max_prompt_length={max_prompt_length}"
+    if max_positions is not None and length + max_new_tokens > max_positions:
+        return (f"which with rollout.max_new_tokens={max_new_tokens} reach position {length + max_new_tokens}, past "
+                f"the model's max_position_embeddings={max_positions} (lower rollout.max_new_tokens, or raise "
+                "max_position_embeddings in the model's config where its RoPE scaling makes longer positions valid)")
+    return None
 
 
 def hold_out_eval(rows: Sequence[PromptRow], *, eval_size: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:

@@ -269,6 +269,16 @@ def model_path(cfg: DictConfig) -> str | None:
     return model_location(cfg.model.path, cfg.model.gguf_file)
 
 
+def max_positions(cfg: DictConfig) -> int | None:
+    """How many positions the run's model is valid at: its config's ``max_position_embeddings`` (``model.path``'s, or
+    the config-built model's); None when its config names none. RoPE computes angles past it too, at positions the
+    model never saw: the data paths drop or refuse rows that would reach them (docs/your-task.md)."""
+    path = model_path(cfg)
+    if path is None:
+        return TINY_CONFIG["max_position_embeddings"]
+    return getattr(resolve_config(path=path, config=None), "max_position_embeddings", None)
+
+
 def build_tokenizer(cfg: DictConfig):
     """The bundled tokenizer, or the one of the user's model folder or GGUF file (left padding; pad falls back to
     EOS)."""

@@ -30,6 +30,7 @@ from fsdptrain.distributed import world
 from fsdptrain.generation.decoder import SampleMode
 from fsdptrain.generation.engines import make_decoder
 from fsdptrain.metrics.typed import Max, Metrics, merge_all
+from fsdptrain.model.loading import max_positions
 from fsdptrain.rewards.loading import load_reward_functions
 from fsdptrain.rewards.reward_metrics import reward_metrics
 from fsdptrain.rewards.runner import RewardBatch, RewardError, RewardFailedOnAnotherRank, RewardRunner, RewardScores
@@ -78,7 +79,8 @@ def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[PromptRow], list[PromptR
                                           what="data.eval_path")
     else:
         train, evals = hold_out_eval(rows, eval_size=data.num_eval_prompts, seed=data.seed)
-    length = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, long_prompts=data.long_prompts)
+    length = dict(tokenizer=tokenizer, max_prompt_length=data.max_prompt_length, long_prompts=data.long_prompts,
+                  max_positions=max_positions(cfg), max_new_tokens=cfg.rollout.max_new_tokens)
     train, dropped_train = drop_long_prompts(train, label="data.path", **length)
     dropped_eval = 0
     if evals:
@@ -151,7 +153,8 @@ class PromptSource:
         weights = cfg.reward.model_weights or [1.0] * len(cfg.reward.models)
         models = [f"reward_model/{m} ({path}) x {w:g}" for m, (path, w) in enumerate(zip(cfg.reward.models, weights))]
         return (f"prompts: {len(self.train_rows)} training rows, {len(self.eval_rows)} evaluation rows"
-                + (f"; skipped {dropped['train']} + {dropped['eval']} longer than data.max_prompt_length"
+                + (f"; skipped {dropped['train']} + {dropped['eval']} too long (data.max_prompt_length, or the "
+                   "model's positions after rollout.max_new_tokens)"
                    if dropped["train"] or dropped["eval"] else "")
                 + f"; {num_steps} steps of {cfg.rollout.prompts_per_step} prompts = "
                 f"{num_steps * cfg.rollout.prompts_per_step / len(self.train_rows):.3g} epochs; rewards: "

@@ -36,7 +36,7 @@ from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Max, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.train.setup import build_part, build_policy_model, resolve_device_type
-from fsdptrain.model.loading import build_tokenizer
+from fsdptrain.model.loading import build_tokenizer, max_positions
 from fsdptrain.run.console import log
 from fsdptrain.run.malloc import keep_freed_heap
 from fsdptrain.run.perf import StepTimer, phase
@@ -61,7 +61,8 @@ def demo_keys(cfg: DictConfig) -> DemoKeys:
 def load_sft_rows(cfg: DictConfig, tokenizer) -> tuple[list[Demonstration], list[Demonstration]]:
     """The training demonstrations (``data.path``) and the held-out ones (``data.eval_path``; none when null)."""
     plain = (lambda v: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v)
-    load = dict(tokenizer=tokenizer, keys=demo_keys(cfg), token_budget=cfg.trainer.token_budget)
+    load = dict(tokenizer=tokenizer, keys=demo_keys(cfg), token_budget=cfg.trainer.token_budget,
+                max_positions=max_positions(cfg))
     train = load_demonstrations(plain(cfg.data.path), what="data.path", **load)
     evals = ([] if cfg.data.eval_path is None else
              load_demonstrations(plain(cfg.data.eval_path), what="data.eval_path", **load))

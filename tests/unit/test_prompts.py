@@ -161,6 +161,32 @@ def test_long_prompts_are_skipped_and_counted_or_an_error(tmp_path, tok):
         drop_long_prompts(rows, tokenizer=tok, max_prompt_length=5, long_prompts="truncate")
 
 
+def test_prompts_past_the_models_positions_are_long_prompts(tmp_path, tok):
+    # lengths 3, 7, 5 (above); a model of 8 positions, 2 new tokens: 3 + 2 and 5 + 2 fit, 7 + 2 = 9 does not. The
+    # prompt alone (7 <= 8) fits: the tokens sampled after it reach the position past the limit.
+    rows = load_prompts(str(write_jsonl(tmp_path / "t.jsonl", [
+        {"prompt": "1 ="}, {"prompt": "1 + 2 + 3 ="}, {"prompt": "1 + 2 ="}])), tokenizer=tok)
+    positions = dict(tokenizer=tok, max_prompt_length=None, max_positions=8)
+    kept, dropped = drop_long_prompts(rows, max_new_tokens=2, **positions)
+    assert ([r.index for r in kept], dropped) == ([0, 2], 1)
+    assert drop_long_prompts(rows, max_new_tokens=1, **positions) == (rows, 0)  # 7 + 1 = 8: the last position
+    with pytest.raises(ConfigError, match=r"^data.path: row 1 \(0-based, over all files\) has 7 prompt tokens, which "
+                                          r"with rollout.max_new_tokens=2 reach position 9, past the model's "
+                                          r"max_position_embeddings=8 \(lower rollout.max_new_tokens, or raise "
+                                          r"max_position_embeddings in the model's config where its RoPE scaling "
+                                          r"makes longer positions valid\) \(or set data.long_prompts=skip\)$"):
+        drop_long_prompts(rows, max_new_tokens=2, long_prompts="error", **positions)
+    # the prompt alone past the positions: 7 > 6 (and 5 + 1 = 6 fits)
+    kept, dropped = drop_long_prompts(rows, tokenizer=tok, max_prompt_length=None, max_positions=6, max_new_tokens=1)
+    assert ([r.index for r in kept], dropped) == ([0, 2], 1)
+    # both limits: max_prompt_length drops row 1, the positions row 2 (5 + 4 > 8)
+    kept, dropped = drop_long_prompts(rows, tokenizer=tok, max_prompt_length=6, max_positions=8, max_new_tokens=4)
+    assert ([r.index for r in kept], dropped) == ([0], 2)
+    with pytest.raises(ConfigError, match=r"every prompt is longer than the model's max_position_embeddings=8 less "
+                                          r"rollout.max_new_tokens=6 allow"):
+        drop_long_prompts(rows, max_new_tokens=6, **positions)
+
+
 def test_eval_hold_out_is_seeded_disjoint_and_complete():
     from fsdptrain.data.prompts import PromptRow
 

@@ -191,6 +191,12 @@ def test_bad_rows_are_one_line(tokenizer, tmp_path):
                             **load)
     with pytest.raises(ConfigError, match=r"row 0 \(0-based\) is 168 tokens, more than trainer.token_budget=60"):
         load_demonstrations(write([{"messages": CHATS[0]}]), **load)
+    # within the budget but past the model's positions: refused (RoPE past them computes angles never trained at)
+    with pytest.raises(ConfigError, match=r"row 0 \(0-based\) is 168 tokens, past the model's "
+                                          r"max_position_embeddings=167: shorten the row"):
+        load_demonstrations(write([{"messages": CHATS[0]}]), **{**load, "token_budget": 999, "max_positions": 167})
+    assert len(load_demonstrations(write([{"messages": CHATS[0]}]),
+                                   **{**load, "token_budget": 999, "max_positions": 168})) == 1
     drops_tools = chatml_tokenizer(CHATML_NO_TOOLS.replace("{% for m in messages %}",
                                                            "{% for m in messages if m.role != 'tool' %}"))
     with pytest.raises(ConfigError, match="drops its 'tool' message"):
