@@ -291,7 +291,9 @@ def test_default_battery_reaches_the_paths_bugs_hide_in(ppo):
         "experience: advantages = oracle (global whitening)", "experience: returns = oracle",
         "experience: advantages = oracle at gamma=0.9, lambda=0.8 on the real ranks",
         "experience: prompts and responses = the cut of the raw generation (EOS, rollout.max_new_tokens)",
-        "experience: rewards = the weighted raw reward values"}
+        "experience: rewards = the weighted raw reward values",
+        "experience: advantages = oracle on the perturbed batch (old, reference, values; KL-in-reward coef 0.1)",
+        "experience: returns = oracle on the perturbed batch (old, reference, values; KL-in-reward coef 0.1)"}
     assert not ppo.trainer.policy_settings.use_reference  # the default config has no KL loss: the battery adds it
 
 
