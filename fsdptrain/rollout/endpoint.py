@@ -429,7 +429,8 @@ class Endpoint:
         self.request_seconds.append(time.perf_counter() - started)
         return _completion_object("chat.completion", [{"index": 0, "finish_reason": "length", "logprobs": None,
                                                        "message": {"role": "assistant", "content": ""}}],
-                                  prompt_tokens=0, completion_tokens=0, extra={"turn": session.num_turns})
+                                  prompt_tokens=0, completion_tokens=0,
+                                  extra={"token_ids": [], "segment": len(session.segments) - 1, "turn": None})
 
     def _decode(self, session: Session, segment: Segment, request_ids: list[int], kept: Optional[_Kept], body: dict,
                 started: float) -> tuple[Generated, list[int]]:
