@@ -289,8 +289,7 @@ class Endpoint:
         class Handler(_Handler):
             owner = endpoint
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True, name="fsdptrain-endpoint")
         self._thread.start()
@@ -562,6 +561,14 @@ def _completion_object(kind: str, choices: list, *, prompt_tokens: int, completi
             "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                           "total_tokens": prompt_tokens + completion_tokens},
             "fsdptrain": extra}
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: every agent of a rank may connect at once (5 resets the rest)
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that went away (a cancelled agent) is not the run's error
 
 
 class _Handler(BaseHTTPRequestHandler):
