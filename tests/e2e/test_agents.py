@@ -164,3 +164,79 @@ def test_an_agent_that_edits_its_history_trains_with_its_segments_recorded(tmp_p
         first, second = s["segments"]
         assert first["turns"] == second["turns"] == 1 and 1 <= second["sampled_tokens"] <= 8
         assert s["prompt"].endswith("user\nAgain?<|im_end|>\n<|im_start|>assistant\n")  # the last one trains
+
+
+RAISING_AGENT = '''
+async def run(client, row):
+    await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=2)
+    raise ValueError("the agent broke")
+'''
+
+HANGING_AGENT = '''
+import asyncio
+
+
+async def run(client, row):
+    await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=2)
+    if row["index"] % 2:
+        await asyncio.sleep(3600)
+    return 1.0
+'''
+
+LATE_AGENT = '''
+import openai
+
+KEPT = []
+
+
+async def run(client, row):
+    """Calls a session of the previous step's rollout (its endpoint has stopped): reward 1 when refused."""
+    await client.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=2)
+    late = 0.0
+    if KEPT and KEPT[0][0].port != client.base_url.port:  # another rollout phase's endpoint
+        old = openai.AsyncOpenAI(base_url=KEPT[0][0], api_key=KEPT[0][1], max_retries=0)
+        try:
+            await old.chat.completions.create(model="policy", messages=row["prompt"], max_tokens=2)
+        except openai.APIConnectionError:
+            late = 1.0
+        await old.close()
+    KEPT.append((client.base_url, client.api_key))
+    return late
+'''
+
+
+@pytest.mark.parametrize("agent, want", [(RAISING_AGENT, "raised ValueError: the agent broke"),
+                                         ("import sys\n\n\nasync def run(client, row):\n    sys.exit(3)\n",
+                                          "raised SystemExit(3)")])
+def test_an_agent_that_raises_or_exits_stops_the_run_in_one_line(tmp_path, agent, want):
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    (tmp_path / "agent.py").write_text(agent)
+    result = run_cli("train", *agent_args(tmp_path), "trainer.steps=1", "trainer.run_name=bad", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: agent 'agent.py:run' on row ") and want in last, result.stderr
+
+
+def test_an_agent_that_hangs_is_cut_off_at_the_timeout_and_the_run_trains(tmp_path):
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    (tmp_path / "agent.py").write_text(HANGING_AGENT)
+    result = run_cli("train", *agent_args(tmp_path), "trainer.steps=1", "reward.timeout_s=3",
+                     "reward.timeout_score=-1", "trainer.run_name=hang", cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = rows(tmp_path / "runs" / "hang")[0]
+    hung = metrics["agents/num_timed_out"]
+    assert 0 < hung < 8 and metrics["reward/agent/mean"] == pytest.approx(((8 - hung) - hung) / 8)
+
+
+def test_a_call_after_its_rollout_ended_is_refused_and_the_run_goes_on(tmp_path):
+    from tests.conftest import run_cli
+
+    write_inputs(tmp_path)
+    (tmp_path / "agent.py").write_text(LATE_AGENT)
+    result = run_cli("train", *agent_args(tmp_path), "trainer.steps=2", "trainer.run_name=late", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r["reward/agent/mean"] for r in rows(tmp_path / "runs" / "late")] == [0.0, 1.0]
