@@ -242,7 +242,11 @@ def check_train_inputs(cfg: DictConfig) -> None:
 
         for path in cfg.reward.models:
             load_reward_model_spec(path)
-    if multi_turn(cfg):
+    if cfg.rollout.agent is not None:
+        from fsdptrain.rollout.agents import check_agent
+
+        check_agent(cfg)
+    elif multi_turn(cfg):
         from fsdptrain.rollout.multi_turn import check_multi_turn
 
         check_multi_turn(cfg)

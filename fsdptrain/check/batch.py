@@ -405,7 +405,8 @@ NOT_RECUT = ("the responses are the sampler's own (the multi-turn sampler or off
 def writes_every_token(cfg: DictConfig) -> bool:
     """Whether the policy wrote every response token (a single-turn sampler: no tools, no environment, not offline
     rollouts)."""
-    return cfg.data.source != "jsonl" and cfg.rollout.tools is None and cfg.rollout.environment is None
+    return (cfg.data.source != "jsonl" and cfg.rollout.tools is None and cfg.rollout.environment is None
+            and cfg.rollout.agent is None)
 
 
 def reference_sequences(trainer: Trainer, rollouts: list[Rollout], runs) -> tuple[list, bool]:

@@ -259,8 +259,10 @@ class RolloutConfig:
     """Tools the policy may call (multi-turn rollouts, docs/multi-turn.md): functions with type hints and a Google-style docstring, as module:function or path.py:function."""
     environment: Optional[str] = None
     """An environment class (path.py:Class or module:Class), one instance per sample: reset(**row_columns), its public methods are tools, optional get_reward() (docs/multi-turn.md)."""
+    agent: Optional[str] = None
+    """The user's agent (path.py:run or module:run): async def run(client, row) -> reward | dict | None, given an openai.AsyncOpenAI client bound to its trajectory's session on a loopback OpenAI-compatible endpoint (docs/agents.md); needs the agents extra."""
     max_turns: int = bounded(4, ge=1)
-    """With tools: most assistant turns per sample (a tool call in the last one is not run; truncated/max_turns)."""
+    """With tools or an agent: most assistant turns per sample (a tool call in the last one is not run; an agent's request past it is answered empty; truncated/max_turns)."""
     max_tool_response_tokens: int = bounded(256, ge=1)
     """With tools: most tokens of one tool result's content; a longer one is cut (tools/num_cut_results)."""
     engine: str = choice("continuous", ROLLOUT_ENGINES)

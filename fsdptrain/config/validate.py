@@ -125,11 +125,11 @@ TASK_REWARD = "word_match"
 
 
 def reward_specs(cfg: DictConfig) -> list[str]:
-    """The configured reward functions: ``reward.functions``; when it is null, none if ``reward.models`` is set,
-    else the bundled tasks' reward."""
+    """The configured reward functions: ``reward.functions``; when it is null, none if ``reward.models`` or
+    ``rollout.agent`` (its return value) is set, else the bundled tasks' reward."""
     functions = cfg.reward.functions
     if functions is None:
-        return [] if cfg.reward.models else [TASK_REWARD]
+        return [] if cfg.reward.models or cfg.rollout.agent is not None else [TASK_REWARD]
     return list(functions)
 
 
@@ -159,11 +159,22 @@ def _check_reward_models(cfg: DictConfig) -> None:
 
 
 def multi_turn(cfg: DictConfig) -> bool:
-    """Rollouts are multi-turn: ``rollout.tools`` or ``rollout.environment`` is set (docs/multi-turn.md)."""
-    return bool(cfg.rollout.tools) or cfg.rollout.environment is not None
+    """Rollouts are multi-turn: ``rollout.tools`` or ``rollout.environment`` is set (docs/multi-turn.md), or the
+    user's agent drives them (``rollout.agent``, docs/agents.md)."""
+    return bool(cfg.rollout.tools) or cfg.rollout.environment is not None or cfg.rollout.agent is not None
 
 
 def _check_multi_turn(cfg: DictConfig) -> None:
+    r = cfg.rollout
+    if r.agent is not None:
+        if r.tools or r.environment is not None:
+            raise ConfigError("rollout.agent runs the user's agent, which calls its own tools: drop rollout.tools / "
+                              "rollout.environment (or drop rollout.agent)")
+        if r.engine != "continuous":
+            raise ConfigError(f"rollout.agent needs rollout.engine=continuous (its requests arrive while others "
+                              f"decode, each row-seeded), not rollout.engine={r.engine}")
+        if cfg.data.source == "jsonl":
+            raise ConfigError("rollout.agent generates its rollouts: use data=task or data=prompts, not data=jsonl")
     if multi_turn(cfg) and cfg.data.source == "jsonl":
         raise ConfigError("rollout.tools / rollout.environment generate multi-turn rollouts: use data=task or "
                           "data=prompts, not data=jsonl (offline rollouts are read as they are)")
@@ -181,9 +192,9 @@ def _check_steps_and_logging(cfg: DictConfig) -> None:
     if cfg.data.source == "prompts":
         if cfg.data.path is None:
             raise ConfigError("data.source=prompts needs data.path=<file or folder of prompts>")
-        if cfg.reward.functions is None and not cfg.reward.models:
+        if cfg.reward.functions is None and not cfg.reward.models and cfg.rollout.agent is None:
             raise ConfigError("data.source=prompts needs reward.functions=[...] (built-in names, module:function "
-                              "or path.py:function) or reward.models=[...]")
+                              "or path.py:function), reward.models=[...] or rollout.agent (its return value)")
 
 
 def _check_run_name(name: Any) -> None:
@@ -254,6 +265,7 @@ def _check_placement(cfg: DictConfig) -> None:
         return
     refusals = [(cfg.data.source == "jsonl", "data.source=jsonl (offline rollouts are not generated)"),
                 (r.environment is not None, "rollout.environment (its objects score on the trainer ranks)"),
+                (r.agent is not None, "rollout.agent (its endpoint serves the colocated rollouts)"),
                 (cfg.algorithm.filter_groups, "algorithm.filter_groups=true (extra rounds of generation)"),
                 (cfg.drafter.enabled, "drafter.enabled=true (it trains on the generating forward)")]
     for refused, what in refusals:

@@ -163,32 +163,36 @@ class ContinuousEngine:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def run(self, requests: list[Request], on_finish: Optional[OnFinish] = None) -> list[Generated]:
-        """Decode ``requests`` and every request ``on_finish`` adds; the finished ones in the order they left."""
+    def run(self, requests: list, on_finish: Optional[OnFinish] = None) -> list[Generated]:
+        """Decode ``requests`` and every request ``on_finish`` adds; the finished ones in the order they left. A
+        request may be a future of one (a list of them, or None), decoded once it resolves, as a follow-up is."""
         was_training = self.model.training
         self.model.eval()
         self._recorder = active_recorder()
+        # a caller whose first requests arrive later (the OpenAI endpoint, fsdptrain/rollout/endpoint.py) hands futures
+        waiting = deque(r for r in requests if not isinstance(r, concurrent.futures.Future))
+        later = [r for r in requests if isinstance(r, concurrent.futures.Future)]
         if self._recorder is not None:
-            self._recorder.on_decode(requests, follow_ups=on_finish is not None)
+            self._recorder.on_decode(list(waiting), follow_ups=on_finish is not None or bool(later))
         attention = contextlib.nullcontext()
         # the shared-prefix attention only where a prompt is long enough to be held once: its dispatch costs every
         # forward (the follow-ups on_finish adds continue these requests' prompts)
         self._sharing = self.share_prefixes and any(
-            r.kept is None and len(r.new_ids) - 1 >= self.min_shared_prefix for r in requests)
+            r.kept is None and len(r.new_ids) - 1 >= self.min_shared_prefix for r in waiting)
         if self._sharing:
             register_shared_prefix_attention()
             attention = generation_attention(self.model, SHARED_PREFIX_ATTENTION)
         try:
             with attention:
-                return self._loop(deque(requests), on_finish)
+                return self._loop(waiting, on_finish, later)
         finally:
             self.model.train(was_training)
             self._rows, self._layers, self._mask, self._prefixes, self._stack = [], [], None, {}, None
             self._num_ended, self._shared = 0, None
 
-    def _loop(self, waiting: deque, on_finish: Optional[OnFinish]) -> list[Generated]:
+    def _loop(self, waiting: deque, on_finish: Optional[OnFinish],
+              pending: list[concurrent.futures.Future]) -> list[Generated]:
         done: list[Generated] = []
-        pending: list[concurrent.futures.Future] = []
 
         def leave() -> None:
             finished = self._leave()

@@ -109,7 +109,9 @@ class Decoder(Protocol):
 
     def decode(self, requests: Sequence[Request], sampling: Sampling, *,
                on_finish: Optional[OnFinish] = None) -> list[Generated]:
-        """``requests`` and every follow-up ``on_finish`` adds, decoded; the generated ones in the order they left."""
+        """``requests`` and every follow-up ``on_finish`` adds, decoded; the generated ones in the order they left.
+        A row-seeded engine (``continuous``) also takes futures among ``requests``, resolved as follow-ups are: a
+        caller whose requests arrive while others decode (the OpenAI endpoint, fsdptrain/rollout/endpoint.py)."""
 
 
 class Recorder(Protocol):

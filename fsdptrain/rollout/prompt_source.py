@@ -108,7 +108,8 @@ class PromptSource:
         self.num_train_rows = len(self.train_rows)
         self.order = EpochOrder(len(self.train_rows), seed=cfg.data.seed)
         columns = sorted({name for row in self.train_rows[:1] for name in row.columns}
-                         | ({"environments"} if cfg.rollout.environment is not None else set()))
+                         | ({"environments"} if cfg.rollout.environment is not None else set())
+                         | ({"agent_rewards"} if cfg.rollout.agent is not None else set()))
         specs = reward_specs(cfg)
         functions = load_reward_functions(specs, cfg.reward.weights, columns=columns) if specs else []
         self.sampler: Sampler = sampler if sampler is not None else SingleTurnSampler(cfg, tokenizer)

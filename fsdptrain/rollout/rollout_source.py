@@ -21,6 +21,7 @@ from fsdptrain.metrics.typed import Metrics
 from fsdptrain.distributed import world
 from fsdptrain.distributed.placement import bridge
 from fsdptrain.rollout.generator_link import GeneratorLink
+from fsdptrain.rollout.agents import AgentSampler
 from fsdptrain.rollout.multi_turn import MultiTurnSampler
 from fsdptrain.rollout.offline_source import OfflineSource
 from fsdptrain.rollout.prompt_source import PromptSource
@@ -80,7 +81,10 @@ def build_source(cfg: DictConfig, tokenizer) -> RolloutSource:
     training samples come from this rank's generator (the sampler still serves the evaluation)."""
     if cfg.data.source == "jsonl":
         return OfflineSource(cfg, tokenizer)
-    sampler = MultiTurnSampler(cfg, tokenizer) if multi_turn(cfg) else SingleTurnSampler(cfg, tokenizer)
+    if cfg.rollout.agent is not None:
+        sampler = AgentSampler(cfg, tokenizer)
+    else:
+        sampler = MultiTurnSampler(cfg, tokenizer) if multi_turn(cfg) else SingleTurnSampler(cfg, tokenizer)
     link = None
     if cfg.rollout.placement == "separate":
         link = GeneratorLink(bridge(), rank=world.rank(), max_staleness=cfg.rollout.max_staleness,
