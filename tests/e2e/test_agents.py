@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_multi_turn import assert_close_rows, rows, write_inputs
+from tests.e2e.test_multi_turn import assert_resumed_and_two_ranks_match, rows, write_inputs
 
 pytest.importorskip("openai")
 
@@ -75,7 +75,6 @@ def agent_args(folder: Path, agent: str = "agent.py:run") -> tuple[str, ...]:
 
 def test_an_agent_doing_three_tool_turns_trains_resumes_exactly_and_matches_on_two_ranks(tmp_path):
     from tests.conftest import run_cli
-    from tests.e2e.test_resume_export import copy_checkpoint
 
     write_inputs(tmp_path)
     (tmp_path / "agent.py").write_text(TOOL_AGENT)
@@ -94,13 +93,7 @@ def test_an_agent_doing_three_tool_turns_trains_resumes_exactly_and_matches_on_t
         tools = sum(m["role"] == "tool" for m in s["turns"])
         assert s["rewards"]["agent"] == tools if s["truncated"] is None else s["rewards"]["agent"] >= tools
     assert all(s["agent"]["turns"] >= 2 for s in samples)  # the rest of the dict the agent returned is recorded
-    copy_checkpoint(tmp_path / "runs" / "one", 2, tmp_path / "runs" / "resumed")
-    resumed = run_cli("train", *args, "trainer.run_name=resumed", "trainer.resume=auto", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "resumed"), reference[2:], tol=1e-6)
-    two = run_cli("train", "--nproc", "2", *args, "trainer.run_name=two", cwd=tmp_path)
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert_close_rows(rows(tmp_path / "runs" / "two"), reference, tol=1e-5)
+    assert_resumed_and_two_ranks_match(tmp_path, args, reference)
 
 
 def test_the_trained_ids_are_the_sampled_ids_never_the_sampled_text_tokenized_again(tmp_path):
