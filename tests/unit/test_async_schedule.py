@@ -5,6 +5,8 @@ is taken in order, and every trainer rank's groups are sampled by exactly one ge
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fsdptrain.distributed.placement import Placement, bucket_plan
@@ -100,3 +102,37 @@ def test_a_policy_that_does_not_fit_a_generator_is_refused_in_one_line_before_it
                                           r"float32, more than 0.8 of a generator rank's free memory .*"
                                           r"use rollout.placement=colocated"):
         generator_policy(cfg, build_tokenizer(cfg), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.max_staleness=1"], "rollout.max_staleness=1 applies to rollout.placement=separate only"),
+    (["rollout.generator_ranks=2"], "rollout.generator_ranks=2 applies to rollout.placement=separate only"),
+    (["rollout.placement=separate", "data=jsonl", "data.path=x.jsonl", "rollout.max_new_tokens=8"],
+     "rollout.placement=separate does not run with data.source=jsonl"),
+    (["rollout.placement=separate", "rollout.environment=env.py:Env"],
+     "rollout.placement=separate does not run with rollout.environment"),
+    (["rollout.placement=separate", "rollout.agent=agent.py:run"],
+     "rollout.placement=separate does not run with rollout.agent"),
+    (["rollout.placement=separate", "algorithm=grpo", "algorithm.filter_groups=true"],
+     "rollout.placement=separate does not run with algorithm.filter_groups=true"),
+    (["rollout.placement=separate", "drafter.enabled=true"],
+     "rollout.placement=separate does not run with drafter.enabled=true"),
+    (["rollout.agent=agent.py:run", "rollout.tools=[tools.py:add]"], "rollout.agent runs the user's agent"),
+    (["rollout.agent=agent.py:run", "rollout.engine=generate"], "rollout.agent needs rollout.engine=continuous"),
+])
+def test_settings_that_do_not_apply_to_a_placement_or_an_agent_are_refused_in_one_line(overrides, message):
+    from fsdptrain.config import ConfigError
+    from fsdptrain.config.compose import compose_config
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        compose_config(overrides)
+
+
+def test_the_launch_keeps_a_trainer_rank():
+    from fsdptrain.config import ConfigError, trainer_ranks
+    from fsdptrain.config.compose import compose_config
+
+    cfg = compose_config(["rollout.placement=separate", "rollout.generator_ranks=2"])
+    assert trainer_ranks(cfg, 3) == 1 and trainer_ranks(compose_config([]), 3) == 3
+    with pytest.raises(ConfigError, match=r"rollout\.generator_ranks=2 leaves no trainer rank among the 2 launched"):
+        trainer_ranks(cfg, 2)
