@@ -139,3 +139,39 @@ def test_256_concurrent_sessions_are_all_answered_with_the_real_client(model_and
         assert segment == len(session.segments) - 1
     assert sum(len(s.segments) == 1 for s in served.sessions) > 0  # some were follow-ups onto the kept ids
     assert port_is_closed(endpoint.port)
+
+
+def test_completions_continue_the_kept_context_and_models_lists_the_policy(model_and_tokenizer):
+    """``/v1/completions`` with the real client: the answer's ids and log-probs are the session's record; a prompt that
+    extends the previous prompt and completion continues the same segment (the new text only, as data, mask 0),
+    another prompt starts a segment; ``/v1/models`` lists one model."""
+    model, tokenizer = model_and_tokenizer
+    served = Served(model, tokenizer, 1, max_new_tokens=64)
+    session, endpoint = served.sessions[0], served.endpoint
+
+    async def talk():
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url(session), api_key=endpoint.key, max_retries=0)
+        try:
+            models = await client.models.list()
+            first = await client.completions.create(model="m", prompt="One two", max_tokens=3, logprobs=1)
+            extended = "One two" + first.choices[0].text + " three"
+            second = await client.completions.create(model="m", prompt=extended, max_tokens=3)
+            third = await client.completions.create(model="m", prompt="Something else", max_tokens=3)
+            return models, first, second, third
+        finally:
+            session.finish()
+            await client.close()
+
+    models, first, second, third = asyncio.run(talk())
+    served.stop()
+    assert len(models.data) == 1
+    ids = first.model_extra["fsdptrain"]["token_ids"]
+    segment = session.segments[0]
+    assert segment.prompt_ids == tokenizer("One two", add_special_tokens=False)["input_ids"]
+    assert segment.response_ids[:len(ids)] == ids and first.choices[0].logprobs.token_logprobs == segment.logprobs[:3]
+    assert second.model_extra["fsdptrain"]["segment"] == 0 and third.model_extra["fsdptrain"]["segment"] == 1
+    added = tokenizer(" three", add_special_tokens=False)["input_ids"]
+    start = len(ids)
+    assert segment.response_ids[start:start + len(added)] == added
+    assert segment.response_mask[start:start + len(added)] == [0] * len(added)
+    assert len(session.segments) == 2
