@@ -32,7 +32,7 @@ HEADER_TAG = 1
 
 @dataclass(frozen=True)
 class Sent:
-    """What the last :meth:`WeightSender.send` did (trainer rank 0's numbers; 0 on the other trainer ranks)."""
+    """What one :meth:`WeightSender.send` did (trainer rank 0's numbers; 0 bytes on the other trainer ranks)."""
 
     version: int
     seconds: float
@@ -49,7 +49,6 @@ class WeightSender:
         self.param_dtype, self.bucket_bytes = param_dtype, bucket_bytes
         self._in_flight: list = []
         self._kept: list[torch.Tensor] = []
-        self.last: Optional[Sent] = None
 
     def send(self, version: int, *, full: bool) -> Sent:
         """Gather and broadcast ``version`` (every state-dict entry when ``full``, else the trainable parameters)."""
@@ -71,8 +70,7 @@ class WeightSender:
             self._kept = buckets
             self._in_flight = self.bridge.broadcast(buckets, wait=False)
             sent_bytes = sum(f.numel() for f in flat)
-        self.last = Sent(version=version, seconds=time.perf_counter() - began, bytes=sent_bytes)
-        return self.last
+        return Sent(version=version, seconds=time.perf_counter() - began, bytes=sent_bytes)
 
     def wait(self) -> None:
         """Wait until the generators have taken the version in flight (trainer rank 0)."""

@@ -91,6 +91,11 @@ def load_rows(cfg: DictConfig, tokenizer) -> tuple[list[PromptRow], list[PromptR
     return train, evals, {"train": dropped_train, "eval": dropped_eval}
 
 
+def _per_sample(mine: list[tuple[int, PromptRow]], repeat: int) -> tuple[list[PromptRow], list[int]]:
+    """Each sample's row and group (its global index), ``repeat`` samples per ``(global index, row)``, in order."""
+    return [row for _, row in mine for _ in range(repeat)], [i for i, _ in mine for _ in range(repeat)]
+
+
 class PromptSource:
     """Prompt rows in epoch order, ``n`` samples each from its sampler (single-turn by default, multi-turn with tools
     or an environment), scored by the reward functions and models; see the module docstring."""
@@ -196,8 +201,7 @@ class PromptSource:
         decoder = make_decoder(self.cfg, models.policy, self.tokenizer, device)
         samples = self.sampler.sample(decoder, mine, repeat=repeat, mode=mode, step=step, round_index=round_index,
                                       rank=rank)
-        rows = [row for _, row in mine for _ in range(repeat)]
-        groups = [i for i, _ in mine for _ in range(repeat)]
+        rows, groups = _per_sample(mine, repeat)
         with phase("reward") if mode == "train" else contextlib.nullcontext():  # evaluation is not the step's
             batch, scores, model_metrics = self.score(models, rows, groups, samples, device=device,
                                                       training=mode == "train")
@@ -289,8 +293,7 @@ class PromptSource:
         with phase("generate"):
             mine, samples, link_metrics = self.link.samples(step, plan)
         samples = dataclasses.replace(samples, metrics=merge_all([samples.metrics, link_metrics]))
-        rows = [row for _, row in mine for _ in range(self.cfg.rollout.n)]
-        groups = [i for i, _ in mine for _ in range(self.cfg.rollout.n)]
+        rows, groups = _per_sample(mine, self.cfg.rollout.n)
         with phase("reward"):
             batch, scores, model_metrics = self.score(models, rows, groups, samples, device=device, training=True)
         return samples, batch, scores, model_metrics

@@ -31,7 +31,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import reduce_metrics
 from fsdptrain.distributed.context_parallel import build_context_group, group_rollouts
 from fsdptrain.distributed.placement import bridge
-from fsdptrain.distributed.weight_handover import WeightSender
+from fsdptrain.distributed.weight_handover import Sent, WeightSender
 from fsdptrain.generation.schedule import sent_versions
 from fsdptrain.metrics.typed import Diagnostic, Max, Mean, Metrics, Sum, close_minibatch, finalize, merge_all
 from fsdptrain.model.loading import DTYPES, build_tokenizer
@@ -162,12 +162,12 @@ class Trainer:
                 update_metrics, update_facts = self.update(batches, experience["on_policy"])
             for scheduler in self.checkpointed().schedulers.values():
                 scheduler.step()
-            self.send_weights(step + 1)
+            sent = self.send_weights(step + 1)
             experience_metrics = merge_all([filter_metrics, replica_metrics(experience["metrics"], self.context)])
             if experience_metrics:  # names fixed by the config
                 experience_metrics = reduce_metrics(experience_metrics)
             metrics = merge_all([self.rollout_metrics(rollouts, self.source.step_metrics), experience_metrics,
-                                 update_metrics, update_facts, self.step_facts()])
+                                 update_metrics, update_facts, self.step_facts(sent)])
         result = {"step": step, **finalize(metrics)}
         perf = merge_all([timer.metrics(), throughput(
             timer.timings(), result=result, update_epochs=self.cfg.algorithm.ppo_epochs,
@@ -268,13 +268,15 @@ class Trainer:
                     facts.append(part.facts(outcome))
         return merge_all(collected), merge_all(facts)
 
-    def send_weights(self, version: int, *, full: bool = False) -> None:
+    def send_weights(self, version: int, *, full: bool = False) -> Optional[Sent]:
         """With ``rollout.placement=separate``: version ``version`` of the policy to the generators, when a step
-        they generate needs it (fsdptrain/generation/schedule.py; collective over the trainer ranks)."""
+        they generate needs it (fsdptrain/generation/schedule.py; collective over the trainer ranks); what was sent,
+        or None."""
         if self.weights is not None and version in self.sent_versions:
-            self.weights.send(version, full=full)
+            return self.weights.send(version, full=full)
+        return None
 
-    def step_facts(self) -> Metrics:
+    def step_facts(self, sent: Optional[Sent] = None) -> Metrics:
         """The step's settings and run totals, the same on every rank (so MAX over ranks is the value): the policy's
         learning rate (after this step's scheduler step), the loss scale factor, the optimizer steps skipped so far;
         with separate placement the bytes of the weights sent after the step (trainer rank 0's; 0 elsewhere) and
@@ -282,9 +284,7 @@ class Trainer:
         own = Metrics({"actor/lr": Max(self.models.policy_part.lr),
                        "loss/loss_scale_factor": Max(self.loss_scale_factor),
                        "train/nonfinite_skipped": Max(sum(part.guard.num_skipped for part in self.models.trained))})
-        if self.weights is not None:
-            sent = self.weights.last
-            self.weights.last = None
+        if self.weights is not None:  # ``sent``: the weights sent after this step, if any
             own = own.merge(Metrics({"async/broadcast_bytes": Max(sent.bytes if sent else 0),
                                      "perf/broadcast_s": Diagnostic(Max(sent.seconds if sent else 0.0))}))
         return merge_all([own, self.source.step_facts(), *(e.step_facts() for e in self.extensions)])
@@ -369,8 +369,6 @@ class Trainer:
             self.sent_versions = sent_versions(start, k, self.num_steps)
             self.source.link.begin(start, self.num_steps)
             self.send_weights(start, full=True)
-            if self.weights is not None:
-                self.weights.last = None  # the steps' facts count what is sent after each step
 
     def after_step(self, step: int, result: dict[str, float], *, first: bool, console) -> None:
         """Keeps the step's ``eval/reward`` for the summary; rank 0 writes samples.jsonl every
