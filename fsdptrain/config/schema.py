@@ -60,6 +60,14 @@ class LoraConfig:
 
 
 @dataclass
+class MoeConfig:
+    aux_loss_coef: Optional[float] = bounded(None, ge=0)
+    """Weight of the load-balancing loss added to the policy loss, defined once over the global batch (docs/moe.md); null: the model config's router_aux_loss_coef; 0: none."""
+    routing_replay: bool = False
+    """Replay the experts chosen at generation in the training and experience forwards (docs/moe.md, "Routing replay")."""
+
+
+@dataclass
 class ModelConfig:
     path: Optional[str] = None
     """Local Hugging Face model folder (weights + config + tokenizer), or a `.gguf` file (read through transformers
@@ -87,6 +95,8 @@ class ModelConfig:
     """Where the value model's backbone starts: policy (copy of the policy's weights), seed (fresh init) or reward_model (the first of reward.models)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (docs/lora.md)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts models: the load-balancing loss and routing replay (docs/moe.md)."""
 
 
 DISTILL_TASK_REWARDS = ("ignore", "add")
@@ -355,6 +365,8 @@ class ParallelConfig:
     """Ranks each replica shards over; auto = world size / (dp_replicate x cp)."""
     cp: int = bounded(1, ge=1)
     """Context parallelism: ranks that split each packed row of the update (world = dp_replicate x dp_shard x cp; docs/scaling.md)."""
+    ep: int = bounded(1, ge=1)
+    """Expert parallelism of a mixture-of-experts policy: ranks its experts are split over, tokens dispatched all-to-all (docs/moe.md)."""
     param_dtype: str = choice("float32", DTYPES)
     """Dtype of unsharded parameters in forward/backward (MixedPrecisionPolicy)."""
     reduce_dtype: str = choice("float32", DTYPES)
