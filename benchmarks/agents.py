@@ -1,10 +1,12 @@
 """The same tool task through the agents' endpoint (``rollout.agent``) and through the in-process multi-turn path
 (``rollout.tools``), side by side in one run (docs/agents.md). Not a test.
 
-    PYTHONPATH=. python benchmarks/agents.py [--seeds 3] [--steps 3] [--trajectories 64] [--json out.json]
+    PYTHONPATH=. python benchmarks/agents.py [--seeds 3] [--steps 3] [--trajectories 64] [--shape tiny|smollm2]
+        [--json out.json]
 
 Both are the real CLI (``fsdptrain train``, one rank, ``OMP_NUM_THREADS=1``) on the tool-calling tiny model of
-tests/e2e/test_multi_turn.py (it calls ``add`` from the first step), ``--trajectories`` trajectories a step
+tests/e2e/test_multi_turn.py (it calls ``add`` from the first step), or that model at SmolLM2-135M's shape
+(``--shape smollm2``: a tiny model's decode is cheaper than any HTTP request, a real model's is not), ``--trajectories`` trajectories a step
 (``rollout.prompts_per_step`` x 4 samples), up to 3 turns and 160 tokens a trajectory, the continuous engine. The
 in-process path runs ``add`` as a tool; the endpoint path runs the agent of tests/e2e/test_agents.py, which calls
 the endpoint with the real ``openai`` client and answers ``add`` itself, all trajectories' agents at once. Runs
@@ -31,12 +33,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def inputs(folder: Path) -> dict[str, list[str]]:
+SHAPES = {"tiny": None,
+          "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3)}
+"""The policy's shape: the tool-calling tiny model of tests/e2e/test_multi_turn.py, or the same model at
+SmolLM2-135M's dimensions (its vocabulary the test tokenizer's), whose decode costs what a real small model's does."""
+
+
+def reshape_model(folder: Path, shape: dict) -> None:
+    """The tool-calling model of ``folder`` rebuilt at ``shape``, with the same construction (a large constant first
+    embedding dimension, the output head's first column favouring the two call tokens and EOS)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from tests.helpers.tiny_llama import tiny_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    model = tiny_llama(len(tokenizer), max_position_embeddings=1024, **shape)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[[2, len(tokenizer) - 2, len(tokenizer) - 1], 0] = 0.57
+    model.save_pretrained(folder / "model")
+
+
+def inputs(folder: Path, shape: str = "tiny") -> dict[str, list[str]]:
     """The model, prompts, tool, agent and reward under ``folder``; each path's overrides."""
     from tests.e2e.test_agents import TOOL_AGENT
     from tests.e2e.test_multi_turn import write_inputs
 
     write_inputs(folder)
+    if SHAPES[shape] is not None:
+        reshape_model(folder, SHAPES[shape])
     (folder / "agent.py").write_text(TOOL_AGENT)
     common = ["model=local", f"model.path={folder / 'model'}", "algorithm=grpo", "data=prompts",
               f"data.path={folder / 'prompts.jsonl'}", "data.num_eval_prompts=2", "rollout.max_new_tokens=160",
@@ -72,12 +100,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trajectories", type=int, default=64)
+    parser.add_argument("--shape", choices=list(SHAPES), default="tiny")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     prompts = args.trajectories // 4
     with tempfile.TemporaryDirectory(prefix="fsdptrain-agents-") as tmp:
         folder = Path(tmp)
-        paths = inputs(folder)
+        paths = inputs(folder, args.shape)
         runs: dict[str, list] = {p: [] for p in paths}
         for seed in range(args.seeds):
             for path in (list(paths) if seed % 2 == 0 else list(reversed(paths))):
@@ -88,7 +117,7 @@ def main() -> None:
     summary["ratio"] = endpoint["tokens_per_s"] / inproc["tokens_per_s"]
     requests = endpoint["requests_per_trajectory"] * endpoint["trajectories"]
     summary["overhead_ms_per_request"] = 1000 * (endpoint["generate_s"] - inproc["generate_s"]) / requests
-    print(f"\n{args.trajectories} trajectories a step, {args.seeds} seeds x {args.steps} steps (first left out)")
+    print(f"\n{args.shape} policy, {args.trajectories} trajectories a step, {args.seeds} seeds x {args.steps} steps (first left out)")
     print("| path | tokens/s (generate) | generate s (median) | tokens a step (median) | requests / trajectory |")
     print("| --- | --- | --- | --- | --- |")
     for path in paths:

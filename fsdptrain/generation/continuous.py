@@ -58,6 +58,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache
 
+from fsdptrain.generation.arrivals import gather_arrivals, take_resolved
 from fsdptrain.generation.block import generation
 from fsdptrain.generation.decoder import Generated, OnFinish, Request, Sampling, active_recorder
 from fsdptrain.generation.kv_cache import (
@@ -172,6 +173,8 @@ class ContinuousEngine:
         # a caller whose first requests arrive later (the OpenAI endpoint, fsdptrain/rollout/endpoint.py) hands futures
         waiting = deque(r for r in requests if not isinstance(r, concurrent.futures.Future))
         later = [r for r in requests if isinstance(r, concurrent.futures.Future)]
+        if later and not waiting:
+            gather_arrivals(later, waiting)  # the first wave as one batch, its shared prompts seen together
         if self._recorder is not None:
             self._recorder.on_decode(list(waiting), follow_ups=on_finish is not None or bool(later))
         attention = contextlib.nullcontext()
@@ -207,12 +210,9 @@ class ContinuousEngine:
                 (pending if isinstance(follow, concurrent.futures.Future) else waiting).append(follow)
 
         while waiting or pending or self._rows:
-            for future in [f for f in pending if f.done()]:
-                pending.remove(future)
-                result = future.result()
-                waiting.extend(r for r in (result if isinstance(result, list) else [result]) if r is not None)
+            take_resolved(pending, waiting)
             if not waiting and not self._rows:
-                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                gather_arrivals(pending, waiting)
                 continue
             leave()  # rows that ended at the last decode forward free their room
             entering = self._admit(waiting)
