@@ -20,6 +20,7 @@ and waits for it; ``map`` closes the pool itself if anything (Ctrl-C, a stop sig
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -28,7 +29,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from fsdptrain.registry.user_functions import describe_exception
 
@@ -98,6 +99,21 @@ def _exit_unless_guarded(status):
     if getattr(_guarded, "pid", None) == os.getpid():
         raise _ExitCalled(status)
     _real_exit(status)
+
+
+@contextlib.contextmanager
+def exits_raise_on_this_thread() -> Iterator[None]:
+    """Within the block ``os._exit`` called on this thread raises, as inside :func:`call_user_code`: for a thread
+    that runs user code on behalf of calls made on other threads (the agents' event loop, whose coroutines each
+    ``call_user_code`` awaits: fsdptrain/rollout/agents.py). What the code raised reaches the awaiting call, which
+    reports it as ``ended``."""
+    if os._exit is not _exit_unless_guarded:
+        os._exit = _exit_unless_guarded
+    _guarded.pid = os.getpid()
+    try:
+        yield
+    finally:
+        _guarded.pid = None
 
 
 def _is_stop(err: BaseException) -> bool:

@@ -9,8 +9,8 @@ decoded in one continuous loop. A turn's seed is its ``row_seed`` (sample, turn)
 number of ranks.
 
 The agents' calls follow the rules of the one place that runs user code
-(:func:`fsdptrain.rewards.pool.call_user_code`): an agent that raises, or tries to end the process (``sys.exit``, a
-``BaseException``), stops the run with one line naming it and the row (:class:`AgentError`, exit 2); one running
+(:func:`fsdptrain.rewards.pool.call_user_code`): an agent that raises, or tries to end the process (``sys.exit``,
+``os._exit``, a ``BaseException``), stops the run with one line naming it and the row (:class:`AgentError`, exit 2); one running
 past ``reward.timeout_s`` is cancelled, its session closed, and its reward is ``reward.timeout_score``
 (``agents/num_timed_out``); a reward that is not a finite number or None stops the run as a reward function's would.
 """
@@ -35,7 +35,7 @@ from fsdptrain.generation.seeds import eval_sample_seed, eval_turn_seed, row_see
 from fsdptrain.metrics.typed import Max, Mean, Metrics, Sum
 from fsdptrain.registry.user_functions import load_callable
 from fsdptrain.rewards.loading import RewardFunction
-from fsdptrain.rewards.pool import Outcome, call_user_code
+from fsdptrain.rewards.pool import Outcome, call_user_code, exits_raise_on_this_thread
 from fsdptrain.rewards.runner import UserCodeError
 from fsdptrain.rollout.endpoint import Endpoint, Session
 from fsdptrain.rollout.sampler import Samples
@@ -112,10 +112,14 @@ class _AgentRunner:
     def __init__(self, fn: Callable, timeout_s: Optional[float]):
         self.fn, self.timeout_s = fn, timeout_s
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="fsdptrain-agents")
+        self.thread = threading.Thread(target=self._serve, daemon=True, name="fsdptrain-agents")
         self.thread.start()
         self.waiters: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.http = _shared_http_client()
+
+    def _serve(self) -> None:
+        with exits_raise_on_this_thread():  # an agent's os._exit is its outcome, not the end of the run
+            self.loop.run_forever()
 
     def start(self, jobs: list[tuple[Session, str, str, dict]]) -> list[concurrent.futures.Future]:
         """One future of an :class:`Outcome` per ``(session, base_url, key, row)``."""

@@ -220,7 +220,9 @@ async def run(client, row):
 
 @pytest.mark.parametrize("agent, want", [(RAISING_AGENT, "raised ValueError: the agent broke"),
                                          ("import sys\n\n\nasync def run(client, row):\n    sys.exit(3)\n",
-                                          "raised SystemExit(3)")])
+                                          "raised SystemExit(3)"),
+                                         ("import os\n\n\nasync def run(client, row):\n    os._exit(4)\n",
+                                          "called os._exit(4)")])
 def test_an_agent_that_raises_or_exits_stops_the_run_in_one_line(tmp_path, agent, want):
     from tests.conftest import run_cli
 
