@@ -92,3 +92,26 @@ def assert_replays(sample: dict) -> None:
             shown += 1
     assert sample["agent"] == {"step_rewards": [o.reward for o in observations], "done": done}
     assert sample["rewards"]["agent"] == sum(o.reward for o in observations)
+
+
+def test_verifiers_the_sums_train_with_the_tasks_rubric_and_the_turn_it_scored_is_the_recorded_one(tmp_path):
+    pytest.importorskip("verifiers.v1")
+    from tests.conftest import run_cli
+
+    write_model(tmp_path, tuple("012345678"))
+    result = run_cli("train", *adapter_args(tmp_path, "verifiers", 2), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = rows(tmp_path / "runs" / "run")
+    assert [r["step"] for r in metrics] == [0, 1] and all(math.isfinite(r["actor/pg_loss"]) for r in metrics)
+    assert any(r["actor/grad_norm"] > 0 for r in metrics)
+    samples = [json.loads(s) for s in (tmp_path / "runs" / "run" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 8 and len({s["rewards"]["agent"] for s in samples}) > 1
+    for s in samples:  # examples/verifiers/arith.py's rubric, worked out here on the recorded reply
+        a, b = divmod(s["row"], 5)
+        assert s["prompt"].endswith(f"system\nAnswer with the number only.<|im_end|>\n<|im_start|>user\nWhat is "
+                                    f"{a}+{b}?<|im_end|>\n<|im_start|>assistant\n")
+        [turn] = s["turns"]
+        reply = turn["content"].strip()
+        correct, short = float(reply == str(a + b)), float(len(reply) <= 4)
+        assert s["agent"] == {"rewards": {"correct": correct, "short": short}, "metrics": {"length": len(reply)}}
+        assert s["rewards"]["agent"] == pytest.approx(correct + 0.1 * short, abs=1e-12)
