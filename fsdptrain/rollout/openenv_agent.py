@@ -25,6 +25,7 @@ while training).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 from typing import Any, Callable, Optional
@@ -149,8 +150,6 @@ class _InProcessSession:
         return _result(await self._call("step", act))
 
     async def _call(self, name: str, *args, **kwargs):
-        import asyncio
-
         overridden = getattr(type(self.env), f"{name}_async") is not getattr(self.base, f"{name}_async")
         fn = getattr(self.env, f"{name}_async" if overridden else name)
         kwargs = _accepted(fn, kwargs)

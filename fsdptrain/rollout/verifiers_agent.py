@@ -99,7 +99,7 @@ def _check(task: Any) -> None:
     refused += [f"its own {hook}()" for hook in ("setup", "finalize", "stage_verifier")
                 if getattr(type(task), hook) is not getattr(vf.Task, hook)]
     refused += [f"a runtime for {fn.__name__}" for fn in (*task.hooks("reward"), *task.hooks("metric"))
-                if "runtime" in inspect.signature(fn).parameters]
+                if _needs_runtime(fn)]
     if task.config.judges:
         refused.append("judges")
     if task.hooks("stop"):
@@ -107,6 +107,12 @@ def _check(task: Any) -> None:
     if refused:
         raise ConfigError(f"verifiers_agent: task {name} needs {', '.join(refused)}, which the adapter does not run "
                           f"(docs/agents.md)")
+
+
+def _needs_runtime(fn: Callable) -> bool:
+    """Whether a reward or metric takes a ``runtime`` without a default (``Task.score`` skips those offline)."""
+    param = inspect.signature(fn).parameters.get("runtime")
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def _trace(task: Any, messages: list[dict], completion: Any):

@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("openai")
 
 
-def write_model(folder: Path, likely: tuple[str, ...], extra_tokens: tuple[str, ...] = ()) -> None:
-    """The tiny model of tests/e2e/test_multi_turn.py (character-level ChatML tokenizer, nearly context-free policy)
-    whose likely tokens are EOS and ``likely`` (each about as likely; every other token under 1%)."""
+def biased_model(likely: tuple[str, ...], extra_tokens: tuple[str, ...] = ()):
+    """``(model, tokenizer)``: the tiny model of tests/e2e/test_multi_turn.py (character-level ChatML tokenizer,
+    nearly context-free policy) whose likely tokens are EOS and ``likely``, each about as likely, every other token
+    under 1%."""
     import torch
 
     from tests.helpers.chatml_tokenizer import chatml_tokenizer
@@ -34,6 +35,11 @@ def write_model(folder: Path, likely: tuple[str, ...], extra_tokens: tuple[str, 
         model.model.embed_tokens.weight[:, 0] = 100.0
         model.lm_head.weight[:, 0] = 0.0
         model.lm_head.weight[ids, 0] = 0.57
+    return model, tokenizer
+
+
+def write_model(folder: Path, likely: tuple[str, ...], extra_tokens: tuple[str, ...] = ()) -> None:
+    model, tokenizer = biased_model(likely, extra_tokens)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
 

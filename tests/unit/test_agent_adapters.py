@@ -8,15 +8,12 @@ import asyncio
 import socket
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from fsdptrain.config import ConfigError
+from tests.e2e.test_agent_adapters import GUESSES, ROOT, biased_model
 from tests.unit.test_agent_endpoint import Served
-
-ROOT = Path(__file__).resolve().parents[2]
-GUESSES = tuple(f'<tool_call>{{"name": "step", "arguments": {{"guess": {n}}}}}</tool_call>' for n in range(1, 9))
 
 
 def example(folder: str, module: str):
@@ -29,19 +26,8 @@ def example(folder: str, module: str):
 
 @pytest.fixture(scope="module")
 def guessing_model():
-    """The e2e tests' tiny model (tests/e2e/test_agent_adapters.py) whose likely tokens are EOS and the 8 guesses."""
-    import torch
-
-    from tests.helpers.chatml_tokenizer import chatml_tokenizer
-    from tests.helpers.tiny_llama import tiny_llama
-
-    tokenizer = chatml_tokenizer(extra_tokens=GUESSES)
-    model = tiny_llama(len(tokenizer), max_position_embeddings=1024)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 100.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[tokenizer.convert_tokens_to_ids(["<|im_end|>", *GUESSES]), 0] = 0.57
-    return model, tokenizer
+    """The e2e tests' tiny model whose likely tokens are EOS and the 8 guesses."""
+    return biased_model(GUESSES, GUESSES)
 
 
 def play(served: Served, run, rows: list[dict]) -> list:
