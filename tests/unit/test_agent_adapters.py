@@ -165,3 +165,20 @@ def test_verifiers_what_the_adapter_cannot_run_is_refused_in_one_line(tmp_path, 
     assert want in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="verifiers_agent: list is not a verifiers Taskset"):
         verifiers_agent([])
+
+
+def test_verifiers_a_row_that_is_not_its_task_stops_the_agent_before_any_request():
+    pytest.importorskip("verifiers.v1")
+    import verifiers.v1 as vf
+
+    from fsdptrain.rollout.verifiers_agent import taskset_rows, verifiers_agent
+
+    taskset = example("verifiers", "arith").SumTaskset(vf.TasksetConfig())
+    rows = taskset_rows(taskset)
+    assert len(rows) == 25 and rows[7]["prompt"] == [{"role": "system", "content": "Answer with the number only."},
+                                                      {"role": "user", "content": "What is 1+2?"}]
+    run = verifiers_agent(taskset)
+    with pytest.raises(ValueError, match="row 7's prompt is not task 7's opening messages"):
+        asyncio.run(run(None, {"index": 7, "prompt": rows[8]["prompt"]}))
+    with pytest.raises(ValueError, match="row 25 has no task: the taskset holds 25"):
+        asyncio.run(run(None, {"index": 25, "prompt": rows[0]["prompt"]}))
