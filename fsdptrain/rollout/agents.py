@@ -236,7 +236,8 @@ class AgentSampler:
             details=[{"turns": seg.messages[seg.num_prompt_messages:], "truncated": s.truncation,
                       "segments": [{"prompt_tokens": len(g.prompt_ids), "response_tokens": len(g.response_ids),
                                     "sampled_tokens": g.num_sampled, "turns": g.num_turns} for g in s.segments],
-                      **({"agent": info} if info is not None else {})} for s, seg in zip(sessions, trained)],
+                      **({"agent": info} if info is not None else {})}
+                     for s, seg, info in zip(sessions, trained, infos)],
             metrics=agent_metrics(sessions, outcomes))
 
     def _trained(self, session: Session, row: PromptRow):
