@@ -1,16 +1,16 @@
 """The same tool task through the agents' endpoint (``rollout.agent``) and through the in-process multi-turn path
 (``rollout.tools``), side by side in one run (docs/agents.md). Not a test.
 
-    PYTHONPATH=. python benchmarks/agents.py [--seeds 3] [--steps 3] [--trajectories 64] [--shape tiny|smollm2]
+    PYTHONPATH=. python benchmarks/agents.py [--seeds 3] [--steps 3] [--trajectories 64] [--shape tiny|small|smollm2]
         [--json out.json]
 
 Both are the real CLI (``fsdptrain train``, one rank, ``OMP_NUM_THREADS=1``) on the tool-calling tiny model of
-tests/e2e/test_multi_turn.py (it calls ``add`` from the first step), or that model at SmolLM2-135M's shape
-(``--shape smollm2``: a tiny model's decode is cheaper than any HTTP request, a real model's is not), ``--trajectories`` trajectories a step
-(``rollout.prompts_per_step`` x 4 samples), up to 3 turns and 160 tokens a trajectory, the continuous engine. The
-in-process path runs ``add`` as a tool; the endpoint path runs the agent of tests/e2e/test_agents.py, which calls
-the endpoint with the real ``openai`` client and answers ``add`` itself, all trajectories' agents at once. Runs
-alternate seed by seed.
+tests/e2e/test_multi_turn.py (it calls ``add`` from the first step), or that model at a larger shape (``--shape
+small`` or ``smollm2``: a tiny model's decode is cheaper than any HTTP request, a real model's is not),
+``--trajectories`` trajectories a step (``rollout.prompts_per_step`` x 4 samples), up to 3 turns and 160 tokens a
+trajectory, the continuous engine. The in-process path runs ``add`` as a tool; the endpoint path runs the agent of
+tests/e2e/test_agents.py, which calls the endpoint with the real ``openai`` client and answers ``add`` itself, all
+trajectories' agents at once. Runs alternate seed by seed.
 
 Reported per path: the policy's generated tokens per second of the step's ``generate`` phase
 (``response_length/mean`` x ``batch/num_seqs`` / ``perf/generate_s``, the first step left out), the median generate
@@ -34,10 +34,13 @@ sys.path.insert(0, str(ROOT))
 
 
 SHAPES = {"tiny": None,
+          "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=4,
+                        num_key_value_heads=2),
           "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                           num_key_value_heads=3)}
-"""The policy's shape: the tool-calling tiny model of tests/e2e/test_multi_turn.py, or the same model at
-SmolLM2-135M's dimensions (its vocabulary the test tokenizer's), whose decode costs what a real small model's does."""
+"""The policy's shape: the tool-calling tiny model of tests/e2e/test_multi_turn.py, or the same model 8 layers of
+256 wide (``small``, about 7M weights), or at SmolLM2-135M's dimensions (its vocabulary the test tokenizer's), whose
+decode costs what a real small model's does."""
 
 
 def reshape_model(folder: Path, shape: dict) -> None:

@@ -52,6 +52,10 @@ MAX_MESSAGES = 1024
 """Most messages one chat request may hold (400 beyond)."""
 CHAT_TURNS_MEMO = 64
 """How many distinct tool lists the endpoint keeps a checked :class:`ChatTurns` for."""
+PROMPT_MEMO = 256
+"""How many distinct rendered contexts (messages and tools) the endpoint keeps: the ``rollout.n`` agents of a prompt
+open their trajectories with the same messages, and rendering them (the chat template twice, then the tokenizer)
+costs more than the rest of a request."""
 MODEL_NAME = "policy"
 """The one model ``/v1/models`` lists (a request's ``model`` is ignored)."""
 
@@ -268,6 +272,7 @@ class Endpoint:
         self.tokenizer, self.sampling, self.limits = tokenizer, sampling, limits
         self.key = "fsdptrain-" + secrets.token_urlsafe(24)
         self._chats: dict[str, ChatTurns] = {}
+        self._prompts: dict[str, tuple[Optional[list[int]], str]] = {}
         self._render = threading.Lock()
         """Held while a request renders or answers: a tokenizer is not for concurrent use (its Rust side borrows
         itself mutably), and the GIL would serialise the work anyway."""
@@ -400,19 +405,32 @@ class Endpoint:
             extend_response(segment.response_ids, segment.response_mask, new_ids, trained=False)
             segment.logprobs.extend([0.0] * len(new_ids))
             segment.messages.extend(delta)
-            request_ids, context = [kept.last_id] + new_ids, None
+            request_ids = [kept.last_id] + new_ids
         else:
-            ids = render_ids_as_data(self.tokenizer, messages, tools=tools or None, add_generation_prompt=True)
+            ids, text = self._rendered(messages, tools, tools_key)
             if ids is None:
                 raise RequestError(400, "the chat template does not write these messages' contents verbatim, so "
                                         "they cannot be kept apart from its control tokens")
-            segment = Segment(prompt_ids=ids, messages=list(messages), num_prompt_messages=len(messages),
-                              prompt_text=self.tokenizer.decode(ids, skip_special_tokens=False))
+            segment = Segment(prompt_ids=list(ids), messages=list(messages), num_prompt_messages=len(messages),
+                              prompt_text=text)
             if not self._fits(session, segment, 0):
                 return self._spent(session, "length", started)
             session.segments.append(segment)
             request_ids, kept = ids, None
         return segment, chat, request_ids, kept, tools_key
+
+    def _rendered(self, messages: list[dict], tools: list[dict], tools_key: str) -> tuple[Optional[list[int]], str]:
+        """The ids (None: not renderable as data) and text of a new segment's context, rendered once per distinct
+        messages and tools (:data:`PROMPT_MEMO`); the caller holds the render lock."""
+        key = json.dumps(messages, sort_keys=True) + tools_key
+        found = self._prompts.get(key)
+        if found is None:
+            ids = render_ids_as_data(self.tokenizer, messages, tools=tools or None, add_generation_prompt=True)
+            found = (ids, self.tokenizer.decode(ids, skip_special_tokens=False) if ids is not None else "")
+            if len(self._prompts) >= PROMPT_MEMO:
+                self._prompts.clear()
+            self._prompts[key] = found
+        return found
 
     @staticmethod
     def _fits(session: Session, segment: Segment, num_new: int) -> bool:
