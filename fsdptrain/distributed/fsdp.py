@@ -46,6 +46,7 @@ from fsdptrain.model.loading import (
     non_persistent_buffers,
     resolve_config,
     trainable_parameters,
+    use_experts_for,
 )
 from fsdptrain.model.lora import LoraSettings, set_adapters_enabled
 
@@ -305,6 +306,7 @@ def keep_masters_in(model: nn.Module, dtype: torch.dtype) -> None:
     gradient to float32. Any other dtype keeps float32 masters."""
     if dtype == torch.float64:
         model.to(torch.float64)
+        use_experts_for(model, dtype)
 
 
 def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:

@@ -30,6 +30,7 @@ from transformers import (
 from fsdptrain.config.schema import DTYPES as DTYPE_NAMES
 from fsdptrain.model.checks import check_tokenizer_fits
 from fsdptrain.model.location import model_location, pretrained_args
+from fsdptrain.model.moe import moe_layers
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,30 @@ def zero_dropout_modules(model: nn.Module) -> None:
             module.p = 0.0
 
 
+def without_router_loss(model: nn.Module) -> None:
+    """Every forward of an MoE causal LM runs with ``output_router_logits=False``, whatever its config says:
+    transformers' ``load_balancing_loss_func`` reads the router's tokens against an ``attention_mask`` and cannot
+    see a packed row's sequences (it fails on one, or counts padding on a padded batch); fsdptrain computes the
+    load-balancing loss itself over the global batch (fsdptrain/rl/moe_aux_loss.py, docs/moe.md). A forward
+    pre-hook, not a config change, so an exported config.json keeps the user's setting. No-op for a dense model and
+    for a model whose forward has no such argument."""
+    if not moe_layers(model) or not hasattr(model.config, "output_router_logits"):
+        return
+
+    def no_router_logits(_module, args, kwargs):
+        return args, {**kwargs, "output_router_logits": False}
+
+    model.register_forward_pre_hook(no_router_logits, with_kwargs=True)
+
+
+def use_experts_for(model: nn.Module, dtype: torch.dtype) -> None:
+    """transformers' default experts kernel (``grouped_mm``) has no float64 path: a float64 MoE model (check-metrics'
+    float64 mode, fsdptrain/check/precision.py) runs the ``eager`` experts (a loop over the experts, the same math);
+    any other dtype keeps transformers' choice."""
+    if dtype == torch.float64 and moe_layers(model):
+        model.set_experts_implementation("eager")
+
+
 def model_class(kind: str):
     if kind in ("policy", "reference"):
         return AutoModelForCausalLM
@@ -134,6 +159,7 @@ def build_full_model(
     if backbone_from is not None:
         model.base_model.load_state_dict(backbone_from.base_model.state_dict())
     zero_dropout_modules(model)
+    without_router_loss(model)
     if lora is not None:
         lora.apply_to(model, seed=seed)
     return model.train()
@@ -180,6 +206,7 @@ def meta_model(kind: str, config: PretrainedConfig, *, lora=None) -> PreTrainedM
     with torch.device("meta"):
         model = model_class(kind).from_config(config_for(kind, config), dtype=torch.float32)
     zero_dropout_modules(model)
+    without_router_loss(model)
     if lora is not None:
         with torch.device("meta"):
             lora.apply_to(model, seed=0)  # no values drawn on meta: the weights come from rank 0
