@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from fsdptrain.registry.names import AGG_MODES
+from fsdptrain.rl.moe_aux_loss import MoeNormalizers
 
 _NEEDS_TOKENS = ("token-mean",)
 
@@ -180,13 +181,15 @@ class LossNormalizers:
 
     `global_num_tokens`: valid tokens over all ranks and micro-batches; `global_num_seqs`: sequences with at least
     one valid token; `dp_size`: data-parallel ranks (dp_replicate x dp_shard); `loss_scale_factor`: the
-    constant of seq-mean-token-sum-norm (None: only allowed in the padded layout, where the width is used).
+    constant of seq-mean-token-sum-norm (None: only allowed in the padded layout, where the width is used); `moe`: an
+    MoE policy's load-balancing counts (`fsdptrain.rl.moe_aux_loss.MoeNormalizers`), None for a dense model.
     """
 
     global_num_tokens: int
     global_num_seqs: int
     dp_size: int = 1
     loss_scale_factor: float | None = None
+    moe: MoeNormalizers | None = None
 
     def __post_init__(self):
         if self.global_num_tokens < 0 or self.global_num_seqs < 0:
