@@ -37,6 +37,32 @@ def check_inputs(cfg: DictConfig) -> None:
     check_device(cfg)
     if cfg.model.lora.r > 0:
         check_lora_targets(cfg)
+    if cfg.model.path is not None:
+        check_moe_settings(cfg)
+
+
+def check_moe_settings(cfg: DictConfig) -> None:
+    """What a mixture-of-experts model (docs/moe.md) does not run with, in one line each: a critic where transformers
+    has no token-classification class for the architecture (OLMoE), context parallelism and the co-trained drafter
+    (their forwards would not pass the load-balancing loss its routes). The architecture is built on the meta
+    device: no weights are read. Dense models pass untouched."""
+    from transformers import AutoModelForTokenClassification
+
+    from fsdptrain.model.loading import meta_model, model_path, resolve_config
+    from fsdptrain.model.moe import moe_layers
+
+    config = resolve_config(path=model_path(cfg), config=None)
+    if not moe_layers(meta_model("policy", config)):
+        return
+    arch = f"model.path={cfg.model.path!r} is a mixture-of-experts {config.model_type}"
+    if cfg.algorithm.use_critic and type(config) not in AutoModelForTokenClassification._model_mapping:
+        raise ConfigError(f"{arch}, for which transformers has no value-model (token-classification) class: train it "
+                          f"without a critic (algorithm=grpo, or algorithm.use_critic=false) (docs/moe.md)")
+    for present, setting, fix in ((cfg.parallel.cp > 1, f"parallel.cp={cfg.parallel.cp}", "parallel.cp=1"),
+                                  (cfg.drafter.enabled, "drafter.enabled=true", "drafter.enabled=false")):
+        if present:
+            raise ConfigError(f"{arch}: {setting} is not supported with mixture-of-experts models yet: set {fix} "
+                              f"(docs/moe.md, \"What is refused\")")
 
 
 def check_training_data(cfg: DictConfig) -> None:

@@ -25,12 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from fsdptrain.data.packing import PackedBatch
+from fsdptrain.data.shared_prompts import SharedPromptPack
 from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
 from fsdptrain.model.forward import final_hidden_states, value_token_outputs
+from fsdptrain.model.moe import Routes, routing
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, packed_draft_mask
 from fsdptrain.metrics.typed import Metrics
+from fsdptrain.rl.moe_aux_loss import aux_loss_share, local_expert_counts, moe_metrics
 from fsdptrain.rl.fused_loss import (
     SeqTargets,
     ValueLossSettings,
@@ -42,14 +45,62 @@ from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.rl.sft_loss import sft_loss
 
 
+# ---- the policy's forward and its routes (mixture of experts, docs/moe.md) --------------------------------------------
+
+
+def policy_forward(model, packed: PackedBatch, *, record: bool) -> tuple[Tensor, Routes]:
+    """The policy's final hidden states ``[T, H]`` over one pack, from its forward inside THE one routing call of the
+    policy's forwards (`fsdptrain.model.moe.routing`; the experience's and the update's both come here): ``record``
+    when the load-balancing loss or the MoE metrics read the routes. No-op routing for a dense model."""
+    with routing(model, record=record, replay=None) as routes:
+        hidden_TH = final_hidden_states(model, packed)
+    return hidden_TH, routes
+
+
+def route_weights(packed: PackedBatch) -> Tensor:
+    """How many of the pack's tokens each position of its model row stands for (`fsdptrain.rl.moe_aux_loss`'s
+    ``w_t``): 1 for a real token, 0 for the padding tail; a shared-prompt row (`SharedPromptPack`) holds a prompt
+    once for each of its sequences, whose tokens therefore weigh as many."""
+    if isinstance(packed, SharedPromptPack):
+        return torch.bincount(packed.model_row.source_T, minlength=packed.model_row.input_ids.shape[-1]).double()
+    return (torch.arange(packed.total_len, device=packed.input_ids.device) < packed.num_tokens).double()
+
+
+def moe_terms(routes: Routes, packed: PackedBatch, norms: LossNormalizers) -> tuple[Tensor, Metrics]:
+    """``coef`` x this pack's share of the mini-batch's load-balancing loss (`fsdptrain.rl.moe_aux_loss`, with the
+    global counts of ``norms.moe``) and the MoE metrics of its routes (the aux loss's, when it trains, and the
+    expert load of the pack's counted tokens)."""
+    moe = norms.moe
+    weights_T = route_weights(packed).to(packed.input_ids.device)
+    layers = sorted(routes.indices)
+    num_experts = routes.logits[layers[0]].shape[-1]
+    counts_LE = local_expert_counts([routes.indices[i] for i in layers], weights_T, num_experts)
+    if not moe.trains:
+        return torch.zeros((), device=weights_T.device), moe_metrics(counts_LE, None)
+    share = aux_loss_share([routes.logits[i] for i in layers], weights_T, moe, dp_size=norms.dp_size)
+    return moe.coef * share, moe_metrics(counts_LE, share, dp_size=norms.dp_size)
+
+
+def with_moe_terms(loss: Tensor, metrics: Metrics, routes: Routes, packed: PackedBatch,
+                   norms: LossNormalizers) -> tuple[Tensor, Metrics]:
+    """``loss`` plus the pack's load-balancing term, ``metrics`` with the MoE metrics; unchanged for a dense model
+    (``norms.moe`` None)."""
+    if norms.moe is None:
+        return loss, metrics
+    aux, aux_metrics = moe_terms(routes, packed, norms)
+    return loss + aux.to(loss.dtype), metrics.merge(aux_metrics)
+
+
 # ---- RL: the policy and the critic -----------------------------------------------------------------------------------
 
 
 def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int,
                          compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One forward of the policy over the packed row, then `token_logprobs_entropy` of its hidden states."""
+    """One forward of the policy over the packed row (`policy_forward`), then `token_logprobs_entropy` of its hidden
+    states."""
     head = model.get_output_embeddings()
-    return token_logprobs_entropy(final_hidden_states(model, packed), head.weight, head.bias, packed,
+    hidden_TH, _ = policy_forward(model, packed, record=False)
+    return token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed,
                                   temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
 
 
@@ -79,18 +130,23 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
     """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
     already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.fused_loss`). Under
     context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
+    routes = Routes()
     if context.enabled:
         assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
+        assert norms.moe is None, "an MoE policy is refused with context parallelism (fsdptrain/preflight.py)"
         logprobs_T, entropy_T = context_token_outputs(model, packed, shard_row(packed, context),
                                                       temperature=settings.temperature, chunk_size=settings.chunk_size)
     else:
         if hidden_TH is None:
-            hidden_TH = final_hidden_states(model, packed)
+            hidden_TH, routes = policy_forward(model, packed, record=norms.moe is not None)
+        else:
+            assert norms.moe is None, "an MoE policy is refused with an auxiliary loss (fsdptrain/preflight.py)"
         head = model.get_output_embeddings()
         logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed,
                                                        temperature=settings.temperature,
                                                        chunk_size=settings.chunk_size)
-    return policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
+    loss, metrics = policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
+    return with_moe_terms(loss, metrics, routes, packed, norms)
 
 
 def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
@@ -129,10 +185,13 @@ def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *
                     settings: SftLossSettings) -> tuple[torch.Tensor, Metrics]:
     """The policy's forward over one pack, the fused log-probs of the trained tokens (`token_logprobs_entropy`, at
     temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the targets are in the row's mask."""
-    logprobs_T, _ = policy_token_outputs(model, packed, temperature=1.0, chunk_size=settings.chunk_size,
-                                         compute_entropy=False)
-    return sft_loss(logprobs_T, packed.response_mask[0], norms=norms, agg_mode=settings.agg_mode,
-                    cu_seqlens=packed.cu_seqlens)
+    hidden_TH, routes = policy_forward(model, packed, record=norms.moe is not None)
+    head = model.get_output_embeddings()
+    logprobs_T, _ = token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed, temperature=1.0,
+                                           chunk_size=settings.chunk_size, compute_entropy=False)
+    loss, metrics = sft_loss(logprobs_T, packed.response_mask[0], norms=norms, agg_mode=settings.agg_mode,
+                             cu_seqlens=packed.cu_seqlens)
+    return with_moe_terms(loss, metrics, routes, packed, norms)
 
 
 # ---- the co-trained drafter ------------------------------------------------------------------------------------------

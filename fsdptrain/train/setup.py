@@ -22,6 +22,7 @@ from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.loading import DTYPES, model_source, value_head_names
 from fsdptrain.model.lora import lora_settings
+from fsdptrain.model.moe import moe_layers
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_terms import PolicyLossSettings, resolve_policy_loss
 from fsdptrain.run.console import log
@@ -127,8 +128,18 @@ def build_policy_model(cfg: DictConfig, tokenizer, mesh, device: torch.device) -
     return policy, backend
 
 
+def moe_aux_coef(cfg: DictConfig, model: torch.nn.Module) -> Optional[float]:
+    """The policy's load-balancing loss weight (docs/moe.md): ``model.moe.aux_loss_coef``, or when null the model
+    config's ``router_aux_loss_coef`` (0 when it names none); None for a dense model (no MoE layer)."""
+    if not moe_layers(model):
+        return None
+    if cfg.model.moe.aux_loss_coef is not None:
+        return float(cfg.model.moe.aux_loss_coef)
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def build_part(cfg: DictConfig, model: torch.nn.Module, *, name: str, prefix: str, lr: float, grad_clip: float,
-               loss_fn: LossFn, settings, num_steps: int) -> TrainedPart:
+               loss_fn: LossFn, settings, num_steps: int, moe_coef: Optional[float] = None) -> TrainedPart:
     """``model`` as a trained part: AdamW at ``lr`` over its trainable parameters (betas, epsilon and weight decay
     from ``trainer.*``, shared by every part), the learning-rate schedule of ``trainer.*`` over ``num_steps``, a
     non-finite guard (``trainer.max_nonfinite_in_a_row``) and a grad-norm watch (``trainer.grad_norm_warn_factor``
@@ -141,7 +152,7 @@ def build_part(cfg: DictConfig, model: torch.nn.Module, *, name: str, prefix: st
     return TrainedPart(name=name, prefix=prefix, model=model, optimizer=optimizer, scheduler=scheduler,
                        guard=NonFiniteGuard(t.max_nonfinite_in_a_row),
                        watch=GradNormWatch(t.grad_norm_warn_factor, grad_clip, name),
-                       loss_fn=loss_fn, settings=settings, grad_clip=grad_clip)
+                       loss_fn=loss_fn, settings=settings, grad_clip=grad_clip, moe_coef=moe_coef)
 
 
 def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_steps: int) -> Models:
@@ -154,7 +165,8 @@ def build_models(cfg: DictConfig, tokenizer, mesh, device: torch.device, *, num_
     share, why = resolve_share_prompts(cfg, backend, policy.config)
     models = Models(policy_part=build_part(cfg, policy, name="policy", prefix="actor/", lr=cfg.trainer.lr,
                                            grad_clip=cfg.trainer.grad_clip, loss_fn=packed_policy_loss,
-                                           settings=policy_settings(cfg), num_steps=num_steps),
+                                           settings=policy_settings(cfg), num_steps=num_steps,
+                                           moe_coef=moe_aux_coef(cfg, policy)),
                     backend=backend, share_prompts=share, share_prompts_why=why)
     models.reward_specs = [load_reward_model_spec(path) for path in cfg.reward.models]
     if cfg.algorithm.use_critic:

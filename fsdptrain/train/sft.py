@@ -35,7 +35,7 @@ from fsdptrain.distributed import world
 from fsdptrain.distributed.collectives import plan_agreed, reduce_metrics
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.typed import Max, Metrics, Sum, close_minibatch, finalize, merge_all
-from fsdptrain.train.setup import build_part, build_policy_model, resolve_device_type
+from fsdptrain.train.setup import build_part, build_policy_model, moe_aux_coef, resolve_device_type
 from fsdptrain.model.loading import build_tokenizer, max_positions
 from fsdptrain.run.console import log
 from fsdptrain.run.malloc import keep_freed_heap
@@ -96,7 +96,7 @@ class FineTuner:
                                grad_clip=cfg.trainer.grad_clip, loss_fn=packed_sft_loss,
                                settings=SftLossSettings(agg_mode=cfg.loss.agg_mode,
                                                         chunk_size=cfg.loss.logprob_chunk_size),
-                               num_steps=self.num_steps)
+                               num_steps=self.num_steps, moe_coef=moe_aux_coef(cfg, policy))
         self.kinds: dict[str, str] = {}
 
     # -- one step ----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ the policy's forward (docs/architecture.md, "Extensions").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
@@ -31,11 +31,12 @@ from fsdptrain.distributed.collectives import plan_agreed, plan_agreed_shared, r
 from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup
 from fsdptrain.model.loading import trainable_parameters
 from fsdptrain.rl.aggregate import LossNormalizers
+from fsdptrain.rl.moe_aux_loss import MoeNormalizers, local_expert_counts
 from fsdptrain.metrics.typed import Diagnostic, Mean, Metrics, Sum, merge_all
 from fsdptrain.rl.fused_loss import SeqTargets
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.optim import NonFiniteGuard, clip_grad_norm_
-from fsdptrain.train.pack_losses import packed_policy_loss
+from fsdptrain.train.pack_losses import packed_policy_loss, policy_forward, route_weights
 
 LossFn = Callable[..., tuple[torch.Tensor, Metrics]]
 
@@ -114,8 +115,7 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
     the same batch and compute the same loss and metrics, which its first rank alone reports (`replica_metrics`).
     """
     if plan is None:
-        plan = (plan_agreed_shared(batch.prompts, batch.responses, token_budget) if share_prompts
-                else plan_agreed(batch.lengths(), token_budget))
+        plan = agreed_plan(batch, token_budget, share_prompts=share_prompts)
     pack_fn = pack_shared_prompts if share_prompts else pack_sequences
     total, collected = 0.0, []
     extra = {"context": context} if context.enabled else {}
@@ -133,6 +133,41 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
         "micro_batches": Diagnostic(Sum(plan.num_packs)),
     })
     return Accumulated(replica_metrics(merge_all([*collected, work]), context), total)
+
+
+def agreed_plan(batch: MiniBatch, token_budget: int, *, share_prompts: bool) -> PackPlan:
+    """This rank's packs of the mini-batch, as many as the busiest rank's (collective)."""
+    if share_prompts:
+        return plan_agreed_shared(batch.prompts, batch.responses, token_budget)
+    return plan_agreed(batch.lengths(), token_budget)
+
+
+def moe_normalizers(model, batch: MiniBatch, plan: PackPlan, *, coef: float, device: torch.device,
+                    share_prompts: bool = False) -> MoeNormalizers:
+    """The mini-batch's load-balancing counts (collective; docs/moe.md, "The load-balancing loss"): C_le, the top-k
+    selections of every layer's experts over the mini-batch's tokens (prompts and responses, never padding), and N,
+    their number, summed over this rank's packs and all-reduced once, before the update's first forward.
+
+    They are counted by a no-grad forward of the same packs on the same weights (the update's own routing, so the
+    loss's value is transformers' over the whole mini-batch in one forward); under routing replay the forward
+    routes the replayed experts (`fsdptrain.train.pack_losses.policy_forward`). ``coef`` 0: no loss, no pass."""
+    if coef == 0:
+        return MoeNormalizers(coef=0.0)
+    pack_fn = pack_shared_prompts if share_prompts else pack_sequences
+    counts_LE, num_tokens = None, 0.0
+    with torch.no_grad():
+        for pack in plan.packs:
+            packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks()).to(device)
+            _, routes = policy_forward(model, packed, record=True)
+            weights_T = route_weights(packed).to(device)
+            layers = sorted(routes.indices)
+            local = local_expert_counts([routes.indices[i] for i in layers], weights_T,
+                                        routes.logits[layers[0]].shape[-1])
+            counts_LE = local if counts_LE is None else counts_LE + local
+            num_tokens += float(weights_T.sum())
+    total = world.all_reduce_sum(torch.cat([counts_LE.reshape(-1).cpu(), torch.tensor([num_tokens],
+                                                                                       dtype=torch.float64)]))
+    return MoeNormalizers(coef=coef, expert_counts_LE=total[:-1].reshape(counts_LE.shape), num_tokens=int(total[-1]))
 
 
 def replica_metrics(metrics: Metrics, context: ContextGroup) -> Metrics:
@@ -229,23 +264,32 @@ def minibatch_step(model, optimizer, norms: LossNormalizers, *, grad_clip: float
 def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, settings, dp_size: int,
                         loss_scale_factor: Optional[float], token_budget: int, grad_clip: float,
                         guard: NonFiniteGuard, device: torch.device, auxiliary: Optional[AuxiliaryLoss] = None,
-                        share_prompts: bool = False, context: ContextGroup = NO_CONTEXT_PARALLEL
-                        ) -> tuple[Metrics, StepOutcome]:
+                        share_prompts: bool = False, context: ContextGroup = NO_CONTEXT_PARALLEL,
+                        moe_coef: Optional[float] = None) -> tuple[Metrics, StepOutcome]:
     """One optimizer step of ``model`` on one mini-batch; returns the rank-reduced metrics and the step's outcome.
 
     With ``auxiliary`` (the policy only: ``loss_fn`` must be ``packed_policy_loss``), the same forwards and backward
     train the auxiliary loss too (:func:`policy_and_auxiliary_loss`), and after the policy's step comes the
     auxiliary's own (:meth:`AuxiliaryLoss.after_policy_step`). The metrics are the joint pass's. ``share_prompts``:
     see :func:`accumulate_gradients` (not with an auxiliary loss, whose forward reads the unshared row).
+    ``moe_coef`` (an MoE policy's: `fsdptrain.train.setup.moe_aux_coef`; None for a dense model or the critic): the
+    weight of the load-balancing loss, whose global counts join the normalisers before the first forward
+    (:func:`moe_normalizers`); 0 keeps only the MoE metrics.
     """
     if auxiliary is None:
         norms = global_normalizers(batch, dp_size=dp_size, loss_scale_factor=loss_scale_factor, context=context)
+        plan = None
+        if moe_coef is not None:
+            plan = agreed_plan(batch, token_budget, share_prompts=share_prompts)
+            norms = replace(norms, moe=moe_normalizers(model, batch, plan, coef=moe_coef, device=device,
+                                                       share_prompts=share_prompts))
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device, share_prompts=share_prompts,
-                                           context=context)
+                                           context=context, plan=plan)
         outcome = minibatch_step(model, optimizer, norms, grad_clip=grad_clip, guard=guard)
         return reduce_metrics(accumulated.metrics), outcome
     assert loss_fn is packed_policy_loss, "an auxiliary loss trains with the policy loss only"
+    assert moe_coef is None, "an MoE policy is refused with an auxiliary loss (fsdptrain/preflight.py)"
     assert not share_prompts, "shared prompts are refused with an auxiliary loss (fsdptrain/config/validate.py)"
     assert not context.enabled, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
     plan = plan_agreed(batch.lengths(), token_budget)

@@ -40,6 +40,9 @@ class TrainedPart:
     settings: object
     """What ``loss_fn`` needs besides the data and the normalisers."""
     grad_clip: float
+    moe_coef: Optional[float] = None
+    """An MoE policy's load-balancing loss weight (`fsdptrain.train.setup.moe_aux_coef`; 0: its metrics only); None
+    for a dense model or the critic (docs/moe.md)."""
 
     def update(self, batch: MiniBatch, *, auxiliary: Optional[AuxiliaryLoss] = None, **layout
                ) -> tuple[Metrics, StepOutcome]:
@@ -48,7 +51,7 @@ class TrainedPart:
         group); the watch sees the pre-clip norm. Returns the rank-reduced metrics, unnamed, and the outcome."""
         metrics, outcome = update_on_minibatch(self.model, self.optimizer, batch, loss_fn=self.loss_fn,
                                                settings=self.settings, grad_clip=self.grad_clip, guard=self.guard,
-                                               auxiliary=auxiliary, **layout)
+                                               auxiliary=auxiliary, moe_coef=self.moe_coef, **layout)
         self.watch.observe(outcome.grad_norm)
         return metrics, outcome
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.rl.moe_aux_loss import (
     MoeNormalizers,
     aux_loss_share,
-    local_expert_counts,
     load_cv,
+    local_expert_counts,
     moe_metrics,
     whole_batch_aux_loss,
 )
-from fsdptrain.metrics.typed import finalize, merge_all
 
 L, E, K = 3, 4, 2
 
