@@ -53,6 +53,7 @@ from fsdptrain.distributed.context_parallel import build_context_group
 from fsdptrain.distributed.fsdp import held_grads, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
 from fsdptrain.model.loading import trainable_parameters
+from fsdptrain.model.moe import routing
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.metrics.buffers import ReduceBuffers, Schema, flatten, unflatten
 from fsdptrain.metrics.typed import Metrics, close_minibatch, comparable, finalize, merge_all
@@ -60,7 +61,7 @@ from fsdptrain.rl.fused_loss import ValueLossSettings
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.rl.policy_loss import entropy_from_logits, policy_loss
 from fsdptrain.rl.value_loss import value_loss
-from fsdptrain.train import step
+from fsdptrain.train import pack_losses, step
 from fsdptrain.train.step import MiniBatch
 
 Grads = dict[str, Tensor]
@@ -78,6 +79,8 @@ class Part:
     packed_loss: Callable
     per_sequence_loss: Callable
     padded_loss: Callable
+    moe_coef: Optional[float] = None
+    """An MoE policy's load-balancing weight (`fsdptrain.train.trained_part.TrainedPart.moe_coef`); None otherwise."""
 
 
 @dataclass
@@ -148,9 +151,10 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
     device = next(model.parameters()).device
     batch = pad_sequences(prompts, responses, response_masks=[t.response_mask for t in targets])
     labels_BL = torch.where(batch.label_mask, batch.labels, torch.zeros_like(batch.labels)).to(device)
-    logprobs_BL, entropy_BL = padded_logprobs_entropy(_padded_forward(model, batch, device), labels_BL,
-                                                      settings.temperature)
-    return policy_loss(
+    with routing(model, record=norms.moe is not None) as routes:
+        logits_BLV = _padded_forward(model, batch, device)
+    logprobs_BL, entropy_BL = padded_logprobs_entropy(logits_BLV, labels_BL, settings.temperature)
+    loss, metrics = policy_loss(
         logprobs_BL, _padded([t.old_logprobs for t in targets], batch, device),
         _padded([t.advantages for t in targets], batch, device), batch.response_mask.to(device), norms=norms,
         settings=settings,
@@ -160,6 +164,8 @@ def padded_policy_loss(model, prompts, responses, targets, *, norms: LossNormali
         rollout_is_weights=(_padded([t.is_weights for t in targets], batch, device) if settings.use_is_weights
                             else None),
     )
+    # the train step's token weights and share (an MoE policy: docs/moe.md), with the padding of [B, L] masked
+    return pack_losses.with_moe_terms(loss, metrics, routes, batch, norms)
 
 
 def padded_value_loss(model, prompts, responses, targets, *, norms: LossNormalizers,
@@ -282,7 +288,12 @@ def real_ranks(part: Part, ctx: Context, *, share_prompts: bool = False) -> Run:
     _fresh(part)
     norms = step.global_normalizers(ctx.local, dp_size=world.dp_size(ctx.mesh),
                                     loss_scale_factor=ctx.norms.loss_scale_factor)
-    loss, metrics = run_packs(part, ctx.local, None, norms, ctx, share_prompts=share_prompts)
+    plan = None
+    if part.moe_coef is not None:  # the step's own load-balancing counts of this rank's share (collective)
+        plan = step.agreed_plan(ctx.local, ctx.token_budget, share_prompts=share_prompts)
+        norms = step.with_moe_counts(norms, part.model, ctx.local, plan, coef=part.moe_coef, device=ctx.device,
+                                     share_prompts=share_prompts)
+    loss, metrics = run_packs(part, ctx.local, plan, norms, ctx, share_prompts=share_prompts)
     total = world.all_reduce_sum(torch.tensor([loss], dtype=torch.float64))
     return Run(float(total[0]) / ctx.mesh.size(), reduce_metrics(metrics), held_grads(part.model))
 

@@ -33,11 +33,13 @@ import torch
 from torch import Tensor
 
 from fsdptrain.check.batch import IsCorrection, RolloutFacts
-from fsdptrain.check.per_sequence import reference_policy_outputs, reference_values
+from fsdptrain.check.moe_reference import DirectMoe
+from fsdptrain.check.per_sequence import reference_values, sequence_moe_terms, sequence_outputs
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.metrics.typed import finalize, merge_all
 from fsdptrain.rl.fused_loss import ValueLossSettings
+from fsdptrain.rl.moe_aux_loss import MoeNormalizers
 from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.train.step import MiniBatch
 
@@ -216,7 +218,8 @@ def _cat(parts: Sequence[Tensor]) -> Tensor:
 def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, counts: Counts, *,
                      counted: Sequence[Sequence[bool]], behaviour: Optional[Sequence[Tensor]] = None,
                      correction: Optional[IsCorrection] = None,
-                     policy_masks: Optional[Sequence[Sequence[bool]]] = None) -> tuple[float, dict, dict]:
+                     policy_masks: Optional[Sequence[Sequence[bool]]] = None,
+                     moe: Optional[MoeNormalizers] = None) -> tuple[float, dict, dict]:
     """Forward and backward of the policy loss one sequence at a time: the loss, the directly computed metrics, and
     the tolerance scale of each loss (the same aggregation of the per-token magnitudes, see :func:`_loss_scales`).
 
@@ -224,8 +227,12 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
     and ``behaviour`` log-probs under ``correction`` (GMPO: by their geometric mean over the sequence) (never the targets' own ``is_weights``, which the product made).
     ``counted[i]``: sequence i's tokens that count (its per-token values are taken there only); ``policy_masks[i]``
     its policy's tokens (the importance weights' product runs over them; None: ``counted``).
-    The gradient accumulates in ``model``. Sequences without a counted token add nothing and run no forward.
+    The gradient accumulates in ``model``. Sequences without a counted token add nothing and run no forward, except
+    for an MoE policy (``moe``: the batch's load-balancing counts, `fsdptrain.check.moe_reference`), whose
+    load-balancing loss counts every token of every sequence: each sequence adds ``coef`` x its share
+    (`fsdptrain.check.per_sequence.sequence_moe_terms`) and the MoE metrics are computed directly (`DirectMoe`).
     """
+    direct = DirectMoe(moe)
     if settings.use_is_weights and (behaviour is None or correction is None):
         raise ValueError("the reference's importance weights need the behaviour log-probs and the correction")
     mode = settings.agg_mode
@@ -234,9 +241,18 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
     other: list = []
     for i, (prompt_ids, response_ids, target) in enumerate(zip(batch.prompts, batch.responses, batch.targets)):
         at = torch.tensor([bool(k) for k in counted[i]], dtype=torch.bool)
-        if not bool(at.any()):
+        if not bool(at.any()) and moe is None:
             continue
-        logp, entropy = reference_policy_outputs(model, prompt_ids, response_ids, temperature=settings.temperature)
+        logp, entropy, routes = sequence_outputs(model, prompt_ids, response_ids, temperature=settings.temperature,
+                                                 record=moe is not None)
+        aux = None
+        if moe is not None:
+            aux, _ = sequence_moe_terms(routes, moe)
+            direct.add(routes)
+            if not bool(at.any()):  # through the output too: FSDP unshards a layer for backward at its output
+                (aux + 0.0 * logp.sum()).backward()
+                total += float(aux.detach())
+                continue
         at = at.to(logp.device)
         logp, entropy = logp[at], entropy[at]
         old = target.old_logprobs.to(logp)[at]
@@ -263,6 +279,8 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             parts["kl"].append(kl.detach())
         if settings.entropy_coef != 0.0:
             loss = loss - settings.entropy_coef * seq_share(entropy, mode, counts)
+        if aux is not None:
+            loss = loss + aux.to(loss.dtype)
         loss.backward()
         total += float(loss.detach())
         parts["pg"].append(pg.detach())  # detached: an entropy outside the loss would keep its [R, V] graph alive
@@ -283,6 +301,7 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             **_stats(_cat(parts["ppo_kl"]), "ppo_kl"),
             **_stats(_cat(parts["ratio"]), "probs_ratio", extrema=True),
         })
+    metrics.update(direct.metrics())
     scales = {"pg_loss": _magnitude(parts["pg"], mode, counts)}
     scales["loss"] = scales["pg_loss"] + settings.entropy_coef * _magnitude(parts["entropy"], mode, counts)
     if settings.use_reference:

@@ -79,6 +79,8 @@ from fsdptrain.distributed.fsdp import held_grads, reset_after_error, zero_grads
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import GradScaleReport, grad_scale_report
 from fsdptrain.metrics.typed import comparable, finalize
+from fsdptrain.check.moe_reference import reference_moe_norms
+from fsdptrain.rl.moe_aux_loss import MoeNormalizers
 from fsdptrain.train.setup import resolve_device_type, resolve_share_prompts
 from fsdptrain.train.pack_losses import packed_policy_loss, packed_value_loss
 
@@ -90,7 +92,7 @@ def parts_of(session: CheckSession, mode: str) -> list[Part]:
     """The policy and, when the algorithm has one, the critic, with the loss settings for ``mode``."""
     tr = session.trainer
     out = [Part("actor/", tr.models.policy, replace(tr.policy_settings, agg_mode=mode), packed_policy_loss,
-                per_sequence_policy_loss, padded_policy_loss)]
+                per_sequence_policy_loss, padded_policy_loss, moe_coef=tr.models.policy_part.moe_coef)]
     if tr.models.critic is not None:
         out.append(Part("critic/", tr.models.critic, replace(tr.value_settings, agg_mode=mode), packed_value_loss,
                         per_sequence_value_loss, padded_value_loss))
@@ -125,7 +127,8 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
                                                           counted=session.batch.counted_masks(),
                                                           behaviour=session.batch.behaviour,
                                                           correction=session.batch.correction,
-                                                          policy_masks=session.batch.policy_token_masks())
+                                                          policy_masks=session.batch.policy_token_masks(),
+                                                          moe=_reference_moe(part, session.batch.full))
         else:
             loss, metrics, loss_scales = reference_critic(part.model, session.batch.full, part.settings, counts,
                                                           counted=session.batch.counted_masks())
@@ -139,6 +142,11 @@ def _reference(session: CheckSession, parts: list[Part], counts: Counts):
         values.update({part.prefix + k: v for k, v in metrics.items()})
     values.update(reference_rollout_metrics(session.batch.facts))
     return Outcome("reference", values, covers=()), scales, grads
+
+
+def _reference_moe(part: Part, batch) -> Optional[MoeNormalizers]:
+    """An MoE policy's load-balancing counts of ``batch`` by the reference's own forwards; None for a dense one."""
+    return None if part.moe_coef is None else reference_moe_norms(part.model, batch, part.moe_coef)
 
 
 def _scale_report(session: CheckSession, mode: str, counts: Counts) -> GradScaleReport:
@@ -264,9 +272,11 @@ def rejection_metrics(batch: CheckBatch) -> dict[str, float]:
 
 def _context(session: CheckSession, batch, counts: Counts) -> Context:
     cfg, tr = session.cfg, session.trainer
+    coef = tr.models.policy_part.moe_coef
+    moe = None if coef is None else reference_moe_norms(tr.models.policy, batch.full, coef)
     return Context(full=batch.full, local=batch.local,
                    norms=LossNormalizers(counts.num_tokens, counts.num_seqs, dp_size=1,
-                                         loss_scale_factor=tr.loss_scale_factor),
+                                         loss_scale_factor=tr.loss_scale_factor, moe=moe),
                    token_budget=cfg.trainer.token_budget, simulated_dp=max(2, cfg.check.simulated_dp), mesh=tr.mesh,
                    device=tr.device)
 

@@ -30,7 +30,9 @@ scaled by that norm stepped the next mini-batch by 1e16 (the weights overflowed,
 (mini-batches, normalisers, micro-batches, clip, metrics merged) runs unchanged; only its optimiser object is
 swapped for the pass. The optimiser itself is not what the check proves (docs/check-metrics.md).
 
-The explained variance (over the pooled vectors) and the drafter are not compared here (docs/check-metrics.md). The
+The explained variance (over the pooled vectors), the drafter and an MoE policy's per-layer expert load (compared in
+every layout) are not compared here (docs/check-metrics.md); its load-balancing loss (``moe/aux_loss``, each
+mini-batch's own counts) is. The
 models' weights and optimiser states are restored after the pass: check-metrics leaves the run unchanged. Without
 the prompt-only fixture (it belongs to no prompt group).
 """
@@ -45,6 +47,7 @@ from omegaconf import OmegaConf
 from fsdptrain.check.batch import CheckBatch, CheckSession, UpdateShape
 from fsdptrain.check.compare import Outcome
 from fsdptrain.check.layouts import clip_coefficient, grad_norm
+from fsdptrain.check.moe_reference import reference_moe_norms
 from fsdptrain.check.reference import Counts, reference_critic, reference_policy
 from fsdptrain.distributed.fsdp import held_grads, reshard_all, zero_grads
 from fsdptrain.model.loading import trainable_parameters
@@ -159,11 +162,14 @@ def reference_update(session: CheckSession, shape: UpdateShape, optimizers: dict
     models = [("actor/", tr.models.policy, cfg.trainer.lr, cfg.trainer.grad_clip)]
     if tr.models.critic is not None:
         models.append(("critic/", tr.models.critic, cfg.trainer.critic_lr, cfg.trainer.critic_grad_clip))
+    coef = tr.models.policy_part.moe_coef
+
     def backward(prefix, model, sub, behaviour, counted, policy, counts):
         zero_grads(model)
         if prefix == "actor/":
+            moe = None if coef is None else reference_moe_norms(model, sub, coef)  # the mini-batch's own counts
             return reference_policy(model, sub, tr.policy_settings, counts, counted=counted, behaviour=behaviour,
-                                    correction=batch.correction, policy_masks=policy)
+                                    correction=batch.correction, policy_masks=policy, moe=moe)
         return reference_critic(model, sub, tr.value_settings, counts, counted=counted)
 
     for prefix, model, lr, max_norm in models:  # the SGD's scale: the largest clipped norm at the starting weights
@@ -179,7 +185,7 @@ def reference_update(session: CheckSession, shape: UpdateShape, optimizers: dict
     metrics = {prefix: [] for prefix, *_ in models}
     norms = {prefix: [] for prefix, *_ in models}
     loss_scales: dict[str, list[float]] = {}
-    tokens, counts_seen = [], []
+    tokens, counts_seen, aux = [], [], []
     for _ in range(shape.epochs):
         for sub, behaviour, (counted, policy) in splits:
             counts = Counts.of(counted, tr.loss_scale_factor)
@@ -187,7 +193,8 @@ def reference_update(session: CheckSession, shape: UpdateShape, optimizers: dict
             counts_seen.append(counts)
             for prefix, model, lr, max_norm in models:
                 _, found, scales = backward(prefix, model, sub, behaviour, counted, policy, counts)
-                metrics[prefix].append(found)
+                aux.extend(v for k, v in found.items() if k == "moe/aux_loss")
+                metrics[prefix].append({k: v for k, v in found.items() if not k.startswith("moe/")})
                 for name in LOSSES:
                     if name in scales:
                         loss_scales.setdefault(prefix + name, []).append(scales[name])
@@ -198,6 +205,8 @@ def reference_update(session: CheckSession, shape: UpdateShape, optimizers: dict
         values[prefix + "grad_norm"] = sum(norms[prefix]) / len(norms[prefix])
     values["loss/global_num_tokens"] = sum(c.num_tokens for c in counts_seen) / len(counts_seen)
     values["loss/global_num_seqs"] = sum(c.num_seqs for c in counts_seen) / len(counts_seen)
+    if aux:  # an MoE policy's load-balancing loss: a LOSS, the mean over the updates (docs/moe.md)
+        values["moe/aux_loss"] = sum(aux) / len(aux)
     if batch.on_policy:
         values["actor/on_policy_max_ratio_dev"] = 0.0
     for name in SKIPPED:
@@ -233,9 +242,9 @@ def trainer_update(session: CheckSession, shape: UpdateShape, optimizers: dict) 
     kinds = comparable(merged)
     values = {name: v for name, v in finalize(merged).items() if name in kinds}
     values.update({name: v for name, v in finalize(facts).items() if not name.startswith("drafter/")})
-    for name in SKIPPED:
+    for name in [*SKIPPED, *(n for n in values if n.startswith("moe/layer_"))]:
         values.pop(name, None)
-    return Outcome(shape.layout, values, kinds, covers=("actor/", "critic/", "loss/"))
+    return Outcome(shape.layout, values, kinds, covers=("actor/", "critic/", "loss/", "moe/"))
 
 
 def update_pass(session: CheckSession, shape: UpdateShape) -> tuple[dict[str, float], Outcome, dict[str, float]]:

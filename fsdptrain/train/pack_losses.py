@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from fsdptrain.data.packing import PackedBatch
+from fsdptrain.data.packing import PackedBatch, PaddedBatch
 from fsdptrain.data.shared_prompts import SharedPromptPack
 from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
@@ -57,37 +57,40 @@ def policy_forward(model, packed: PackedBatch, *, record: bool) -> tuple[Tensor,
     return hidden_TH, routes
 
 
-def route_weights(packed: PackedBatch) -> Tensor:
-    """How many of the pack's tokens each position of its model row stands for (`fsdptrain.rl.moe_aux_loss`'s
-    ``w_t``): 1 for a real token, 0 for the padding tail; a shared-prompt row (`SharedPromptPack`) holds a prompt
-    once for each of its sequences, whose tokens therefore weigh as many."""
-    if isinstance(packed, SharedPromptPack):
-        return torch.bincount(packed.model_row.source_T, minlength=packed.model_row.input_ids.shape[-1]).double()
-    return (torch.arange(packed.total_len, device=packed.input_ids.device) < packed.num_tokens).double()
+def route_weights(batch: PackedBatch | PaddedBatch) -> Tensor:
+    """How many of the batch's tokens each routed position stands for (`fsdptrain.rl.moe_aux_loss`'s ``w_t``, in the
+    routers' token order): 1 for a real token, 0 for padding (a packed row's tail, a padded batch's masked
+    positions); a shared-prompt row (`SharedPromptPack`) holds a prompt once for each of its sequences, whose tokens
+    therefore weigh as many."""
+    if isinstance(batch, PaddedBatch):
+        return batch.attention_mask.reshape(-1).double()
+    if isinstance(batch, SharedPromptPack):
+        return torch.bincount(batch.model_row.source_T, minlength=batch.model_row.input_ids.shape[-1]).double()
+    return (torch.arange(batch.total_len, device=batch.input_ids.device) < batch.num_tokens).double()
 
 
-def moe_terms(routes: Routes, packed: PackedBatch, norms: LossNormalizers) -> tuple[Tensor, Metrics]:
-    """``coef`` x this pack's share of the mini-batch's load-balancing loss (`fsdptrain.rl.moe_aux_loss`, with the
-    global counts of ``norms.moe``) and the MoE metrics of its routes (the aux loss's, when it trains, and the
-    expert load of the pack's counted tokens)."""
+def moe_terms(routes: Routes, weights_T: Tensor, norms: LossNormalizers) -> tuple[Tensor, Metrics]:
+    """``coef`` x one forward's share of the mini-batch's load-balancing loss (`fsdptrain.rl.moe_aux_loss`, with the
+    global counts of ``norms.moe``; its routed tokens weighted by ``weights_T``) and the MoE metrics of its routes
+    (the aux loss's, when it trains, and the expert load of its counted tokens)."""
     moe = norms.moe
-    weights_T = route_weights(packed).to(packed.input_ids.device)
     layers = sorted(routes.indices)
-    num_experts = routes.logits[layers[0]].shape[-1]
-    counts_LE = local_expert_counts([routes.indices[i] for i in layers], weights_T, num_experts)
+    weights_T = weights_T.to(routes.logits[layers[0]].device)
+    counts_LE = local_expert_counts([routes.indices[i] for i in layers], weights_T,
+                                    routes.logits[layers[0]].shape[-1])
     if not moe.trains:
         return torch.zeros((), device=weights_T.device), moe_metrics(counts_LE, None)
     share = aux_loss_share([routes.logits[i] for i in layers], weights_T, moe, dp_size=norms.dp_size)
     return moe.coef * share, moe_metrics(counts_LE, share, dp_size=norms.dp_size)
 
 
-def with_moe_terms(loss: Tensor, metrics: Metrics, routes: Routes, packed: PackedBatch,
+def with_moe_terms(loss: Tensor, metrics: Metrics, routes: Routes, batch: PackedBatch | PaddedBatch,
                    norms: LossNormalizers) -> tuple[Tensor, Metrics]:
-    """``loss`` plus the pack's load-balancing term, ``metrics`` with the MoE metrics; unchanged for a dense model
-    (``norms.moe`` None)."""
+    """``loss`` plus the forward's load-balancing term, ``metrics`` with the MoE metrics (:func:`moe_terms`, the
+    tokens weighted by :func:`route_weights`); unchanged for a dense model (``norms.moe`` None)."""
     if norms.moe is None:
         return loss, metrics
-    aux, aux_metrics = moe_terms(routes, packed, norms)
+    aux, aux_metrics = moe_terms(routes, route_weights(batch), norms)
     return loss + aux.to(loss.dtype), metrics.merge(aux_metrics)
 
 

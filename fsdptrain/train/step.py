@@ -170,6 +170,14 @@ def moe_normalizers(model, batch: MiniBatch, plan: PackPlan, *, coef: float, dev
     return MoeNormalizers(coef=coef, expert_counts_LE=total[:-1].reshape(counts_LE.shape), num_tokens=int(total[-1]))
 
 
+def with_moe_counts(norms: LossNormalizers, model, batch: MiniBatch, plan: PackPlan, *, coef: float,
+                    device: torch.device, share_prompts: bool = False) -> LossNormalizers:
+    """``norms`` with an MoE policy's load-balancing counts of the mini-batch (:func:`moe_normalizers`,
+    collective)."""
+    return replace(norms, moe=moe_normalizers(model, batch, plan, coef=coef, device=device,
+                                              share_prompts=share_prompts))
+
+
 def replica_metrics(metrics: Metrics, context: ContextGroup) -> Metrics:
     """The metrics this rank adds to the world-wide reduction: all of them, or, on a CP group's ranks after its
     first (which computed the same numbers over the same rows), each metric's identity, so each counts once."""
@@ -281,8 +289,8 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
         plan = None
         if moe_coef is not None:
             plan = agreed_plan(batch, token_budget, share_prompts=share_prompts)
-            norms = replace(norms, moe=moe_normalizers(model, batch, plan, coef=moe_coef, device=device,
-                                                       share_prompts=share_prompts))
+            norms = with_moe_counts(norms, model, batch, plan, coef=moe_coef, device=device,
+                                    share_prompts=share_prompts)
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device, share_prompts=share_prompts,
                                            context=context, plan=plan)

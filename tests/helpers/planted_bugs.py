@@ -264,3 +264,32 @@ def plant_kl_penalty_coefficient_applied_twice(set_attr=setattr) -> None:
         return rewards(rollouts, kl_R=kl_R, kl_coef=kl_coef * kl_coef, masks=masks)
 
     set_attr(experience, "token_rewards", squared)
+
+
+def plant_moe_aux_loss_per_micro_batch(set_attr=setattr) -> None:
+    """An MoE trainer that adds transformers' load-balancing loss of each forward (its own expert counts, router
+    probabilities and token count: Switch's means over one micro-batch), not its share of the mini-batch's."""
+    from fsdptrain.rl.moe_aux_loss import whole_batch_aux_loss
+    from fsdptrain.train import pack_losses
+
+    def own_value(logits_LTE, weights_T, norms, *, dp_size=1):
+        k = norms.expert_counts_LE[0].sum() / norms.num_tokens  # every counted token chose k experts
+        indices = [torch.topk(x.detach(), int(round(float(k))), dim=-1).indices for x in logits_LTE]
+        return whole_batch_aux_loss(logits_LTE, indices, weights_T) * dp_size
+
+    set_attr(pack_losses, "aux_loss_share", own_value)
+
+
+def plant_moe_aux_loss_counts_padding(set_attr=setattr) -> None:
+    """transformers' load-balancing loss without its attention mask: every routed position counts, padding too."""
+    from fsdptrain.data.packing import PaddedBatch
+    from fsdptrain.train import pack_losses
+
+    weights = pack_losses.route_weights
+
+    def every_position(batch):
+        if isinstance(batch, PaddedBatch):
+            return torch.ones(batch.attention_mask.numel(), dtype=torch.float64)
+        return torch.ones_like(weights(batch)) if len(weights(batch)) else weights(batch)
+
+    set_attr(pack_losses, "route_weights", every_position)
