@@ -61,3 +61,19 @@ def test_a_refusal_holds_when_the_setting_comes_from_a_config_file(tmp_path, cas
 def test_the_same_setting_on_the_command_line_is_refused_the_same(override):
     with pytest.raises(ConfigError, match="does not apply to fsdptrain sft"):
         compose_config(_sft_overrides([override, "data.path=chats.jsonl"]))
+
+
+def test_an_moe_model_refuses_context_parallelism_and_the_drafter_in_one_line(tmp_path):
+    """fsdptrain/preflight.py check_moe_settings: what an MoE policy does not run with (docs/moe.md)."""
+    from fsdptrain.preflight import check_moe_settings
+    from tests.helpers.tiny_moe import write_tiny_moe
+
+    folder = write_tiny_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    base = ["model=local", f"model.path={folder}", "algorithm=grpo"]
+    check_moe_settings(compose_config(base))  # GRPO on it is fine
+    for extra, words in ((["parallel.cp=2"], "parallel.cp=2 is not supported with mixture-of-experts models yet: "
+                                             "set parallel.cp=1"),
+                         (["drafter.enabled=true"], "drafter.enabled=true is not supported with mixture-of-experts "
+                                                    "models yet: set drafter.enabled=false")):
+        with pytest.raises(ConfigError, match=words):
+            check_moe_settings(compose_config(base + extra))
