@@ -120,7 +120,7 @@ def main(argv=None) -> list[dict]:
         done = subprocess.run([sys.executable, __file__, *flags, f"--side={side}"], env=env, capture_output=True,
                               text=True, check=True)
         out.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"| side | parameters | tokens/s | step (CPU s) | peak above start |")
+    print("| side | parameters | tokens/s | step (CPU s) | peak above start |")
     print("| --- | --- | --- | --- | --- |")
     for row in out:
         print(f"| {row['side']} | {row['params'] / 1e6:.2f} M | {row['tokens_per_s']:.0f} | {row['step_s']:.2f} | "

@@ -5,6 +5,8 @@ Each has the signature the update calls (`fsdptrain.train.step.accumulate_gradie
 ``loss_fn(model, packed, targets, *, norms, settings) -> (loss, Metrics)``, where ``targets[i]`` belongs to the
 pack's i-th sequence and ``settings`` is the loss's settings object, built once per run:
 
+- the policy's forward inside the one routing call of its forwards (:func:`policy_forward`) and an MoE policy's
+  load-balancing term (:func:`with_moe_terms`, docs/moe.md), for RL and SFT alike;
 - RL: :func:`packed_policy_loss` (`fsdptrain.rl.pg_terms.PolicyLossSettings`) and :func:`packed_value_loss`
   (`fsdptrain.rl.fused_loss.ValueLossSettings`), each also under context parallelism;
 - SFT: :func:`packed_sft_loss` (:class:`SftLossSettings`; `fsdptrain.rl.sft_loss.sft_loss`);
@@ -45,7 +47,7 @@ from fsdptrain.rl.pg_terms import PolicyLossSettings
 from fsdptrain.rl.sft_loss import sft_loss
 
 
-# ---- the policy's forward and its routes (mixture of experts, docs/moe.md) --------------------------------------------
+# ---- the policy's forward and its routes (mixture of experts, docs/moe.md) -------------------------------------------
 
 
 def policy_forward(model, packed: PackedBatch, *, record: bool) -> tuple[Tensor, Routes]:
@@ -130,8 +132,9 @@ def context_token_outputs(model, packed: PackedBatch, shard: ContextShard, *, te
 def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,
                        settings: PolicyLossSettings, hidden_TH: Optional[torch.Tensor] = None,
                        context: ContextGroup = NO_CONTEXT_PARALLEL) -> tuple[torch.Tensor, Metrics]:
-    """The policy's forward over one pack (skipped when `hidden_TH`, the final hidden states of a forward the caller
-    already ran, is given), then the fused policy loss of its hidden states (`fsdptrain.rl.fused_loss`). Under
+    """The policy's forward over one pack (`policy_forward`; skipped when `hidden_TH`, the final hidden states of a
+    forward the caller already ran, is given), then the fused policy loss of its hidden states
+    (`fsdptrain.rl.fused_loss`), plus an MoE policy's load-balancing term (`with_moe_terms`, docs/moe.md). Under
     context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
     routes = Routes()
     if context.enabled:
@@ -186,8 +189,9 @@ class DemoTarget:
 
 def packed_sft_loss(model, packed: PackedBatch, targets: Sequence[DemoTarget], *, norms: LossNormalizers,
                     settings: SftLossSettings) -> tuple[torch.Tensor, Metrics]:
-    """The policy's forward over one pack, the fused log-probs of the trained tokens (`token_logprobs_entropy`, at
-    temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the targets are in the row's mask."""
+    """The policy's forward over one pack (`policy_forward`), the fused log-probs of the trained tokens
+    (`token_logprobs_entropy`, at temperature 1, no entropy) and their loss (`fsdptrain.rl.sft_loss.sft_loss`); the
+    targets are in the row's mask. An MoE policy adds its load-balancing term (`with_moe_terms`, docs/moe.md)."""
     hidden_TH, routes = policy_forward(model, packed, record=norms.moe is not None)
     head = model.get_output_embeddings()
     logprobs_T, _ = token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed, temperature=1.0,
