@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fsdptrain.check.per_sequence import route_layers, sequence_outputs
+from fsdptrain.check.per_sequence import route_layers, sequence_moe_terms, sequence_outputs
 from fsdptrain.model.moe import Routes
 from fsdptrain.rl.moe_aux_loss import LOAD_FORMULAS, MoeNormalizers, local_expert_counts, probability_sums
 from fsdptrain.train.step import MiniBatch
@@ -41,6 +41,14 @@ class DirectMoe:
     def __init__(self, norms: Optional[MoeNormalizers]):
         self.norms = norms
         self.sums_E: Optional[Tensor] = None
+
+    def share(self, routes: Routes) -> Optional[Tensor]:
+        """``coef`` x one sequence's share of the load-balancing loss (`sequence_moe_terms`), its probability sums
+        added; None for a dense policy (no ``norms``)."""
+        if self.norms is None:
+            return None
+        self.add(routes)
+        return sequence_moe_terms(routes, self.norms)[0]
 
     def add(self, routes: Routes) -> None:
         logits, _ = route_layers(routes)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fsdptrain.check.batch import IsCorrection, RolloutFacts
 from fsdptrain.check.moe_reference import DirectMoe
-from fsdptrain.check.per_sequence import reference_values, sequence_moe_terms, sequence_outputs
+from fsdptrain.check.per_sequence import reference_values, sequence_outputs
 from fsdptrain.registry.constants import LOG_RATIO_CLAMP
 from fsdptrain.rl.aggregate import SeqLayout
 from fsdptrain.metrics.typed import finalize, merge_all
@@ -245,14 +245,11 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             continue
         logp, entropy, routes = sequence_outputs(model, prompt_ids, response_ids, temperature=settings.temperature,
                                                  record=moe is not None)
-        aux = None
-        if moe is not None:
-            aux, _ = sequence_moe_terms(routes, moe)
-            direct.add(routes)
-            if not bool(at.any()):  # through the output too: FSDP unshards a layer for backward at its output
-                (aux + 0.0 * logp.sum()).backward()
-                total += float(aux.detach())
-                continue
+        aux = direct.share(routes)
+        if not bool(at.any()):  # MoE: its share alone, through the output too (FSDP unshards a layer there)
+            (aux + 0.0 * logp.sum()).backward()
+            total += float(aux.detach())
+            continue
         at = at.to(logp.device)
         logp, entropy = logp[at], entropy[at]
         old = target.old_logprobs.to(logp)[at]
@@ -288,6 +285,20 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
         if not other:
             for key, value in (("ratio", ratio), ("clip", clip), ("lower", lower), ("ppo_kl", old - logp)):
                 parts[key].append(value.detach())
+    metrics, scales = _policy_metrics(parts, other, mode, counts)
+    metrics.update(direct.metrics())
+    scales["loss"] = scales["pg_loss"] + settings.entropy_coef * _magnitude(parts["entropy"], mode, counts)
+    if settings.use_reference:
+        metrics["kl_loss"] = float(sum(seq_share(k.detach(), mode, counts) for k in parts["kl"]))
+        metrics.update(_stats(_cat(parts["kl"]), "kl"))
+        scales["kl_loss"] = _magnitude(parts["kl"], mode, counts)
+        scales["loss"] += settings.kl_coef * scales["kl_loss"]
+    return total, metrics, scales
+
+
+def _policy_metrics(parts: dict[str, list[Tensor]], other: list, mode: str, counts: Counts) -> tuple[dict, dict]:
+    """The reference's directly computed pg metrics from the per-sequence ``parts`` (or a non-vanilla loss's own
+    metrics, ``other``), and the pg loss's tolerance scale."""
     metrics = {
         "pg_loss": float(sum(seq_share(p.detach(), mode, counts) for p in parts["pg"])),
         **_stats(_cat(parts["entropy"]), "entropy"),
@@ -301,15 +312,7 @@ def reference_policy(model, batch: MiniBatch, settings: PolicyLossSettings, coun
             **_stats(_cat(parts["ppo_kl"]), "ppo_kl"),
             **_stats(_cat(parts["ratio"]), "probs_ratio", extrema=True),
         })
-    metrics.update(direct.metrics())
-    scales = {"pg_loss": _magnitude(parts["pg"], mode, counts)}
-    scales["loss"] = scales["pg_loss"] + settings.entropy_coef * _magnitude(parts["entropy"], mode, counts)
-    if settings.use_reference:
-        metrics["kl_loss"] = float(sum(seq_share(k.detach(), mode, counts) for k in parts["kl"]))
-        metrics.update(_stats(_cat(parts["kl"]), "kl"))
-        scales["kl_loss"] = _magnitude(parts["kl"], mode, counts)
-        scales["loss"] += settings.kl_coef * scales["kl_loss"]
-    return total, metrics, scales
+    return metrics, {"pg_loss": _magnitude(parts["pg"], mode, counts)}
 
 
 def _vanilla(logp: Tensor, old: Tensor, adv: Tensor, settings: PolicyLossSettings):
