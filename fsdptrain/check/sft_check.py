@@ -29,7 +29,8 @@ from fsdptrain.check.layouts import (
     layouts,
     trainer_clip,
 )
-from fsdptrain.check.per_sequence import reference_policy_outputs
+from fsdptrain.check.moe_reference import DirectMoe, reference_moe_norms
+from fsdptrain.check.per_sequence import sequence_moe_terms, sequence_outputs
 from fsdptrain.check.precision import checked_precision, in_checked_precision, tolerances
 from fsdptrain.check.report import CheckReport, GradScale, add_columns, exit_code, row_cells, write_report_json
 from fsdptrain.config import validate_world
@@ -37,12 +38,15 @@ from fsdptrain.data.packing import pad_sequences
 from fsdptrain.distributed import world
 from fsdptrain.distributed.fsdp import held_grads, reset_after_error, zero_grads
 from fsdptrain.model.attention_switch import generation_attention
+from fsdptrain.model.moe import routing
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.grad_scale import grad_scale_report
 from fsdptrain.metrics.typed import comparable, merge_all
+from fsdptrain.rl.moe_aux_loss import MoeNormalizers
 from fsdptrain.rl.sft_loss import sft_loss
 from fsdptrain.data.epoch_order import EpochOrder
-from fsdptrain.train.setup import build_policy_model, resolve_device_type
+from fsdptrain.train import pack_losses
+from fsdptrain.train.setup import build_policy_model, moe_aux_coef, resolve_device_type
 from fsdptrain.model.loading import build_tokenizer
 from fsdptrain.train.pack_losses import packed_sft_loss, SftLossSettings
 from fsdptrain.train.sft import as_minibatch, load_sft_rows, sft_loss_scale_factor
@@ -57,9 +61,13 @@ def per_sequence_sft_loss(model, prompts, responses, targets, *, norms: LossNorm
     log-softmax), its SFT loss with the mini-batch's global normalisers, summed."""
     total, collected = None, []
     for prompt_ids, response_ids, target in zip(prompts, responses, targets):
-        logprobs_R, _ = reference_policy_outputs(model, prompt_ids, response_ids, temperature=1.0)
+        logprobs_R, _, routes = sequence_outputs(model, prompt_ids, response_ids, temperature=1.0,
+                                                 record=norms.moe is not None)
         loss, metrics = sft_loss(logprobs_R[None], target.response_mask[None].to(logprobs_R.device), norms=norms,
                                  agg_mode=settings.agg_mode)
+        if norms.moe is not None:  # an MoE policy: each sequence's share of the load-balancing loss (docs/moe.md)
+            aux, aux_metrics = sequence_moe_terms(routes, norms.moe, dp_size=norms.dp_size)
+            loss, metrics = loss + aux.to(loss.dtype), metrics.merge(aux_metrics)
         total = loss if total is None else total + loss
         collected.append(metrics)
     return total, merge_all(collected)
@@ -70,23 +78,30 @@ def padded_sft_loss(model, prompts, responses, targets, *, norms: LossNormalizer
     """The SFT loss of the whole batch as one right-padded ``[B, L]`` forward and the padded ``agg_loss``."""
     device = next(model.parameters()).device
     batch = pad_sequences(prompts, responses, response_masks=[t.response_mask for t in targets])
-    logits_BLV = _padded_forward(model, batch, device).float()
+    with routing(model, record=norms.moe is not None) as routes:
+        logits_BLV = _padded_forward(model, batch, device).float()
     labels_BL = torch.where(batch.label_mask, batch.labels, torch.zeros_like(batch.labels)).to(device)
     logprobs_BL = torch.log_softmax(logits_BLV, dim=-1).gather(-1, labels_BL[..., None])[..., 0]
-    return sft_loss(logprobs_BL, batch.response_mask.to(device), norms=norms, agg_mode=settings.agg_mode)
+    loss, metrics = sft_loss(logprobs_BL, batch.response_mask.to(device), norms=norms, agg_mode=settings.agg_mode)
+    return pack_losses.with_moe_terms(loss, metrics, routes, batch, norms)
 
 
-def reference_sft(model, batch: MiniBatch, mode: str, loss_scale_factor: float) -> tuple[Tensor, dict[str, float]]:
+def reference_sft(model, batch: MiniBatch, mode: str, loss_scale_factor: float,
+                  moe: Optional[MoeNormalizers] = None) -> tuple[Tensor, dict[str, float]]:
     """The loss from its definition: per sequence, ``cross_entropy(logits[t], token[t + 1])`` at the trained tokens
     (the demonstration's mask), then the mode's reduction written out with this batch's counts: token-mean divides
     the sum by the trained tokens N, token-sum by nothing, seq-mean-token-sum by the sequences with a trained token
-    S (and by ``loss_scale_factor`` for -norm), seq-mean-token-mean averages each sequence's mean over S."""
+    S (and by ``loss_scale_factor`` for -norm), seq-mean-token-mean averages each sequence's mean over S. An MoE
+    policy (``moe``: the batch's load-balancing counts) adds each sequence's share of that loss to the returned
+    scalar, and the MoE metrics computed directly (`fsdptrain.check.moe_reference.DirectMoe`)."""
     device = next(model.parameters()).device
-    sums, counts = [], []
+    sums, counts, direct, aux = [], [], DirectMoe(moe), 0.0
     for prompt, response, target in zip(batch.prompts, batch.responses, batch.targets):
         ids = torch.tensor([prompt + response], device=device)
-        with generation_attention(model):
+        with generation_attention(model), routing(model, record=moe is not None) as routes:
             logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        if moe is not None:
+            aux = aux + direct.share(routes)
         nll = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], ids[0, len(prompt):], reduction="none")
         trained = target.response_mask.to(device)
         sums.append(nll[trained].sum())
@@ -97,7 +112,9 @@ def reference_sft(model, batch: MiniBatch, mode: str, loss_scale_factor: float) 
             "seq-mean-token-sum": total / max(num_seqs, 1),
             "seq-mean-token-sum-norm": total / max(num_seqs, 1) / loss_scale_factor,
             "seq-mean-token-mean": sum(s / c for s, c in zip(sums, counts) if c > 0) / max(num_seqs, 1)}[mode]
-    return loss, {PREFIX + "loss": float(loss.detach()), PREFIX + "nll": float(total.detach()) / max(num_tokens, 1)}
+    values = {PREFIX + "loss": float(loss.detach()), PREFIX + "nll": float(total.detach()) / max(num_tokens, 1)}
+    values.update({PREFIX + name: value for name, value in direct.metrics().items()})
+    return loss + aux, values
 
 
 def checked_batch(cfg: DictConfig, tokenizer) -> MiniBatch:
@@ -127,9 +144,11 @@ def run_sft_checks(cfg: DictConfig, policy, batch: MiniBatch, mesh, device) -> C
     mode = cfg.loss.agg_mode
     lsf = sft_loss_scale_factor(cfg)
     settings = SftLossSettings(agg_mode=mode, chunk_size=cfg.loss.logprob_chunk_size)
-    part = Part(PREFIX, policy, settings, packed_sft_loss, per_sequence_sft_loss, padded_sft_loss)
+    coef = moe_aux_coef(cfg, policy)
+    moe = None if coef is None else reference_moe_norms(policy, batch, coef)
+    part = Part(PREFIX, policy, settings, packed_sft_loss, per_sequence_sft_loss, padded_sft_loss, moe_coef=coef)
     counted = batch.num_counted_tokens()
-    norms = LossNormalizers(sum(counted), sum(1 for c in counted if c > 0), dp_size=1, loss_scale_factor=lsf)
+    norms = LossNormalizers(sum(counted), sum(1 for c in counted if c > 0), dp_size=1, loss_scale_factor=lsf, moe=moe)
     rank, size = world.rank(), world.world_size()
     local = MiniBatch(*([getattr(batch, f)[i] for i in range(batch.num_seqs) if i % size == rank]
                         for f in ("prompts", "responses", "targets")))
@@ -137,10 +156,10 @@ def run_sft_checks(cfg: DictConfig, policy, batch: MiniBatch, mesh, device) -> C
                   simulated_dp=max(2, cfg.check.simulated_dp), mesh=mesh, device=device)
     tol = dict(rtol=cfg.check.rtol, atol=cfg.check.atol)
     zero_grads(policy)
-    loss, values = reference_sft(policy, batch, mode, lsf)
+    loss, values = reference_sft(policy, batch, mode, lsf, moe)
     loss.backward()
     ref_grads = held_grads(policy)
-    values[PREFIX + "backward_loss"] = values[PREFIX + "loss"]
+    values[PREFIX + "backward_loss"] = float(loss.detach())
     values[PREFIX + "grad_norm"] = norm = grad_norm(ref_grads)
     values[PREFIX + "clip_coef"] = min(1.0, CLIP_PROBE * norm / (norm + 1e-6)) if norm > 0 else 1.0
     values[PREFIX + "grad_max_diff"] = 0.0

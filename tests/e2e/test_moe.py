@@ -41,7 +41,7 @@ def test_qwen3_moe_grpo_trains_resumes_exactly_matches_on_two_ranks_and_exports(
     assert any("mlp.gate" in n for n in moved) and any("mlp.experts" in n for n in moved)
 
 
-def test_qwen3_moe_sft_is_the_same_on_one_and_two_ranks(tmp_path):
+def test_qwen3_moe_sft_is_the_same_on_one_and_two_ranks_and_passes_check_metrics(tmp_path):
     from tests.helpers.chatml_tokenizer import chatml_tokenizer
 
     folder = write_tiny_moe(tmp_path / "model", "qwen3_moe", tokenizer=chatml_tokenizer())
@@ -57,6 +57,11 @@ def test_qwen3_moe_sft_is_the_same_on_one_and_two_ranks(tmp_path):
         runs[nproc] = rows(tmp_path / "runs" / f"sft{nproc}")
     assert all(MOE_KEYS <= set(r) for r in runs[1])
     assert_close_rows(runs[2], runs[1], tol=1e-5)
+    check = run_cli("check-metrics", "data=sft", *args[1:4], "trainer.token_budget=64", "--json",
+                    str(tmp_path / "check.json"), cwd=tmp_path)
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    packed = json.loads((tmp_path / "check.json").read_text())["layouts"]["micro-batches=2"]
+    assert all(packed[m]["pass"] for m in ("sft/moe/aux_loss", "sft/moe/layer_1/load_cv", "sft/grad_max_diff"))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
