@@ -28,6 +28,8 @@ def test_qwen3_moe_grpo_trains_resumes_exactly_matches_on_two_ranks_and_exports(
     args = (*GRPO, f"model.path={folder}", "trainer.steps=3", "checkpoint.every=2")
     one = run_cli("train", *args, "trainer.run_name=one", cwd=tmp_path)
     assert one.returncode == 0, one.stdout + one.stderr
+    assert ("mixture of experts: 2 MoE layers of 4 experts, top-2; load-balancing loss x 0.001 (the model's "
+            "router_aux_loss_coef)") in one.stdout
     reference = rows(tmp_path / "runs" / "one")
     assert [r["step"] for r in reference] == [0, 1, 2]
     assert all(MOE_KEYS <= set(r) and r["moe/aux_loss"] > 0 for r in reference)
