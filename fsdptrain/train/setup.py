@@ -134,7 +134,8 @@ def moe_line(cfg: DictConfig, policy: torch.nn.Module) -> str:
     """The start report's line about an MoE policy: its sparse layers, and the load-balancing loss it trains."""
     layers = moe_layers(policy)
     coef = moe_aux_coef(cfg, policy)
-    source = "model.moe.aux_loss_coef" if cfg.model.moe.aux_loss_coef is not None else "the model's router_aux_loss_coef"
+    source = ("model.moe.aux_loss_coef" if cfg.model.moe.aux_loss_coef is not None
+              else "the model's router_aux_loss_coef")
     loss = (f"load-balancing loss x {coef:g} ({source}) over each mini-batch's tokens" if coef > 0 else
             "no load-balancing loss (coef 0), expert-load metrics only")
     return (f"mixture of experts: {len(layers)} MoE layers of {layers[0].num_experts} experts, top-{layers[0].top_k}; "
