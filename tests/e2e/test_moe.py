@@ -1,7 +1,7 @@
 """Mixture-of-experts models through the real CLI (docs/moe.md): a tiny Qwen3-MoE folder whose config asks for
 transformers' router loss (``output_router_logits: true``) trains with GRPO and SFT, the same on 1 and 2 ranks,
-resumes exactly and exports a folder transformers loads; Mixtral and OLMoE train a step; what is refused is one
-line."""
+resumes exactly and exports a folder transformers loads; Mixtral (PPO, with its critic) and OLMoE train a step;
+what is refused is one line."""
 
 from __future__ import annotations
 
@@ -66,13 +66,15 @@ def test_qwen3_moe_sft_is_the_same_on_one_and_two_ranks_and_passes_check_metrics
     assert all(packed[m]["pass"] for m in ("sft/moe/aux_loss", "sft/moe/layer_1/load_cv", "sft/grad_max_diff"))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
-def test_mixtral_and_olmoe_train_a_step(tmp_path, arch):
+@pytest.mark.parametrize("arch, algorithm", [("mixtral", "ppo"), ("olmoe", "grpo")])
+def test_mixtral_with_a_critic_and_olmoe_train_a_step(tmp_path, arch, algorithm):
     folder = write_tiny_moe(tmp_path / arch, arch)
-    done = run_cli("train", *GRPO, f"model.path={folder}", "trainer.steps=1", "trainer.run_name=r", cwd=tmp_path)
+    done = run_cli("train", *GRPO, f"algorithm={algorithm}", f"model.path={folder}", "trainer.steps=1",
+                   "trainer.run_name=r", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     last = rows(tmp_path / "runs" / "r")[-1]
     assert MOE_KEYS <= set(last) and math.isfinite(last["moe/aux_loss"]) and last["actor/grad_norm"] > 0
+    assert ("critic/grad_norm" in last) == (algorithm == "ppo")
 
 
 def test_an_moe_model_without_a_value_class_refuses_a_critic_in_one_line(tmp_path):

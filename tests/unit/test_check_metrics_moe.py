@@ -37,7 +37,7 @@ def test_the_aux_loss_its_gradient_and_the_load_agree_in_every_layout(moe):
     report = run_checks(moe, "token-mean", **LAYOUTS_ONLY)
     assert report.ok, "\n".join(report.failures)
     compared = {(c.metric, c.layout) for c in report.comparisons if c.passed}
-    for layout in ("padded", "micro-batches=2", "simulated dp=2", "ranks=1"):
+    for layout in ("padded", "micro-batches=2", "simulated dp=2", "ranks=1", "shared prompts, ranks=1"):
         assert ("actor/moe/aux_loss", layout) in compared
         assert ("actor/moe/layer_1/load_cv", layout) in compared
         assert ("actor/grad_max_diff", layout) in compared
