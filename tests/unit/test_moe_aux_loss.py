@@ -136,7 +136,7 @@ def test_padding_counts_for_nothing_value_and_gradient():
     assert padded_grad[:, weights == 0].abs().max() == 0
     # counting them (weight 1) is another number
     counted = whole_batch_aux_loss(list(logits), routes(logits), torch.ones(12))
-    assert not math.isclose(float(counted), float(reference), rel_tol=1e-6)
+    assert not math.isclose(counted.item(), reference.item(), rel_tol=1e-6)
 
 
 def test_a_token_of_weight_two_is_two_copies_of_it():
