@@ -146,7 +146,7 @@ def test_a_token_of_weight_two_is_two_copies_of_it():
     reference = whole_batch_aux_loss(copies, routes(copies), torch.ones(8))
     weights = torch.tensor([2.0, 1, 1, 1, 3])
     shared = aux_loss_share(list(logits), weights, global_norms(logits, weights))
-    assert math.isclose(float(shared), float(reference), rel_tol=1e-12)
+    assert math.isclose(shared.item(), reference.item(), rel_tol=1e-12)
 
 
 def test_no_counted_token_is_zero():
