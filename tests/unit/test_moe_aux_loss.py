@@ -152,7 +152,7 @@ def test_a_token_of_weight_two_is_two_copies_of_it():
 def test_no_counted_token_is_zero():
     logits = draw(3)
     norms = MoeNormalizers(coef=1.0, expert_counts_LE=torch.zeros(L, E, dtype=torch.float64), num_tokens=0)
-    assert float(aux_loss_share(list(logits), torch.zeros(3), norms)) == 0.0
+    assert aux_loss_share(list(logits), torch.zeros(3), norms).item() == 0.0
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
