@@ -250,6 +250,7 @@ def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
         chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss), kl_clamp=alg.kl_clamp,
         pg_loss_fn=resolve_policy_loss(alg.policy_loss), policy_loss=alg.policy_loss, dro_beta=alg.dro_beta,
         use_is_weights=alg.rollout_correction != "none", generation_gap=skips_old_passes(cfg),
+        routing_replay=cfg.model.moe.routing_replay,
     )
 
 

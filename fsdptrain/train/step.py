@@ -48,6 +48,9 @@ class MiniBatch:
     prompts: list[list[int]]
     responses: list[list[int]]
     targets: list[SeqTargets]
+    routes: list[Optional[torch.Tensor]] = field(default_factory=list)
+    """A mixture-of-experts policy's routes recorded at generation, per sequence (``Rollout.routes``, None where not
+    recorded); empty: none (docs/moe.md "Routing replay")."""
 
     @property
     def num_seqs(self) -> int:
@@ -122,7 +125,8 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
     lengths = batch.lengths()
     for pack in plan.packs:
         pad = {"pad_to": padded_length(sum(lengths[i] for i in pack), context.size)} if context.enabled else {}
-        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks(), **pad).to(device)
+        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks(),
+                         routes=batch.routes or None, **pad).to(device)
         loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings,
                                 **extra)
         loss.backward()  # micro-batch losses are summed (by backward), never averaged

@@ -1,6 +1,7 @@
 """A tiny Qwen3-MoE policy folder for tests: built from its config with the bundled tokenizer and saved with
-save_pretrained. ``router_scale`` multiplies every router's weights: a small one makes the routers' probabilities
-nearly equal (near-ties), where generation and training disagree on the experts without routing replay."""
+save_pretrained. ``router_spread``: each router's rows (one per expert) are one shared row plus that much noise
+relative to it, so the routers' logits nearly tie (a spread near float32's rounding, 1e-7, makes generation and
+training disagree on the experts of some tokens without routing replay); None: the default init."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ TINY_MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, 
                 max_position_embeddings=256, tie_word_embeddings=True, output_router_logits=False)
 
 
-def tiny_moe(*, seed: int = 0, router_scale: float = 1.0, **overrides) -> Qwen3MoeForCausalLM:
-    """The tiny Qwen3-MoE sized to the bundled tokenizer, fp32, weights from ``seed``, routers times
-    ``router_scale``."""
+def tiny_moe(*, seed: int = 0, router_spread: float | None = None, **overrides) -> Qwen3MoeForCausalLM:
+    """The tiny Qwen3-MoE sized to the bundled tokenizer, fp32, weights from ``seed``, routers with
+    ``router_spread`` (the module docstring)."""
     tokenizer = load_bundled_tokenizer()
     config = Qwen3MoeConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -28,7 +29,10 @@ def tiny_moe(*, seed: int = 0, router_scale: float = 1.0, **overrides) -> Qwen3M
     model = Qwen3MoeForCausalLM(config).float()
     with torch.no_grad():
         for layer in moe_layers(model):
-            layer.router.weight.normal_(0.0, 0.02).mul_(router_scale)
+            weight = layer.router.weight
+            if router_spread is not None:
+                shared = torch.randn(1, weight.shape[1])
+                weight.copy_(shared + router_spread * torch.randn_like(weight))
     return model.eval()
 
 
