@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from fsdptrain.config import ConfigError
 from fsdptrain.config.distill_rules import distilling
 from fsdptrain.config.validate import share_prompts_off_reason
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
@@ -22,6 +23,7 @@ from fsdptrain.model.attention_backends import shared_prompts_blocker
 from fsdptrain.model.attention_switch import resolve_backend, set_attention
 from fsdptrain.model.loading import DTYPES, model_source, value_head_names
 from fsdptrain.model.lora import lora_settings
+from fsdptrain.model.moe import moe_layers
 from fsdptrain.model.reward_model import RewardModelSpec, load_reward_model_spec
 from fsdptrain.rl.pg_terms import PolicyLossSettings, resolve_policy_loss
 from fsdptrain.run.console import log
@@ -122,6 +124,9 @@ def build_policy_model(cfg: DictConfig, tokenizer, mesh, device: torch.device) -
     adapters with ``model.lora``), on the packed attention backend. Returns ``(policy, backend)``."""
     policy = build_policy(**model_source(cfg, tokenizer), **parallel_settings(cfg, mesh), seed=cfg.trainer.seed,
                           activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg))
+    if cfg.model.moe.routing_replay and not moe_layers(policy):
+        raise ConfigError(f"model.moe.routing_replay=true needs a mixture-of-experts policy; {type(policy).__name__} "
+                          "has no router (docs/moe.md): set model.moe.routing_replay=false")
     backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
     return policy, backend
