@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from fsdptrain.registry.errors import ConfigError
 
+
 def check_routing_replay(cfg: DictConfig) -> None:
     """Refuse what routing replay cannot do, one line each: the setting, why, and the fix."""
     if not cfg.model.moe.routing_replay:

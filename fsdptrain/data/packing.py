@@ -296,9 +296,8 @@ def pack_sequences(
 
     `response_masks[i]`: the policy's response tokens of sequence i (None, or a None entry: all). `pad_to` fixes T
     (>= the real token count); the extra positions form a masked tail. With no sequence the row is an empty pack of
-    `pad_to or 1` masked padding tokens. `routes[i]`: sequence i's recorded routes `[L, n, k]` for its first n
-    positions (`Rollout.routes`; None: none), laid out as `PackedBatch.routes`. Layout and alignment: see the module
-    docstring."""
+    `pad_to or 1` masked padding tokens. `routes[i]`: sequence i's routes of its first positions (`Rollout.routes`),
+    laid out as `PackedBatch.routes`. Layout and alignment: see the module docstring."""
     _check_counts(prompts, responses, response_masks)
     if indices is None:
         indices = range(len(prompts))
@@ -342,7 +341,6 @@ def pack_sequences(
     seq_index += [len(pairs)] * pad_len
 
     cu = [0, *accumulate(seq_lengths)]
-    chosen_routes = [routes[i] for i in indices] if routes is not None else []
 
     def row(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).view(1, total_len)
@@ -362,7 +360,7 @@ def pack_sequences(
         num_seqs=len(pairs),
         num_tokens=num_tokens,
         max_seqlen=max(seq_lengths + [pad_len]),
-        routes=row_routes(chosen_routes, cu[:-1], total_len),
+        routes=row_routes([routes[i] for i in indices] if routes is not None else [], cu[:-1], total_len),
     )
 
 

@@ -112,7 +112,7 @@ def routing(model: nn.Module, *, record: bool = True,
                     raise ValueError(f"routing replay of MoE layer {layer.index} holds {replayed.shape[0]} tokens; "
                                      f"the forward routes {logits.shape[0]}")
                 # a row of -1 (OWN_ROUTE: a token no generating forward read) keeps the router's own choice
-                own = (replayed < 0).any(dim=-1, keepdim=True)
+                own = (replayed == OWN_ROUTE).any(dim=-1, keepdim=True)
                 replayed = torch.where(own, indices, replayed)
                 scores = torch.where(own, scores,
                                      replayed_scores(logits, replayed, normalize=layer.normalize).to(scores.dtype))

@@ -20,7 +20,7 @@ from fsdptrain.generation.continuous import ContinuousEngine
 from fsdptrain.generation.decoder import Request, Sampling
 from fsdptrain.generation.generate import GenerateDecoder
 from fsdptrain.model.attention_switch import packed_model_inputs
-from fsdptrain.model.moe import OWN_ROUTE, moe_layers, routing
+from fsdptrain.model.moe import OWN_ROUTE, routing
 from tests.helpers.tiny_moe import tiny_moe
 
 NEVER = 10**9  # an eos id no row samples
