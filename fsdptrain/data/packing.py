@@ -296,8 +296,7 @@ def pack_sequences(
 
     `response_masks[i]`: the policy's response tokens of sequence i (None, or a None entry: all). `pad_to` fixes T
     (>= the real token count); the extra positions form a masked tail. With no sequence the row is an empty pack of
-    `pad_to or 1` masked padding tokens. `routes[i]`: sequence i's routes of its first positions (`Rollout.routes`),
-    laid out as `PackedBatch.routes`. Layout and alignment: see the module docstring."""
+    `pad_to or 1` masked padding tokens. `routes`: `Rollout.routes` per sequence, laid out as `PackedBatch.routes`."""
     _check_counts(prompts, responses, response_masks)
     if indices is None:
         indices = range(len(prompts))

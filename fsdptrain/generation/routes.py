@@ -24,7 +24,7 @@ from fsdptrain.model.moe import moe_layers, route_dtype, routing
 def records_routes(cfg, model, mode: str) -> bool:
     """Whether a decoder records routes: a mixture-of-experts policy sampling training rollouts
     (``mode == "train"``) in the trainer's own processes (the separate placement carries none: docs/moe.md)."""
-    return mode == "train" and cfg.rollout.placement != "separate" and bool(moe_layers(model))
+    return mode == "train" and bool(moe_layers(model)) and cfg.rollout.placement != "separate"
 
 
 class RouteTape:
