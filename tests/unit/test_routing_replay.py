@@ -19,7 +19,7 @@ from fsdptrain.data.tokenizer import load_bundled_tokenizer
 from fsdptrain.generation.continuous import ContinuousEngine
 from fsdptrain.generation.decoder import Request, Sampling
 from fsdptrain.generation.generate import GenerateDecoder
-from fsdptrain.model.attention_switch import packed_model_inputs
+from fsdptrain.model.attention_switch import packed_model_inputs, set_attention
 from fsdptrain.model.moe import OWN_ROUTE, routing
 from tests.helpers.tiny_moe import tiny_moe
 
@@ -150,3 +150,63 @@ def test_a_pack_lays_the_routes_on_its_model_row_and_the_replay_follows_them(set
                           torch.full((2, 1, 2), OWN_ROUTE), routes[2][:, :p1], torch.full((2, 1, 2), OWN_ROUTE)],
                          dim=1)
     assert torch.equal(shared.routes.long(), expected.long())
+
+
+def test_a_replayed_packed_row_scores_the_sampled_tokens_as_generation_did():
+    """Near-tied routers (spread 1e-7): the packed training forward of the engine's samples, on the same weights,
+    routes some tokens elsewhere than generation and its log-probs at the sampled tokens are those of other experts
+    (a gap over 1e-4); replaying the pack's routes, its routers run exactly the recorded experts and the gap is
+    float32 rounding (measured ~5e-7; asserted under 2e-6)."""
+    model, tokenizer = tiny_moe(router_spread=1e-7, attn_implementation="sdpa"), load_bundled_tokenizer()
+    ids = _ids(tokenizer, PROMPTS)
+    requests = [Request((g, s), ids[g], 12, seed=10 * g + s) for g in range(4) for s in range(2)]
+    engine = ContinuousEngine(model, eos_id=NEVER, pad_id=tokenizer.pad_token_id, temperature=1.0, record_routes=True,
+                              min_shared_prefix=1, max_live_rows=5)
+    generated = engine.run(requests)
+    packed = pack_sequences([ids[g.key[0]] for g in generated], [g.new_ids for g in generated],
+                            routes=[g.routes for g in generated])
+    set_attention(model, "sdpa_segments")  # the packed row's per-sequence attention, as training runs it
+    sampled_logprobs = torch.tensor([x for g in generated for x in g.logprobs])
+    scored = packed.response_positions[0]
+    recorded = (packed.routes >= 0).all(dim=-1)
+
+    def forward(replay: bool):
+        with torch.no_grad(), routing(model, record=True, replay=list(packed.routes) if replay else None) as routes:
+            logits = model(**packed_model_inputs(packed)).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, packed.labels[0].clamp(min=0)[:, None])[:, 0]
+        return (logprobs[scored] - sampled_logprobs).abs().max().item(), routes.stacked_indices().sort(-1).values
+
+    gap_replayed, routes_replayed = forward(True)
+    gap_own, routes_own = forward(False)
+    want = packed.routes.long().sort(-1).values
+    assert torch.equal(routes_replayed[recorded], want[recorded])
+    assert not torch.equal(routes_own[recorded], want[recorded])
+    assert gap_own > 1e-4 and gap_replayed < 2e-6, (gap_own, gap_replayed)
+
+
+def test_replaying_the_routers_own_choice_changes_no_gradient_and_other_experts_still_train_the_router(setup):
+    """The replayed gate (`replayed_scores`) is the router's own gate: replaying the routes the router picks gives
+    the same loss and every parameter's gradient as no replay; replaying other experts still gives the router a
+    gradient (through the weights it gives the experts it is told to use)."""
+    model, tokenizer = setup
+    ids = torch.tensor([_ids(tokenizer, PROMPTS[3:])[0]])
+
+    def loss_and_grads(replay):
+        model.zero_grad()
+        with routing(model, record=True, replay=replay) as routes:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, routes
+
+    loss, grads, routes = loss_and_grads(None)
+    own = [routes.indices[i] for i in sorted(routes.indices)]
+    replayed_loss, replayed_grads, _ = loss_and_grads(own)
+    torch.testing.assert_close(replayed_loss, loss, rtol=0, atol=1e-6)
+    assert replayed_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(replayed_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    other = [(i + 1) % 4 for i in own]  # every token sent to another pair of the 4 experts
+    _, forced, _ = loss_and_grads(other)
+    routers = [n for n in forced if n.endswith("gate.weight")]
+    assert len(routers) == 2 and all(forced[n].abs().sum() > 0 for n in routers)
+    model.zero_grad()
