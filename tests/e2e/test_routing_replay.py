@@ -59,3 +59,38 @@ def test_a_dense_policy_with_replay_is_one_line_and_exit_2(cli, tmp_path):
     proc = cli("train", "model.moe.routing_replay=true", "trainer.steps=1", f"trainer.run_dir={tmp_path / 'd'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model.moe.routing_replay=true needs a mixture")
+
+
+def test_multi_turn_tool_calls_replay_on_the_continuous_engine(tmp_path):
+    """The tool-calling task of tests/e2e/test_multi_turn.py on a tiny Qwen3-MoE (its embedding and head tilted the
+    same way, so it calls tools from the first step; its routers blind to that tilt, so tokens route to different
+    experts): each turn's routes come from its prefill onto the kept cache, the tool's tokens included. The
+    trajectories' records line up with their tokens (the training routers pick the recorded experts: a record
+    shifted by a token would not), and the replayed training forward scores every sampled token of every turn
+    within float32 rounding."""
+    import torch
+
+    from fsdptrain.model.moe import moe_layers
+    from tests.conftest import run_cli
+    from tests.e2e.test_multi_turn import ADD_CALL, INCREMENT_CALL, TOOL, common, write_inputs
+    from tests.helpers.chatml_tokenizer import chatml_tokenizer
+    from tests.helpers.tiny_moe import tiny_moe
+
+    write_inputs(tmp_path)  # prompts, tools, rewards (and a dense model, replaced here)
+    tokenizer = chatml_tokenizer(extra_tokens=(ADD_CALL, INCREMENT_CALL))
+    model = tiny_moe(tokenizer=tokenizer, tie_word_embeddings=False, max_position_embeddings=1024)
+    with torch.no_grad():  # as tests/e2e/test_multi_turn.py's model: the call tokens and EOS about 14% each
+        model.model.embed_tokens.weight[:, 0] = 100.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[[2, len(tokenizer) - 2, len(tokenizer) - 1], 0] = 0.57
+        for layer in moe_layers(model):
+            layer.router.weight[:, 0] = 0.0
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    proc = run_cli("train", *common(tmp_path), *TOOL, "trainer.steps=1", "model.moe.routing_replay=true",
+                   f"trainer.run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["turns/max"] >= 2 and row["tools/call_frequency"] > 0
+    assert row["moe/topk_differ/tokens"] < 0.01
+    assert row["rollout/logprob_diff/max"] < 1e-6, row["rollout/logprob_diff/max"]

@@ -18,10 +18,10 @@ TINY_MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, 
                 max_position_embeddings=256, tie_word_embeddings=True, output_router_logits=False)
 
 
-def tiny_moe(*, seed: int = 0, router_spread: float | None = None, **overrides) -> Qwen3MoeForCausalLM:
-    """The tiny Qwen3-MoE sized to the bundled tokenizer, fp32, weights from ``seed``, routers with
-    ``router_spread`` (the module docstring)."""
-    tokenizer = load_bundled_tokenizer()
+def tiny_moe(*, seed: int = 0, router_spread: float | None = None, tokenizer=None, **overrides) -> Qwen3MoeForCausalLM:
+    """The tiny Qwen3-MoE sized to ``tokenizer`` (default: the bundled one), fp32, weights from ``seed``, routers
+    with ``router_spread`` (the module docstring)."""
+    tokenizer = tokenizer if tokenizer is not None else load_bundled_tokenizer()
     config = Qwen3MoeConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                             **{**TINY_MOE, **overrides})
@@ -36,9 +36,10 @@ def tiny_moe(*, seed: int = 0, router_spread: float | None = None, **overrides) 
     return model.eval()
 
 
-def save_tiny_moe(folder: Path, **kwargs) -> Path:
-    """:func:`tiny_moe` and the bundled tokenizer saved into ``folder``."""
+def save_tiny_moe(folder: Path, *, tokenizer=None, **kwargs) -> Path:
+    """:func:`tiny_moe` and its tokenizer saved into ``folder``."""
+    tokenizer = tokenizer if tokenizer is not None else load_bundled_tokenizer()
     folder.mkdir(parents=True, exist_ok=True)
-    tiny_moe(**kwargs).save_pretrained(folder)
-    load_bundled_tokenizer().save_pretrained(folder)
+    tiny_moe(tokenizer=tokenizer, **kwargs).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
