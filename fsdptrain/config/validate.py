@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdptrain.config.distill_rules import check_distill
 from fsdptrain.config.sft_rules import check_sft
 from fsdptrain.config.drafter_rules import check_drafter
+from fsdptrain.config.replay_rules import check_routing_replay
 from fsdptrain.config.lora_rules import check_lora
 from fsdptrain.registry import names
 from fsdptrain.registry.errors import ConfigError
@@ -334,7 +335,7 @@ def _check_loss_settings(alg: DictConfig) -> None:
                           f"{', '.join(names.ROLLOUT_DIVERGENCE_REJECTIONS)}, or the max to null")
 
 
-EXTENSION_RULES = (check_drafter, check_lora, check_distill)
+EXTENSION_RULES = (check_drafter, check_lora, check_distill, check_routing_replay)
 """Cross-field rules of optional extensions, each registered with one line; they run after the core rules."""
 
 
@@ -355,6 +356,8 @@ def share_prompts_off_reason(cfg: DictConfig, backend: str) -> Optional[str]:
     `fsdptrain/model/attention_backends.py` `shared_prompts_blocker`)."""
     if cfg.drafter.enabled:
         return "drafter.enabled=true reads the unshared packed row"
+    if cfg.model.moe.routing_replay:
+        return "model.moe.routing_replay=true replays each sample's own routes of its prompt"
     if backend == "torch_varlen":
         return "the packed attention backend torch_varlen takes no keys apart from queries"
     if cfg.parallel.cp > 1:

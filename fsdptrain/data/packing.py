@@ -25,9 +25,9 @@ This module is pure torch and never calls torch.distributed: the caller passes t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from itertools import accumulate
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -169,6 +169,10 @@ class PackedBatch:
     prompt_lengths, response_lengths, seq_lengths: python ints per sequence, pack order.
     num_seqs, num_tokens: counts of real sequences and real tokens (tail excluded).
     max_seqlen:       the longest segment in the row, tail included (what varlen kernels take as max length).
+    routes:           a mixture-of-experts policy's recorded routes on the row the MODEL runs (this row; a shared
+                      pack's `model_row`), int16 `[L, T_model, k]`: the experts each MoE layer chose at generation
+                      for each position, `OWN_ROUTE` (-1) where none was recorded (each sequence's last token, the
+                      tail, a sequence without a record); None: no sequence carries routes (docs/moe.md).
     """
 
     input_ids: torch.Tensor
@@ -185,6 +189,7 @@ class PackedBatch:
     num_seqs: int
     num_tokens: int
     max_seqlen: int
+    routes: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
     @property
     def total_len(self) -> int:
@@ -285,12 +290,13 @@ def pack_sequences(
     pad_to: int | None = None,
     pad_token_id: int = 0,
     label_fill: int = IGNORE_INDEX,
+    routes: Sequence[Optional[torch.Tensor]] | None = None,
 ) -> PackedBatch:
     """Pack the sequences `prompts[i] + responses[i]` for i in `indices` (default: all, in order) into one row.
 
     `response_masks[i]`: the policy's response tokens of sequence i (None, or a None entry: all). `pad_to` fixes T
     (>= the real token count); the extra positions form a masked tail. With no sequence the row is an empty pack of
-    `pad_to or 1` masked padding tokens. Layout and alignment: see the module docstring."""
+    `pad_to or 1` masked padding tokens. `routes`: `Rollout.routes` per sequence, laid out as `PackedBatch.routes`."""
     _check_counts(prompts, responses, response_masks)
     if indices is None:
         indices = range(len(prompts))
@@ -353,7 +359,28 @@ def pack_sequences(
         num_seqs=len(pairs),
         num_tokens=num_tokens,
         max_seqlen=max(seq_lengths + [pad_len]),
+        routes=row_routes([routes[i] for i in indices] if routes is not None else [], cu[:-1], total_len),
     )
+
+
+OWN_ROUTE = -1
+"""A position of `PackedBatch.routes` with no recorded route (a sequence's last token, which no generating forward
+read; the tail; a sequence without a record): a replaying router keeps its own choice there
+(fsdptrain/model/moe.py)."""
+
+
+def row_routes(records: Sequence[Optional[torch.Tensor]], starts: Sequence[int], total_len: int
+               ) -> Optional[torch.Tensor]:
+    """int16 `[L, total_len, k]`: each record `[L, n, k]` at its row position `starts[i]` onward, `OWN_ROUTE`
+    elsewhere; None when no record is given."""
+    given = [r for r in records if r is not None]
+    if not given:
+        return None
+    out = torch.full((given[0].shape[0], total_len, given[0].shape[2]), OWN_ROUTE, dtype=torch.int16)
+    for record, start in zip(records, starts):
+        if record is not None:
+            out[:, start:start + record.shape[1]] = record.to(torch.int16)
+    return out
 
 
 def _values_T(values: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

@@ -7,7 +7,10 @@ was truncated. The policy samples them through fsdptrain/generation/generate.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass
@@ -34,6 +37,11 @@ class Rollout:
     only: it never replaces the old log-probs, never makes a step off-policy and never enters the loss; the trainer
     logs its gap to the training forward as ``rollout/logprob_diff/*`` (docs/rollout.md)."""
     response_mask: Optional[list[int]] = None
+    routes: Optional[Tensor] = None
+    """A mixture-of-experts policy's routes recorded at generation (docs/moe.md, "Routing replay"): ``[L, n, k]``
+    uint8 (int16 beyond 256 experts), the experts each MoE layer chose for the first ``n`` positions of prompt +
+    response (every position but the last: the engines' forwards never read the last sampled token); None: not
+    recorded. Replayed in the experience and update forwards with ``model.moe.routing_replay``."""
     prompt_text: str = ""
     response_text: str = ""
     extra: dict = field(default_factory=dict)

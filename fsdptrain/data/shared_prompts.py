@@ -38,7 +38,15 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from fsdptrain.data.packing import IGNORE_INDEX, PackedBatch, PackPlan, ResponseMask, TokenIds, pack_sequences
+from fsdptrain.data.packing import (
+    IGNORE_INDEX,
+    PackedBatch,
+    PackPlan,
+    ResponseMask,
+    TokenIds,
+    pack_sequences,
+    row_routes,
+)
 
 
 @dataclass(frozen=True)
@@ -155,9 +163,13 @@ def pack_shared_prompts(
     response_masks: Sequence[ResponseMask] | None = None,
     pad_token_id: int = 0,
     label_fill: int = IGNORE_INDEX,
+    routes: Sequence[Optional[Tensor]] | None = None,
 ) -> PackedBatch:
     """`pack_sequences(prompts, responses, indices, ...)` as the loss row, with the model row that holds each
-    distinct prompt of the pack once (layout: the module docstring). An empty pack is `pack_sequences`' own."""
+    distinct prompt of the pack once (layout: the module docstring). An empty pack is `pack_sequences`' own.
+    `routes` (`pack_sequences`') are laid out on the model row: a prompt's from the first of its sequences that
+    carries a record (at generation a group's prompt is read once, but its last token once per sample: where two
+    samples' routes of it differ, the first's is replayed; docs/moe.md "Routing replay")."""
     loss_row = pack_sequences(prompts, responses, indices, response_masks=response_masks,
                               pad_token_id=pad_token_id, label_fill=label_fill)
     if loss_row.num_seqs == 0:
@@ -172,6 +184,8 @@ def pack_shared_prompts(
     source_T = torch.empty(loss_row.num_tokens, dtype=torch.long)
     cu, masks = [0], []
     cu_q, cu_k, kv_index = [0], [0], []
+    pieces: list[tuple[Optional[Tensor], int]] = []  # (a record's positions, where they go on the model row)
+    chosen_routes = [routes[i] for i in chosen] if routes is not None else [None] * len(chosen)
     for group in _groups(chosen_prompts):
         prompt = chosen_prompts[group[0]]
         num_prompt, start = len(prompt), len(input_ids)
@@ -182,9 +196,13 @@ def pack_shared_prompts(
         cu_k.append(cu_k[-1] + num_prompt)
         kv_index += prompt_range
         branch = [0] * num_prompt
+        recorded = next((chosen_routes[s] for s in group if chosen_routes[s] is not None), None)
+        pieces.append((None if recorded is None else recorded[:, :num_prompt], start))
         for number, s in enumerate(group, start=1):
             response = chosen_responses[s]
             response_start = len(input_ids)
+            own_record = chosen_routes[s]
+            pieces.append((None if own_record is None else own_record[:, num_prompt:], response_start))
             input_ids += response
             position_ids += range(num_prompt, num_prompt + len(response))
             branch += [number] * len(response)
@@ -210,7 +228,8 @@ def pack_shared_prompts(
                                 max_q=int(q_cu.diff().max()), max_k=int(k_cu.diff().max())),
         source_T=source_T,
     )
-    return SharedPromptPack(**{f.name: getattr(loss_row, f.name) for f in fields(loss_row)}, model_row=model_row)
+    return SharedPromptPack(**{f.name: getattr(loss_row, f.name) for f in fields(loss_row) if f.name != "routes"},
+                            model_row=model_row, routes=row_routes([p for p, _ in pieces], [s for _, s in pieces], total))
 
 
 def _branch_mask(branch: list[int]) -> Optional[Tensor]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import itertools
 from collections import deque
@@ -76,6 +77,7 @@ from fsdptrain.generation.kv_cache import (
     row_cache,
     stack_kept,
 )
+from fsdptrain.generation.routes import RouteTape, joined, records_routes
 from fsdptrain.generation.row_sampling import NOISE_ROW_VALUES, NOISE_STEPS, RowNoise, sample_rows
 from fsdptrain.generation.shared_prefix import (
     SHARED_PREFIX_ATTENTION,
@@ -124,6 +126,7 @@ class _Row:
     last: int = 0  # the token the next decode forward feeds
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # [L, n, k] chunks of the tokens it fed (a MoE policy)
     ended: bool = False  # it sampled EOS or reached its cap: it leaves at the next ``_leave``
 
 
@@ -134,7 +137,8 @@ class ContinuousEngine:
 
     def __init__(self, model, *, eos_id: int, pad_id: int, temperature: float = 1.0, top_p: float = 1.0,
                  max_live_rows: int = 64, max_live_tokens: int = 1 << 20, bucketed: Optional[bool] = None,
-                 min_shared_prefix: int = SHARED_PREFIX_MIN_TOKENS, fuse_prefills: bool = True):
+                 min_shared_prefix: int = SHARED_PREFIX_MIN_TOKENS, fuse_prefills: bool = True,
+                 record_routes: bool = False):
         if max_live_rows < 1 or max_live_tokens < 1:
             raise ValueError(f"max_live_rows={max_live_rows}, max_live_tokens={max_live_tokens}: both must be >= 1")
         if not 0.0 < top_p <= 1.0 or temperature <= 0.0:
@@ -158,6 +162,11 @@ class ContinuousEngine:
         self._mask: Optional[torch.Tensor] = None  # [rows, width]: every row ends at the last column
         self._prefixes: dict[tuple[int, ...], KeptCache] = {}
         self._stack: Optional[PrefixStack] = None  # the live rows' shared prefixes, one copy each
+        # routing replay (fsdptrain/generation/routes.py): each forward's routes, each shared prompt's, each
+        # substituted request's (by key) until its row exists
+        self._tape = RouteTape(model) if record_routes else None
+        self._prefix_routes: dict[tuple[int, ...], torch.Tensor] = {}
+        self._lead_routes: dict = {}
 
     @property
     def device(self) -> torch.device:
@@ -185,13 +194,14 @@ class ContinuousEngine:
         if self._sharing:
             register_shared_prefix_attention()
             attention = generation_attention(self.model, SHARED_PREFIX_ATTENTION)
+        recording = self._tape.recording() if self._tape is not None else contextlib.nullcontext()
         try:
-            with attention:
+            with attention, recording:
                 return self._loop(waiting, on_finish, later)
         finally:
             self.model.train(was_training)
             self._rows, self._layers, self._mask, self._prefixes, self._stack = [], [], None, {}, None
-            self._num_ended, self._shared = 0, None
+            self._num_ended, self._shared, self._prefix_routes, self._lead_routes = 0, None, {}, {}
 
     def _loop(self, waiting: deque, on_finish: Optional[OnFinish],
               pending: list[concurrent.futures.Future]) -> list[Generated]:
@@ -205,7 +215,7 @@ class ContinuousEngine:
                 done.extend(finished)
                 return
             # the kept caches go to on_finish only: `done` holding them would keep every turn's cache alive
-            done.extend(Generated(f.key, f.new_ids, f.logprobs, f.ended) for f in finished)
+            done.extend(dataclasses.replace(f, kept=None) for f in finished)
             for follow in on_finish(finished):
                 (pending if isinstance(follow, concurrent.futures.Future) else waiting).append(follow)
 
@@ -268,15 +278,22 @@ class ContinuousEngine:
                 kept = self._prefixes[prefix]
                 if self._sharing and len(prefix) >= self.min_shared_prefix:  # the rows point at the one cache
                     kept = KeptCache([(k[:, :0], v[:, :0]) for k, v in kept.layers], prefix=kept)
+                if self._tape is not None:  # the prompt's routes but its last token's, from the prefix's forward
+                    self._lead_routes[r.key] = self._prefix_routes[prefix]
                 r = Request(r.key, r.new_ids[-1:], r.max_new_tokens, r.seed, kept, r.keep)
             out.append(r)
         self._prefixes = {p: c for p, c in self._prefixes.items() if p in later}
+        self._prefix_routes = {p: c for p, c in self._prefix_routes.items() if p in later}
         return out
 
     def _forward_prefixes(self, prefixes: list[tuple[int, ...]]) -> list[KeptCache]:
         ids, mask = left_pad_ids([list(p) for p in prefixes], self.pad_id, self.device)
         layers, _ = self._forward(ids, mask, position_ids(mask), None, 0, prefixes=[None] * len(prefixes))
         self.stats.num_prefill_forwards += 1
+        if self._tape is not None:
+            routes = self._tape.take(*ids.shape)
+            width = ids.shape[1]
+            self._prefix_routes.update((p, routes[:, r, width - len(p):]) for r, p in enumerate(prefixes))
         return [row_cache(layers, mask, r) for r in range(len(prefixes))]
 
     def _prefill(self, entering: list[Request]) -> None:
@@ -301,6 +318,10 @@ class ContinuousEngine:
         self.stats.num_prefill_forwards += 1
         rows = [_Row(r, length=p + k + len(r.new_ids), prefix=prefix)
                 for r, k, p, prefix in zip(entering, kept_len, prefix_len, prefixes)]
+        if self._tape is not None:  # each row's new ids: the last columns of its left-padded row
+            routes = self._tape.take(*ids.shape)
+            for e, row in enumerate(rows):
+                self._start_routes(row, routes[:, e, ids.shape[1] - len(row.request.new_ids):])
         mask = right_align(layers, mask, self.block)
         self._join(rows, layers, mask)
         self._sample(rows, logits)
@@ -351,6 +372,10 @@ class ContinuousEngine:
         self._layers, logits = self._forward(ids, full_mask, positions, layers, width, expose=self.bucketed,
                                              prefixes=prefixes)
         logits = logits[:num_rows]
+        if self._tape is not None:  # each live row fed its last sampled token
+            routes = self._tape.take(rows, 1)
+            for i, r in enumerate(self._rows):
+                r.routes.append(routes[:, i])
         self._mask = mask
         self.stats.num_decode_forwards += 1
         self.stats.num_row_steps += len(self._rows)
@@ -417,9 +442,22 @@ class ContinuousEngine:
         self.stats.num_decode_forwards += 1
         self.stats.num_prefills_in_decode += 1
         self.stats.num_row_steps += num_live
+        if self._tape is not None:  # the packed row: each live row's token, then each entering row's new ids
+            routes = self._tape.take(1, len(ids))[:, 0]
+            for i, r in enumerate(live):
+                r.routes.append(routes[:, i:i + 1])
+            starts = itertools.accumulate(new_len, initial=num_live)
+            for r, start, n in zip(rows, starts, new_len):
+                self._start_routes(r, routes[:, start:start + n])
         for r in live:
             r.length += 1
         self._sample(self._rows, logits[0])
+
+    def _start_routes(self, row: _Row, routes: torch.Tensor) -> None:
+        """An entering row's first routes: its shared prompt's (when its request was given the prompt's cache), then
+        those of the new ids it fed."""
+        lead = self._lead_routes.pop(row.request.key, None)
+        row.routes = ([lead] if lead is not None else []) + [routes]
 
     def _fit(self, rows: int, columns: int) -> None:
         """Bucketed: the buffers at exactly ``rows`` rows and at least ``columns`` columns (a copy only when
@@ -443,7 +481,8 @@ class ContinuousEngine:
         self._num_ended = 0
         gone = [i for i, r in enumerate(self._rows) if r.ended]
         out = [Generated(r.request.key, r.ids, r.logprobs, ended=bool(r.ids) and r.ids[-1] == self.eos_id,
-                        kept=row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None)
+                        kept=row_cache(self._layers, self._mask, i, r.prefix) if r.request.keep else None,
+                        routes=joined(r.routes) if self._tape is not None else None)
                for i, r in ((i, self._rows[i]) for i in gone)]
         num_rows = len(self._rows) - len(gone)
         if num_rows == 0:
@@ -558,5 +597,6 @@ class ContinuousDecoder:
         rollout = self.cfg.rollout
         engine = ContinuousEngine(self.model, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
                                   temperature=sampling.temperature, top_p=sampling.top_p,
-                                  max_live_rows=rollout.max_live_rows, max_live_tokens=rollout.max_live_tokens)
+                                  max_live_rows=rollout.max_live_rows, max_live_tokens=rollout.max_live_tokens,
+                                  record_routes=records_routes(self.cfg, self.model, sampling.mode))
         return engine.run(list(requests), on_finish)

@@ -28,8 +28,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Hashable, Iterable, Iterator, Literal, Optional, Protocol, Sequence, Union
+from typing import (TYPE_CHECKING, Callable, ContextManager, Hashable, Iterable, Iterator, Literal, Optional, Protocol,
+                    Sequence, Union)
+
+if TYPE_CHECKING:
+    import torch
 
 SampleMode = Literal["train", "greedy", "eval"]
 """``train``: sampled at ``rollout.temperature`` / ``rollout.top_p`` from the step's seeds; ``greedy``: the greedy
@@ -89,6 +94,10 @@ class Generated:
     logprobs: list[float]
     ended: bool
     kept: Optional[object] = None
+    routes: Optional["torch.Tensor"] = None
+    """A mixture-of-experts policy's training rollouts: ``[L, n, k]`` small ints on the CPU, the experts each MoE
+    layer chose for the tokens this request's forwards read (its ``new_ids``, then every sampled id but the last:
+    fsdptrain/generation/routes.py); None where the engine did not record them."""
 
     @property
     def truncated(self) -> bool:
@@ -145,14 +154,17 @@ def active_recorder() -> Optional[Recorder]:
 
 
 def generated_in_context(request: Request, context: list[int], new_ids: list[int], ended: bool,
-                         logprobs: Sequence[float] = ()) -> Generated:
+                         logprobs: Sequence[float] = (), routes: Optional["torch.Tensor"] = None) -> Generated:
     """A batching engine's record of one request decoded on its whole ``context`` (the kept ids, then the request's
     new ones): ``new_ids`` cut to the request's cap (then not ended, though the call's larger cap let it go on),
-    the log-probs cut alike, and (``keep``) the context with the new ids but the last as what continues it."""
+    the log-probs and the ``routes`` (``[L, n, k]`` from the request's new ids on) cut alike, and (``keep``) the
+    context with the new ids but the last as what continues it."""
     if len(new_ids) > request.max_new_tokens:
         new_ids, ended = new_ids[:request.max_new_tokens], False
+    if routes is not None:
+        routes = routes[:, :len(request.new_ids) + max(len(new_ids) - 1, 0)]
     return Generated(request.key, list(new_ids), list(logprobs[:len(new_ids)]), ended,
-                     kept=context + new_ids[:-1] if request.keep else None)
+                     kept=context + new_ids[:-1] if request.keep else None, routes=routes)
 
 
 def decode_in_batches(requests: Sequence[Request], on_finish: Optional[OnFinish],
@@ -170,7 +182,7 @@ def decode_in_batches(requests: Sequence[Request], on_finish: Optional[OnFinish]
                 done.extend(generated)
                 break
             # the kept contexts go to on_finish only, as the continuous engine hands them
-            done.extend(Generated(g.key, g.new_ids, g.logprobs, g.ended) for g in generated)
+            done.extend(dataclasses.replace(g, kept=None) for g in generated)
             waiting = _resolved(on_finish(generated))
             if any(r.batch != batch for r in waiting):
                 raise ValueError("a follow-up request must stay in its request's batch")

@@ -26,6 +26,7 @@ from fsdptrain.generation.decoder import (
     decode_in_batches,
     generated_in_context,
 )
+from fsdptrain.generation.routes import RouteTape, records_routes
 from fsdptrain.generation.row_sampling import RowSeededSampling
 
 
@@ -215,15 +216,21 @@ class GenerateDecoder:
     def _generate(self, batch: list[Request], sampling: Sampling, recorder) -> list[Generated]:
         contexts = [list(r.kept or []) + list(r.new_ids) for r in batch]
         train = sampling.mode == "train"
-        input_ids, _, out, logprobs = _generate_padded(
-            self.model, self.tokenizer, contexts, max_new_tokens=max(r.max_new_tokens for r in batch),
-            temperature=sampling.temperature, top_p=sampling.top_p, do_sample=train,
-            generator_seed=(batch[0].batch_seed or 0) if train else 0, device=self.device,
-            row_seeds=[r.seed for r in batch] if sampling.mode == "eval" else None,
-            synced_gpus=False if self._uneven else None,
-            share_prompt_prefill=sampling.repeat > 1 and sampling.mode != "eval" and not self._uneven,
-            record_logprobs=train)
+        tape = RouteTape(self.model) if records_routes(self.cfg, self.model, sampling.mode) else None
+        with _forward_routes(tape) as forwards:
+            input_ids, _, out, logprobs = _generate_padded(
+                self.model, self.tokenizer, contexts, max_new_tokens=max(r.max_new_tokens for r in batch),
+                temperature=sampling.temperature, top_p=sampling.top_p, do_sample=train,
+                generator_seed=(batch[0].batch_seed or 0) if train else 0, device=self.device,
+                row_seeds=[r.seed for r in batch] if sampling.mode == "eval" else None,
+                synced_gpus=False if self._uneven else None,
+                # recording routes, each row prefills its own prompt: a shared prefill would be one more forward
+                share_prompt_prefill=(sampling.repeat > 1 and sampling.mode != "eval" and not self._uneven
+                                      and tape is None),
+                record_logprobs=train)
         width = input_ids.shape[1]
+        # every forward's columns side by side: column c holds the routes of the returned sequences' token c
+        routes = torch.cat(forwards, dim=2) if tape is not None else None
         generated = []
         for row, (r, context) in enumerate(zip(batch, contexts)):
             new_tokens = out[row, width:].tolist()
@@ -231,5 +238,27 @@ class GenerateDecoder:
                 recorder.on_tokens(r.key, new_tokens, logprobs[row].tolist() if logprobs is not None else None)
             ids, truncated = split_response(new_tokens, eos_id=self.tokenizer.eos_token_id)
             row_logprobs = logprobs[row, :len(ids)].tolist() if logprobs is not None else []
-            generated.append(generated_in_context(r, context, ids, not truncated, row_logprobs))
+            # the request's own tokens on: its kept context's were recorded by the turns that sampled them
+            row_routes = routes[:, row, width - len(r.new_ids):].cpu() if routes is not None else None
+            generated.append(generated_in_context(r, context, ids, not truncated, row_logprobs, row_routes))
         return generated
+
+
+@contextlib.contextmanager
+def _forward_routes(tape: Optional[RouteTape]):
+    """Within the block, each forward of the tape's model appends its routes (``[L, rows, columns, k]``) to the
+    yielded list; nothing without a tape."""
+    forwards: list[torch.Tensor] = []
+    if tape is None:
+        yield forwards
+        return
+
+    def keep(_module, _args, kwargs, _output):
+        forwards.append(tape.take(*kwargs["input_ids"].shape))
+
+    with tape.recording():
+        handle = tape.model.register_forward_hook(keep, with_kwargs=True)
+        try:
+            yield forwards
+        finally:
+            handle.remove()

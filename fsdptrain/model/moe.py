@@ -25,6 +25,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from fsdptrain.data.packing import OWN_ROUTE  # a replayed row of it keeps the router's own choice
+
 
 @dataclass(frozen=True)
 class MoeLayer:
@@ -67,6 +69,12 @@ def replayed_scores(logits_TE: Tensor, indices_Tk: Tensor, *, normalize: bool) -
     return top.to(logits_TE.dtype)
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert indices ``0 .. num_experts - 1``: uint8 up to 256 experts,
+    int16 beyond (the record kept with each sample, docs/moe.md "Routing replay")."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
 @dataclass
 class Routes:
     """What the routers of one forward did, by layer index: ``logits[i]`` ``[T, E]`` (with their graph) and
@@ -85,7 +93,8 @@ def routing(model: nn.Module, *, record: bool = True,
             replay: Optional[Sequence[Tensor]] = None) -> Iterator[Routes]:
     """Inside the block every router of ``model`` records into the yielded :class:`Routes` (when ``record``), and
     with ``replay`` (one ``[T, k]`` index tensor per MoE layer, the tokens in the forward's order) routes each layer's
-    tokens to the replayed experts with :func:`replayed_scores`. ``replay`` may be changed between forwards through
+    tokens to the replayed experts with :func:`replayed_scores` (a row of :data:`OWN_ROUTE` keeps the router's own
+    experts and scores). ``replay`` may be changed between forwards through
     the yielded object's ``replay`` attribute (set by this function) by callers that run several forwards."""
     layers = moe_layers(model)
     routes = Routes()
@@ -98,11 +107,16 @@ def routing(model: nn.Module, *, record: bool = True,
             logits, scores, indices = output
             wanted = routes.replay  # type: ignore[attr-defined]
             if wanted is not None:
-                indices = wanted[layer.index].to(device=indices.device, dtype=indices.dtype)
-                if indices.shape[0] != logits.shape[0]:
-                    raise ValueError(f"routing replay of MoE layer {layer.index} holds {indices.shape[0]} tokens; "
+                replayed = wanted[layer.index].to(device=indices.device, dtype=indices.dtype)
+                if replayed.shape[0] != logits.shape[0]:
+                    raise ValueError(f"routing replay of MoE layer {layer.index} holds {replayed.shape[0]} tokens; "
                                      f"the forward routes {logits.shape[0]}")
-                scores = replayed_scores(logits, indices, normalize=layer.normalize).to(scores.dtype)
+                # a row of -1 (OWN_ROUTE: a token no generating forward read) keeps the router's own choice
+                own = (replayed == OWN_ROUTE).any(dim=-1, keepdim=True)
+                replayed = torch.where(own, indices, replayed)
+                scores = torch.where(own, scores,
+                                     replayed_scores(logits, replayed, normalize=layer.normalize).to(scores.dtype))
+                indices = replayed
             if record:
                 routes.logits[layer.index] = logits
                 routes.indices[layer.index] = indices.detach()

@@ -237,6 +237,9 @@ class PolicyLossSettings:
     """Log ``rollout/logprob_diff/*`` from this forward (`fsdptrain.rl.fused_loss.generation_gap_metrics`): on when
     the old log-prob pass is skipped, whose stand-in this forward is; fixed per run, so every rank's metric names
     agree, empty packs included. Never read by the loss."""
+    routing_replay: bool = False
+    """A mixture-of-experts policy: its forward replays the pack's routes recorded at generation
+    (``model.moe.routing_replay``, fsdptrain/train/pack_losses.py `pack_routing`). Never read by the loss."""
 
     def __post_init__(self):
         if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:

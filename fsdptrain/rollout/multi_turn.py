@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fsdptrain.config import ConfigError
@@ -171,6 +172,8 @@ class MultiTurnSampler:
             answers=[_last_assistant_text(t) for t in trajectories],
             response_masks=[list(t.response_mask) for t in trajectories],
             generation_logprobs=[list(t.logprobs) for t in trajectories] if mode == "train" else None,
+            routes=([torch.cat(t.routes, dim=1) if t.routes else None for t in trajectories]
+                    if any(t.routes for t in trajectories) else None),
             conversations=[m + [x for x in t.messages if x.get("appended", True)]
                            for m, t in zip(turns.prompt_messages, trajectories)],
             columns={"environments": turns.environments} if self.environment is not None else {},

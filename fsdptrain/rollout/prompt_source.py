@@ -275,12 +275,13 @@ class PromptSource:
         self.last_batch, self.last_scores = batch, scores
         self.samples = [self._sample(models, batch, scores, samples, k)
                         for k in range(min(NUM_SAMPLES_SHOWN, len(batch)))]
-        masks, generated = samples.response_masks, samples.generation_logprobs
+        masks, generated, routes = samples.response_masks, samples.generation_logprobs, samples.routes
         rollouts = [Rollout(prompt_ids=samples.prompt_ids[k], response_ids=samples.response_ids[k],
                             reward=scores.total[k], group=groups[k], truncated=samples.truncated[k],
                             prompt_text=samples.prompts[k], response_text=samples.response_texts[k],
                             response_mask=None if masks is None else masks[k],
-                            generation_logprobs=None if generated is None else generated[k])
+                            generation_logprobs=None if generated is None else generated[k],
+                            routes=None if routes is None else routes[k])
                     for k in range(len(samples))]
         if self.link is None:
             return rollouts

@@ -39,6 +39,9 @@ class Samples:
     """Per sample, each sampled token's log-prob as the generating forward computed it (``Rollout.generation_logprobs``);
     None: the engine did not record them."""
     """1 on the ids the policy sampled, 0 on those a tool or the template wrote; None: all sampled."""
+    routes: Optional[list] = None
+    """A mixture-of-experts policy's training samples: per sample the routes recorded at generation
+    (``Rollout.routes``: ``[L, n, k]`` small ints, or None); None: nothing recorded."""
     conversations: Optional[list[list[dict]]] = None
     """The whole conversation per sample (the prompt's messages, then the turns), for reward models with a chat
     template; None: single-turn (reward models read the prompt and the completion)."""

@@ -53,4 +53,5 @@ class SingleTurnSampler:
                        truncated=[g.truncated for g in outputs],
                        prompts=[row.text for row in rows for _ in range(repeat)], completions=completions,
                        response_texts=completions, answers=completions,
-                       generation_logprobs=[list(g.logprobs) for g in outputs] if mode == "train" else None)
+                       generation_logprobs=[list(g.logprobs) for g in outputs] if mode == "train" else None,
+                       routes=[g.routes for g in outputs] if any(g.routes is not None for g in outputs) else None)

@@ -49,6 +49,10 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     """Per response token, the generating forward's log-prob of a sampled token (0.0 at a tool's or the template's)."""
     messages: list[dict] = field(default_factory=list)
+    routes: list = field(default_factory=list)
+    """A mixture-of-experts policy's routes recorded at generation, one ``[L, n, k]`` chunk per turn
+    (``Generated.routes``: a turn's new ids, then its sampled ids but the last): together every position of prompt +
+    response but the last; a tool's tokens are recorded by the next turn's prefill."""
     num_turns: int = 0
     num_calls: int = 0
     num_failed_calls: int = 0
@@ -113,6 +117,8 @@ def run_turns(decoder: Decoder, sampling: Sampling, chat: ChatTurns, prompts: Se
         calling = []
         for generated in finished:
             t = trajectories[generated.key]
+            if generated.routes is not None:
+                t.routes.append(generated.routes)
             calls = finish_turn(chat, t, generated.new_ids, generated.ended, budget=len(generated.new_ids),
                                 last_turn=t.num_turns == caps.max_turns - 1, logprobs=generated.logprobs)
             if calls:

@@ -58,16 +58,17 @@ from fsdptrain.rl.rollout_correction import (
     rollout_correction_weights,
     rollout_rejection,
 )
-from fsdptrain.train.pack_losses import policy_token_outputs
+from fsdptrain.train.pack_losses import pack_routing, policy_token_outputs, route_mismatch_metrics
 
 
 @torch.no_grad()
 def packed_pass(model, rollouts: Sequence[Rollout], *, forward: Callable, token_budget: int,
-                device: torch.device, share_prompts: bool = False) -> list[Tensor]:
+                device: torch.device, share_prompts: bool = False, routes: bool = False) -> list[Tensor]:
     """``forward(model, packed) -> [T]`` over this rank's sequences in agreed packs; per sequence its `_R` values.
 
     Collective: every rank runs the same number of forwards. ``share_prompts``: each pack's forward holds each of its
-    prompts once (`fsdptrain.data.shared_prompts`).
+    prompts once (`fsdptrain.data.shared_prompts`). ``routes``: the packs carry the rollouts' recorded routes
+    (`PackedBatch.routes`).
     """
     prompts = [r.prompt_ids for r in rollouts]
     responses = [r.response_ids for r in rollouts]
@@ -78,7 +79,7 @@ def packed_pass(model, rollouts: Sequence[Rollout], *, forward: Callable, token_
     pack_fn = pack_shared_prompts if share_prompts else pack_sequences
     out: list[Optional[Tensor]] = [None] * len(rollouts)
     for pack in plan.packs:
-        packed = pack_fn(prompts, responses, pack).to(device)
+        packed = pack_fn(prompts, responses, pack, routes=[r.routes for r in rollouts] if routes else None).to(device)
         for index, values_R in zip(pack, unpack_responses(forward(model, packed), packed)):
             out[index] = values_R.detach().float().cpu()
     assert all(v is not None for v in out)
@@ -95,6 +96,25 @@ def policy_logprobs(model, rollouts, *, temperature: float, chunk_size: int, tok
 
     return packed_pass(model, rollouts, forward=forward, token_budget=token_budget, device=device,
                        share_prompts=share_prompts)
+
+
+def routed_policy_logprobs(model, rollouts, *, replay: bool, temperature: float, chunk_size: int, token_budget: int,
+                           device: torch.device, share_prompts: bool = False) -> tuple[list[Tensor], Metrics]:
+    """`policy_logprobs` of the old log-prob pass, and for a mixture-of-experts policy this rank's
+    ``moe/topk_differ/*`` (`fsdptrain.train.pack_losses.route_mismatch_metrics`: the routers' own top-k against the
+    routes recorded at generation); with ``replay`` each forward replays those routes (docs/moe.md)."""
+    collected: list[Metrics] = []
+
+    def forward(m, packed):
+        with pack_routing(m, packed, replay=replay, record=True) as routes:
+            logprobs_T = policy_token_outputs(m, packed, temperature=temperature, chunk_size=chunk_size,
+                                              compute_entropy=False)[0]
+        collected.append(route_mismatch_metrics(routes, packed))
+        return logprobs_T
+
+    old = packed_pass(model, rollouts, forward=forward, token_budget=token_budget, device=device,
+                      share_prompts=share_prompts, routes=True)
+    return old, merge_all(collected)
 
 
 def reference_logprobs(reference, rollouts, **logprob_args) -> Optional[list[Tensor]]:
@@ -207,6 +227,8 @@ class ExperienceSettings:
     """The packed passes hold each prompt of a pack once (`trainer.share_prompts`)."""
     distill: Optional[DistillSettings] = None
     """On-policy distillation's advantage (``algorithm.distill``); None: no teacher."""
+    routing_replay: bool = False
+    """The old log-prob pass replays the routes recorded at generation (``model.moe.routing_replay``)."""
 
 
 def experience_settings(cfg, *, share_prompts: bool) -> ExperienceSettings:
@@ -222,7 +244,8 @@ def experience_settings(cfg, *, share_prompts: bool) -> ExperienceSettings:
         rollout_correction_cap=alg.rollout_correction_cap, rollout_correction_low=alg.rollout_correction_low,
         rejection=rejection_settings(alg), share_prompts=share_prompts,
         distill=(DistillSettings(coef=alg.distill.coef, add_task=alg.distill.task_reward == "add")
-                 if alg.distill.teacher is not None else None))
+                 if alg.distill.teacher is not None else None),
+        routing_replay=cfg.model.moe.routing_replay)
 
 
 def rejection_settings(alg) -> RejectionSettings:
@@ -365,7 +388,8 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     if skip_old_passes:
         return _on_policy_targets(models, rollouts, settings, logprob_args, sum_across_ranks)
     masks = rollout_masks(rollouts)
-    old = policy_logprobs(models.policy, rollouts, **logprob_args)
+    old, route_metrics = routed_policy_logprobs(models.policy, rollouts, replay=settings.routing_replay,
+                                                **logprob_args)
     behaviour = [torch.tensor(r.behaviour_logprobs, dtype=torch.float32) if r.behaviour_logprobs is not None
                  else None for r in rollouts]
     on_policy = all(b is None for b in behaviour)
@@ -373,7 +397,7 @@ def make_targets(models, rollouts: Sequence[Rollout], settings: ExperienceSettin
     weights, kept, metrics = _off_policy_corrections(old, behaviour_or_old, masks, settings)
     generated = generation_logprobs(rollouts)
     metrics = merge_all([off_policy_metrics(old, behaviour, masks), logprob_diff_metrics(old, generated, masks),
-                         metrics])
+                         route_metrics, metrics])
     if settings.rollout_correction == "none":  # without a correction the behaviour log-probs are the old policy's
         old = behaviour_or_old
     ref = reference_logprobs(models.reference, rollouts, **logprob_args)

@@ -20,13 +20,14 @@ rank's positions.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from fsdptrain.data.packing import PackedBatch, PaddedBatch
+from fsdptrain.data.packing import OWN_ROUTE, PackedBatch, PaddedBatch
 from fsdptrain.data.shared_prompts import SharedPromptPack
 from fsdptrain.distributed.context_parallel import NO_CONTEXT_PARALLEL, ContextGroup, ContextShard, shard_row
 from fsdptrain.model.drafter import capture_policy_features, run_drafter, teacher_head_rows
@@ -34,7 +35,7 @@ from fsdptrain.model.forward import final_hidden_states, value_token_outputs
 from fsdptrain.model.moe import Routes, routing
 from fsdptrain.rl.aggregate import LossNormalizers
 from fsdptrain.rl.draft_loss import draft_loss, packed_draft_mask
-from fsdptrain.metrics.typed import Metrics
+from fsdptrain.metrics.typed import Mean, Metrics
 from fsdptrain.rl.moe_aux_loss import aux_loss_share, local_expert_counts, moe_metrics
 from fsdptrain.rl.fused_loss import (
     SeqTargets,
@@ -50,13 +51,14 @@ from fsdptrain.rl.sft_loss import sft_loss
 # ---- the policy's forward and its routes (mixture of experts, docs/moe.md) -------------------------------------------
 
 
-def policy_forward(model, packed: PackedBatch, *, record: bool) -> tuple[Tensor, Routes]:
+def policy_forward(model, packed: PackedBatch, *, record: bool, replay: bool = False) -> tuple[Tensor, Routes]:
     """The policy's final hidden states ``[T, H]`` over one pack, from its forward inside THE one routing call of the
-    policy's forwards (`fsdptrain.model.moe.routing`; the experience's and the update's both come here): ``record``
-    when the load-balancing loss or the MoE metrics read the routes. No-op routing for a dense model."""
-    with routing(model, record=record, replay=None) as routes:
+    policy's forwards (:func:`pack_routing`; the experience's and the update's both come here): ``record`` when the
+    load-balancing loss or the MoE metrics read the routes, ``replay`` to route the experts recorded at generation
+    (``model.moe.routing_replay``). Nothing recorded: empty `Routes`; a dense model routes nothing."""
+    with pack_routing(model, packed, replay=replay, record=record) as routes:
         hidden_TH = final_hidden_states(model, packed)
-    return hidden_TH, routes
+    return hidden_TH, routes if routes is not None else Routes()
 
 
 def route_weights(batch: PackedBatch | PaddedBatch) -> Tensor:
@@ -136,15 +138,19 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
     forward the caller already ran, is given), then the fused policy loss of its hidden states
     (`fsdptrain.rl.fused_loss`), plus an MoE policy's load-balancing term (`with_moe_terms`, docs/moe.md). Under
     context parallelism (`context`) the forward runs on this rank's positions and the loss on the gathered row."""
-    routes = Routes()
-    if context.enabled:
+    routes: Optional[Routes] = None
+    shard = shard_row(packed, context) if context.enabled else None
+    if shard is not None:
         assert hidden_TH is None, "an auxiliary loss is refused with context parallelism (fsdptrain/config/validate.py)"
         assert norms.moe is None, "an MoE policy is refused with context parallelism (fsdptrain/preflight.py)"
-        logprobs_T, entropy_T = context_token_outputs(model, packed, shard_row(packed, context),
-                                                      temperature=settings.temperature, chunk_size=settings.chunk_size)
+        with pack_routing(model, packed, replay=settings.routing_replay, record=settings.generation_gap,
+                          shard=shard) as routes:
+            logprobs_T, entropy_T = context_token_outputs(model, packed, shard, temperature=settings.temperature,
+                                                          chunk_size=settings.chunk_size)
     else:
         if hidden_TH is None:
-            hidden_TH, routes = policy_forward(model, packed, record=norms.moe is not None)
+            hidden_TH, routes = policy_forward(model, packed, record=norms.moe is not None or settings.generation_gap,
+                                               replay=settings.routing_replay)
         else:
             assert norms.moe is None, "an MoE policy is refused with an auxiliary loss (fsdptrain/preflight.py)"
         head = model.get_output_embeddings()
@@ -152,7 +158,65 @@ def packed_policy_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets]
                                                        temperature=settings.temperature,
                                                        chunk_size=settings.chunk_size)
     loss, metrics = policy_loss_of_pack(logprobs_T, entropy_T, packed, targets, norms=norms, settings=settings)
+    if settings.generation_gap:  # this forward stands in for the old log-prob pass, which measures the routes too
+        metrics = metrics.merge(route_mismatch_metrics(routes, packed, shard))
     return with_moe_terms(loss, metrics, routes, packed, norms)
+
+
+# ---- mixture of experts: routing replay --------------------------------------------------------------------------
+
+
+@contextmanager
+def pack_routing(model, packed: PackedBatch, *, replay: bool, record: bool,
+                 shard: Optional[ContextShard] = None) -> Iterator[Optional[Routes]]:
+    """The routing block around a policy forward of one pack (fsdptrain/model/moe.py `routing`; docs/moe.md
+    "Routing replay"): with ``replay`` and the pack's recorded routes (`PackedBatch.routes`, on the model row; under
+    context parallelism this rank's positions), each token goes to the experts generation chose (the router's own
+    at `OWN_ROUTE` rows), its gate weights the current router's; with ``record``, the yielded `Routes`. Neither:
+    nothing (None)."""
+    replayed = packed.routes if replay else None
+    if replayed is not None and shard is not None:
+        replayed = shard.split.take(replayed, dim=1)
+    if replayed is None and not record:
+        yield None
+        return
+    with routing(model, record=record, replay=None if replayed is None else list(replayed)) as routes:
+        yield routes
+
+
+def route_mismatch_metrics(routes: Optional[Routes], packed: PackedBatch,
+                           shard: Optional[ContextShard] = None) -> Metrics:
+    """``moe/topk_differ/tokens``: the share of tokens at which some MoE layer's top-k experts of this forward's
+    routers (their own choice, from their logits: before any replay) differ as a set from the ones recorded at
+    generation; ``moe/topk_differ/layer_tokens``: the share of (token, layer) pairs that differ. Over the positions
+    of the LOSS row (a shared prompt counts once per sequence, as unshared) that carry a record; MEANs, so summed
+    over packs and ranks they mean the same under any packing and dp size; nothing recorded: empty, never 0.0.
+    A dense model (no router): no metric."""
+    if routes is None or not routes.logits:
+        return Metrics({})
+    layers = sorted(routes.logits)
+    k = routes.indices[layers[0]].shape[-1]
+    own_LTk = torch.stack([torch.softmax(routes.logits[i].detach().float(), dim=-1).topk(k, dim=-1).indices
+                           for i in layers])
+    recorded = packed.routes
+    if recorded is None:
+        recorded = torch.full_like(own_LTk, OWN_ROUTE)
+    else:
+        recorded = recorded.to(own_LTk.device).long()
+        recorded = shard.split.take(recorded, dim=1) if shard is not None else recorded
+    valid = (recorded >= 0).all(dim=-1).all(dim=0)
+    differ_LT = (own_LTk.sort(dim=-1).values != recorded.sort(dim=-1).values).any(dim=-1)
+    layers_differ, valid = differ_LT.sum(dim=0).double(), valid.double()
+    if shard is not None:  # the whole row on every rank of the group, as the losses see it
+        layers_differ, valid = shard.gather_tokens(layers_differ), shard.gather_tokens(valid)
+    if isinstance(packed, SharedPromptPack):
+        layers_differ, valid = (v.index_select(0, packed.model_row.source_T) for v in (layers_differ, valid))
+    else:
+        layers_differ, valid = layers_differ[:packed.num_tokens], valid[:packed.num_tokens]
+    counted = valid > 0
+    return Metrics({"moe/topk_differ/tokens": Mean.of((layers_differ > 0).double(), counted),
+                    "moe/topk_differ/layer_tokens": Mean(torch.where(counted, layers_differ, 0.0).sum(),
+                                                         counted.sum() * len(layers))})
 
 
 def packed_value_loss(model, packed: PackedBatch, targets: Sequence[SeqTargets], *, norms: LossNormalizers,

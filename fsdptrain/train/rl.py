@@ -217,6 +217,7 @@ class Trainer:
             batch.prompts.append(rollout.prompt_ids)
             batch.responses.append(rollout.response_ids)
             batch.targets.append(target)
+            batch.routes.append(rollout.routes)
         return batches
 
     def rollout_metrics(self, rollouts: list[Rollout], reward_metrics: Metrics | None = None) -> Metrics:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig
 
+from fsdptrain.config import ConfigError
 from fsdptrain.config.distill_rules import distilling
 from fsdptrain.config.validate import share_prompts_off_reason
 from fsdptrain.distributed.fsdp import adapters_disabled, build_policy, build_reference_model, build_value_model
@@ -123,6 +124,9 @@ def build_policy_model(cfg: DictConfig, tokenizer, mesh, device: torch.device) -
     adapters with ``model.lora``), on the packed attention backend. Returns ``(policy, backend)``."""
     policy = build_policy(**model_source(cfg, tokenizer), **parallel_settings(cfg, mesh), seed=cfg.trainer.seed,
                           activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg))
+    if cfg.model.moe.routing_replay and not moe_layers(policy):
+        raise ConfigError(f"model.moe.routing_replay=true needs a mixture-of-experts policy; {type(policy).__name__} "
+                          "has no router (docs/moe.md): set model.moe.routing_replay=false")
     backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
     if moe_layers(policy):
@@ -276,6 +280,7 @@ def policy_settings(cfg: DictConfig) -> PolicyLossSettings:
         chunk_size=cfg.loss.logprob_chunk_size, use_reference=bool(alg.use_kl_loss), kl_clamp=alg.kl_clamp,
         pg_loss_fn=resolve_policy_loss(alg.policy_loss), policy_loss=alg.policy_loss, dro_beta=alg.dro_beta,
         use_is_weights=alg.rollout_correction != "none", generation_gap=skips_old_passes(cfg),
+        routing_replay=cfg.model.moe.routing_replay,
     )
 
 

@@ -49,6 +49,9 @@ class MiniBatch:
     prompts: list[list[int]]
     responses: list[list[int]]
     targets: list[SeqTargets]
+    routes: list[Optional[torch.Tensor]] = field(default_factory=list)
+    """A mixture-of-experts policy's routes recorded at generation, per sequence (``Rollout.routes``, None where not
+    recorded); empty: none (docs/moe.md "Routing replay")."""
 
     @property
     def num_seqs(self) -> int:
@@ -122,7 +125,8 @@ def accumulate_gradients(model, batch: MiniBatch, *, loss_fn: LossFn, settings, 
     lengths = batch.lengths()
     for pack in plan.packs:
         pad = {"pad_to": padded_length(sum(lengths[i] for i in pack), context.size)} if context.enabled else {}
-        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks(), **pad).to(device)
+        packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks(),
+                         routes=batch.routes or None, **pad).to(device)
         loss, metrics = loss_fn(model, packed, [batch.targets[i] for i in pack], norms=norms, settings=settings,
                                 **extra)
         loss.backward()  # micro-batch losses are summed (by backward), never averaged
@@ -143,7 +147,7 @@ def agreed_plan(batch: MiniBatch, token_budget: int, *, share_prompts: bool) -> 
 
 
 def moe_normalizers(model, batch: MiniBatch, plan: PackPlan, *, coef: float, device: torch.device,
-                    share_prompts: bool = False) -> MoeNormalizers:
+                    share_prompts: bool = False, replay: bool = False) -> MoeNormalizers:
     """The mini-batch's load-balancing counts (collective; docs/moe.md, "The load-balancing loss"): C_le, the top-k
     selections of every layer's experts over the mini-batch's tokens (prompts and responses, never padding), and N,
     their number, summed over this rank's packs and all-reduced once, before the update's first forward.
@@ -157,8 +161,9 @@ def moe_normalizers(model, batch: MiniBatch, plan: PackPlan, *, coef: float, dev
     counts_LE, num_tokens = None, 0.0
     with torch.no_grad():
         for pack in plan.packs:
-            packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks()).to(device)
-            _, routes = policy_forward(model, packed, record=True)
+            packed = pack_fn(batch.prompts, batch.responses, pack, response_masks=batch.response_masks(),
+                             routes=batch.routes or None).to(device)
+            _, routes = policy_forward(model, packed, record=True, replay=replay)
             weights_T = route_weights(packed).to(device)
             layers = sorted(routes.indices)
             local = local_expert_counts([routes.indices[i] for i in layers], weights_T,
@@ -171,11 +176,11 @@ def moe_normalizers(model, batch: MiniBatch, plan: PackPlan, *, coef: float, dev
 
 
 def with_moe_counts(norms: LossNormalizers, model, batch: MiniBatch, plan: PackPlan, *, coef: float,
-                    device: torch.device, share_prompts: bool = False) -> LossNormalizers:
+                    device: torch.device, share_prompts: bool = False, replay: bool = False) -> LossNormalizers:
     """``norms`` with an MoE policy's load-balancing counts of the mini-batch (:func:`moe_normalizers`,
     collective)."""
     return replace(norms, moe=moe_normalizers(model, batch, plan, coef=coef, device=device,
-                                              share_prompts=share_prompts))
+                                              share_prompts=share_prompts, replay=replay))
 
 
 def replica_metrics(metrics: Metrics, context: ContextGroup) -> Metrics:
@@ -290,7 +295,7 @@ def update_on_minibatch(model, optimizer, batch: MiniBatch, *, loss_fn: LossFn, 
         if moe_coef is not None:
             plan = agreed_plan(batch, token_budget, share_prompts=share_prompts)
             norms = with_moe_counts(norms, model, batch, plan, coef=moe_coef, device=device,
-                                    share_prompts=share_prompts)
+                                    share_prompts=share_prompts, replay=getattr(settings, "routing_replay", False))
         accumulated = accumulate_gradients(model, batch, loss_fn=loss_fn, settings=settings, norms=norms,
                                            token_budget=token_budget, device=device, share_prompts=share_prompts,
                                            context=context, plan=plan)
