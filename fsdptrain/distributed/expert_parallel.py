@@ -47,8 +47,7 @@ import torch
 import torch.distributed
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdptrain.config import ConfigError

@@ -168,7 +168,11 @@ def build_expert_mesh(*, ep: int, device_type: str) -> DeviceMesh:
     size = torch.distributed.get_world_size()
     if ep < 1 or size % ep:
         raise ValueError(f"parallel.ep={ep} must divide the {size} data-parallel ranks")
-    return init_device_mesh(device_type, (size // ep, ep), mesh_dim_names=(EP_REPLICA, EP))
+    mesh = init_device_mesh(device_type, (size // ep, ep), mesh_dim_names=(EP_REPLICA, EP))
+    # one flattened group over both dims, so a reduction over the whole mesh (a gradient norm, a full weight) is one
+    # collective, not one per dim (DTensor finds it; torchtitan flattens its meshes the same way)
+    mesh._flatten(f"{EP_REPLICA}_{EP}")
+    return mesh
 
 
 def dp_size(mesh: DeviceMesh) -> int:

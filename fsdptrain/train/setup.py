@@ -119,9 +119,10 @@ def parallel_settings(cfg: DictConfig, mesh) -> dict:
 
 def build_policy_model(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> tuple[torch.nn.Module, str]:
     """The policy both recipes train (``fsdptrain train`` and ``fsdptrain sft``): sharded over ``mesh`` (LoRA
-    adapters with ``model.lora``), on the packed attention backend. Returns ``(policy, backend)``."""
+    adapters with ``model.lora``; its experts split over ``parallel.ep`` ranks), on the packed attention backend. Returns ``(policy, backend)``."""
     policy = build_policy(**model_source(cfg, tokenizer), **parallel_settings(cfg, mesh), seed=cfg.trainer.seed,
-                          activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg))
+                          activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg),
+                          ep=cfg.parallel.ep)
     backend = resolve_backend(cfg.model.attn_backend, device, DTYPES[cfg.parallel.param_dtype])
     set_attention(policy, backend)
     return policy, backend
