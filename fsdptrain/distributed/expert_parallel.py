@@ -90,6 +90,9 @@ def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh, dp_size: int
         fully_shard(layer.experts, mesh=ep_mesh, dp_mesh_dims=DataParallelMeshDims(shard=EP_REPLICA),
                     mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard_after_forward)
         layer.experts.set_gradient_divide_factor(float(dp_size))
+        if ep_mesh[EP_REPLICA].size() > 1:
+            # a SUM then a division: gloo has no PREMUL_SUM. Not on one rank: FSDP2 (torch 2.13) would divide twice
+            layer.experts.set_force_sum_reduction_for_comms(True)
 
 
 def _split_weights(experts: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -120,6 +120,7 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0, generator_ra
 def destroy_distributed() -> None:
     """Destroy the default process group if there is one. Call it on the success path before `exit_process`."""
     set_bridge(None)
+    _EXPERT_MESHES.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -168,11 +169,17 @@ def build_expert_mesh(*, ep: int, device_type: str) -> DeviceMesh:
     size = torch.distributed.get_world_size()
     if ep < 1 or size % ep:
         raise ValueError(f"parallel.ep={ep} must divide the {size} data-parallel ranks")
-    mesh = init_device_mesh(device_type, (size // ep, ep), mesh_dim_names=(EP_REPLICA, EP))
-    # one flattened group over both dims, so a reduction over the whole mesh (a gradient norm, a full weight) is one
-    # collective, not one per dim (DTensor finds it; torchtitan flattens its meshes the same way)
-    mesh._flatten(f"{EP_REPLICA}_{EP}")
-    return mesh
+    key = (device_type, size, ep)
+    if key not in _EXPERT_MESHES:  # one per process: every model's experts on the same mesh object, as FSDP2 asks
+        mesh = init_device_mesh(device_type, (size // ep, ep), mesh_dim_names=(EP_REPLICA, EP))
+        # one flattened group over both dims, so a reduction over the whole mesh (a gradient norm, a full weight) is
+        # one collective, not one per dim (DTensor finds it; torchtitan flattens its meshes the same way)
+        mesh._flatten(f"{EP_REPLICA}_{EP}")
+        _EXPERT_MESHES[key] = mesh
+    return _EXPERT_MESHES[key]
+
+
+_EXPERT_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
 
 
 def dp_size(mesh: DeviceMesh) -> int:
