@@ -1,7 +1,8 @@
 """Expert parallelism (fsdptrain/distributed/expert_parallel.py) equals ep=1 on gloo: the loss, the reduced metrics,
 the grad norm, every gathered gradient and every updated weight of the product's update (packed micro-batches, the
 fused policy loss, global normalisers, a clipped AdamW step), with and without activation checkpointing; the experts
-gathered for generation give ep=1's logits bit for bit. On 2 ranks each holds 2 of the 4 experts (dp = ep); on 4 the
+gathered for generation give ep=1's logits bit for bit; Mixtral's and OLMoE's experts split the same way (a
+forward and backward). On 2 ranks each holds 2 of the 4 experts (dp = ep); on 4 the
 2 ranks holding the same experts also shard them with FSDP2 and reduce among themselves (dp > ep).
 
 Measured (fp32, CPU): 2 ranks: the loss, the metrics and the grad norm identical, gradients within 1.4e-9 and weights
@@ -65,6 +66,14 @@ def test_forwards_equal_ep1_and_gathered_experts_are_exact(ranks):
     for r in ranks:
         assert r["dispatched_vs_ep1"] <= 1e-6
         assert r["gathered_vs_ep1"] == 0.0
+
+
+@pytest.mark.parametrize("architecture", ["mixtral", "olmoe"])
+def test_mixtral_and_olmoe_experts_split_the_same_way(ranks, architecture):
+    for r in ranks:
+        got = r["architectures"][architecture]
+        assert close(got["loss"][1], got["loss"][0]), got
+        assert got["grad_rel"] <= 1e-6, got  # measured <= 2e-7: this loss's gradients are small sums of many terms
 
 
 def test_a_dense_model_or_an_indivisible_expert_count_is_one_line(ranks):

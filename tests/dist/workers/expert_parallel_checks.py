@@ -49,6 +49,15 @@ CONFIG = {"model_type": "qwen3_moe", "vocab_size": VOCAB, "hidden_size": 32, "in
           "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True,
           "max_position_embeddings": 128, "output_router_logits": False, "tie_word_embeddings": True}
+OTHER_ARCHITECTURES = {  # transformers' other MoE decoders: the same experts layout, another router and block
+    "mixtral": {"model_type": "mixtral", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 16,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128,
+                "output_router_logits": False},
+    "olmoe": {"model_type": "olmoe", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 16,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+              "num_experts_per_tok": 2, "max_position_embeddings": 128, "output_router_logits": False},
+}
 SEED = 5
 MODE = "seq-mean-token-sum-norm"  # the agg mode with both global counts and the loss scale factor
 LR = 1e-2
@@ -88,6 +97,25 @@ def forward_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
+def forward_backward(config: dict, ep: int, info, mesh) -> tuple[float, dict]:
+    """A padded batch's mean squared logit and its gathered gradients, the model built at ``ep``."""
+    model = build_policy(path=None, config=config, seed=SEED, mesh=mesh, ep=ep)
+    ids = torch.randint(0, VOCAB, (2, 6 + 3 * info.rank), generator=torch.Generator().manual_seed(info.rank))
+    with generation_attention(model):
+        loss = model(input_ids=ids, use_cache=False).logits.float().square().mean()
+    loss.backward()
+    return loss.item(), gather_full_grads(model)
+
+
+def other_architectures(info, mesh, ep: int) -> dict:
+    out = {}
+    for name, config in OTHER_ARCHITECTURES.items():
+        (loss_one, grads_one), (loss_split, grads_split) = (forward_backward(config, 1, info, mesh),
+                                                            forward_backward(config, ep, info, mesh))
+        out[name] = {"loss": [loss_one, loss_split], "grad_rel": worst_relative(grads_split, grads_one)}
+    return out
+
+
 def refusals(mesh) -> dict:
     out = {}
     for name, config, ep in (("dense", DENSE_CONFIG, 2), ("indivisible", {**CONFIG, "num_experts": 3}, 2)):
@@ -121,6 +149,7 @@ def main(args, info, record: dict) -> None:
         "gathered_vs_ep1": (split["gathered"] - one["logits"]).abs().max().item(),
         "local_experts": split["local_experts"],
         "refusals": refusals(mesh),
+        "architectures": other_architectures(info, mesh, args.ep),
     }
 
 
