@@ -31,8 +31,8 @@ from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
 from fsdptrain.train.pack_losses import packed_policy_loss
 from fsdptrain.train.step import MiniBatch, accumulate_gradients, global_normalizers, optimizer_step
 from tests.dist.workers.report import dist_worker, option
+from tests.dist.workers.train_step_checks import CONFIG as DENSE_CONFIG
 from tests.dist.workers.train_step_checks import (
-    CONFIG as DENSE_CONFIG,
     LOSS_SCALE_FACTOR,
     NUM_SEQS,
     SETTINGS,
