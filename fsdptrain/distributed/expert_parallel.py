@@ -172,7 +172,7 @@ def dispatching_forward(self: nn.Module, hidden_TH: Tensor, top_k_index_Tk: Tens
     # transformers' own combine (integrations/moe.py grouped_mm_experts_forward): weight, restore order, sum over k
     weighted_SH = back_SH * top_k_weights_Tk.reshape(-1)[perm_S].unsqueeze(-1)
     weighted_SH = weighted_SH[torch.argsort(perm_S)]
-    return weighted_SH.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_TH.dtype)
+    return weighted_SH.view(num_tokens, top_k, hidden_TH.shape[-1]).sum(dim=1).to(hidden_TH.dtype)
 
 
 def _exchange(rows: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:

@@ -27,7 +27,8 @@ def ranks(request, tmp_path_factory):
     nproc = request.param
     result = launch("expert_parallel_checks.py", nproc=nproc, out_dir=tmp_path_factory.mktemp(f"ep{nproc}"),
                     args=("--ep", "2"))
-    return [record["results"] for record in result.checked(nproc, error_free=True).results.values()]
+    records = result.checked(nproc, error_free=True).results
+    return [records[rank]["results"] for rank in range(nproc)]
 
 
 def close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -74,6 +75,15 @@ def test_mixtral_and_olmoe_experts_split_the_same_way(ranks, architecture):
         got = r["architectures"][architecture]
         assert close(got["loss"][1], got["loss"][0]), got
         assert got["grad_rel"] <= 1e-6, got  # measured <= 2e-7: this loss's gradients are small sums of many terms
+
+
+def test_ranks_that_receive_or_send_nothing(ranks):
+    for rank, r in enumerate(ranks):
+        cases = r["empty_exchanges"]
+        assert cases["no_rows_to_some_experts"]["shape"] == [3, 32]
+        assert cases["no_tokens_on_rank_1"]["shape"] == [0 if rank == 1 else 3, 32]
+        for case in cases.values():
+            assert case["output"] <= 1e-6 and case["grad"] <= 1e-6, cases
 
 
 def test_a_dense_model_or_an_indivisible_expert_count_is_one_line(ranks):

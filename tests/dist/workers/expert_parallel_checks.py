@@ -116,6 +116,33 @@ def other_architectures(info, mesh, ep: int) -> dict:
     return out
 
 
+def empty_exchanges(info, mesh, ep: int) -> dict:
+    """The experts module called as its block calls it, at ep=1 and at ``ep``, where no row goes to some ranks'
+    experts (every token chooses experts 0 and 1) and where a rank has no token at all: the outputs and the input
+    gradients, largest absolute difference."""
+    one, split = (build_policy(path=None, config=CONFIG, seed=SEED, mesh=mesh, ep=e) for e in (1, ep))
+    one.model.layers[0].unshard()  # at ep=1 the experts are the layer unit's: gathered by its pre-forward otherwise
+    gen = torch.Generator().manual_seed(info.rank)
+    tokens = 0 if info.rank == 1 else 3
+    cases = {"no_rows_to_some_experts": (3, [0, 1]), "no_tokens_on_rank_1": (tokens, [3, 0])}
+    out = {}
+    for name, (num_tokens, chosen) in cases.items():
+        hidden = torch.randn(num_tokens, CONFIG["hidden_size"], generator=gen)
+        index = torch.tensor([chosen] * num_tokens, dtype=torch.long).reshape(num_tokens, 2)
+        weights = torch.rand(num_tokens, 2, generator=gen)
+        results = []
+        for model in (one, split):
+            leaf = hidden.clone().requires_grad_()
+            output = model.model.layers[0].mlp.experts(leaf, index, weights)
+            output.square().sum().backward()
+            results.append((output.detach(), leaf.grad))
+        (out_one, grad_one), (out_split, grad_split) = results
+        out[name] = {"shape": list(out_split.shape),
+                     "output": (out_split - out_one).abs().max().item() if num_tokens else 0.0,
+                     "grad": (grad_split - grad_one).abs().max().item() if num_tokens else 0.0}
+    return out
+
+
 def refusals(mesh) -> dict:
     out = {}
     for name, config, ep in (("dense", DENSE_CONFIG, 2), ("indivisible", {**CONFIG, "num_experts": 3}, 2)):
@@ -150,6 +177,7 @@ def main(args, info, record: dict) -> None:
         "local_experts": split["local_experts"],
         "refusals": refusals(mesh),
         "architectures": other_architectures(info, mesh, args.ep),
+        "empty_exchanges": empty_exchanges(info, mesh, args.ep),
     }
 
 
