@@ -29,6 +29,7 @@ def runs(tmp_path_factory):
     assert one.returncode == 0, one.stdout + one.stderr
     two = run_cli(*RUN, *model, "parallel.ep=2", "checkpoint.every=1", "trainer.run_name=two", cwd=cwd)
     assert two.returncode == 0, two.stdout + two.stderr
+    assert "mesh (2,), experts over ep=2 (mesh (dp_shard_mod_ep, ep) = (1, 2))" in two.stdout
     shutil.copytree(cwd / "runs/two/checkpoints/step_00000001", cwd / "runs/resumed/checkpoints/step_00000001")
     resumed = run_cli(*RUN, *model, "parallel.ep=2", "checkpoint.every=1", "trainer.run_name=resumed",
                       "trainer.resume=auto", cwd=cwd)
@@ -59,3 +60,12 @@ def test_ep2_exports_every_expert_as_transformers_reads_it(runs):
     assert two["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 32)
     for name, weight in one.items():
         torch.testing.assert_close(two[name], weight, rtol=0, atol=1e-6, msg=name)
+
+
+def test_ep_on_a_dense_model_is_one_line_and_exit_2(cli):
+    result = cli("train", "--nproc", "2", "parallel.ep=2", "trainer.steps=1", "logging.progress=false")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: parallel.ep=2 needs a mixture-of-experts model; LlamaForCausalLM has no sparse block: set "
+        "parallel.ep=1 (docs/moe.md)")
+    assert "Traceback" not in result.stderr
