@@ -165,8 +165,13 @@ def dispatching_forward(self: nn.Module, hidden_TH: Tensor, top_k_index_Tk: Tens
     expert_R = torch.arange(local_experts, device=hidden_TH.device).repeat(ep).repeat_interleave(
         received_Pe.reshape(-1).to(hidden_TH.device))
     _, order_R = torch.sort(expert_R, stable=True)
-    out_RH = _implementation(self, _local(self.gate_up_proj), _local(self.down_proj), received_RH[order_R],
-                             expert_R[order_R].unsqueeze(-1), received_RH.new_ones(len(expert_R), 1))
+    gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
+    out_RH = _implementation(self, gate_up, down, received_RH[order_R], expert_R[order_R].unsqueeze(-1),
+                             received_RH.new_ones(len(expert_R), 1))
+    if not len(expert_R) and torch.is_grad_enabled():
+        # nothing received: transformers' eager loop then returns zeros outside the graph, and this rank would skip
+        # the backward all-to-alls its peers wait in (and leave its experts without a gradient for FSDP2 to reduce)
+        out_RH = _Attached.apply(out_RH, received_RH, gate_up, down)
     out_RH = out_RH[torch.argsort(order_R)]
     back_SH = _all_to_all(out_RH, send_splits, recv_splits, group)
     # transformers' own combine (integrations/moe.py grouped_mm_experts_forward): weight, restore order, sum over k
@@ -193,6 +198,20 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         output_splits, input_splits = ctx.splits
         return _exchange(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+class _Attached(torch.autograd.Function):
+    """``value`` unchanged, made to depend on ``inputs`` in the graph, which receive zero gradients: the backward then
+    reaches every node that the value's peers on other ranks reach."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, *inputs: Tensor) -> Tensor:
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in inputs]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.shapes)
 
 
 def _all_to_all(rows: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:

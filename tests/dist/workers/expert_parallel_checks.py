@@ -117,29 +117,36 @@ def other_architectures(info, mesh, ep: int) -> dict:
 
 
 def empty_exchanges(info, mesh, ep: int) -> dict:
-    """The experts module called as its block calls it, at ep=1 and at ``ep``, where no row goes to some ranks'
-    experts (every token chooses experts 0 and 1) and where a rank has no token at all: the outputs and the input
-    gradients, largest absolute difference."""
+    """The experts module called as its block calls it, at ep=1 and at ``ep``, with transformers' grouped_mm and
+    eager implementations, where no row goes to some ranks' experts (every token chooses experts 0 and 1) and where a
+    rank has no token at all: the outputs and the input gradients, largest absolute difference. (The eager loop
+    returns zeros outside the graph for no rows: a rank that skipped the backward all-to-alls would hang its peers.)"""
     one, split = (build_policy(path=None, config=CONFIG, seed=SEED, mesh=mesh, ep=e) for e in (1, ep))
     one.model.layers[0].unshard()  # at ep=1 the experts are the layer unit's: gathered by its pre-forward otherwise
     gen = torch.Generator().manual_seed(info.rank)
     tokens = 0 if info.rank == 1 else 3
     cases = {"no_rows_to_some_experts": (3, [0, 1]), "no_tokens_on_rank_1": (tokens, [3, 0])}
     out = {}
-    for name, (num_tokens, chosen) in cases.items():
-        hidden = torch.randn(num_tokens, CONFIG["hidden_size"], generator=gen)
-        index = torch.tensor([chosen] * num_tokens, dtype=torch.long).reshape(num_tokens, 2)
-        weights = torch.rand(num_tokens, 2, generator=gen)
-        results = []
+    for implementation in ("grouped_mm", "eager"):
         for model in (one, split):
-            leaf = hidden.clone().requires_grad_()
-            output = model.model.layers[0].mlp.experts(leaf, index, weights)
-            output.square().sum().backward()
-            results.append((output.detach(), leaf.grad))
-        (out_one, grad_one), (out_split, grad_split) = results
-        out[name] = {"shape": list(out_split.shape),
-                     "output": (out_split - out_one).abs().max().item() if num_tokens else 0.0,
-                     "grad": (grad_split - grad_one).abs().max().item() if num_tokens else 0.0}
+            model.config._experts_implementation = implementation
+        for name, (num_tokens, chosen) in cases.items():
+            hidden = torch.randn(num_tokens, CONFIG["hidden_size"], generator=gen)
+            index = torch.tensor([chosen] * num_tokens, dtype=torch.long).reshape(num_tokens, 2)
+            weights = torch.rand(num_tokens, 2, generator=gen)
+            results = []
+            for model in (one, split):
+                leaf = hidden.clone().requires_grad_()
+                output = model.model.layers[0].mlp.experts(leaf, index, weights)
+                loss = output.square().sum()
+                if loss.requires_grad or model is split:  # ep=1's eager loop on no token builds no graph
+                    loss.backward()
+                results.append((output.detach(), leaf.grad))
+            (out_one, grad_one), (out_split, grad_split) = results
+            out[f"{implementation}/{name}"] = {
+                "shape": list(out_split.shape),
+                "output": (out_split - out_one).abs().max().item() if num_tokens else 0.0,
+                "grad": (grad_split - grad_one).abs().max().item() if num_tokens else 0.0}
     return out
 
 
