@@ -68,10 +68,11 @@ def check_expert_parallel(model: nn.Module, ep: int) -> list[MoeLayer]:
         if layer.num_experts % ep:
             raise ConfigError(f"parallel.ep={ep} must divide the {layer.num_experts} experts of {layer.name}: choose "
                               f"an ep that divides {layer.num_experts} (docs/moe.md)")
-        missing = [name for name in EXPERT_WEIGHTS if not isinstance(getattr(layer.experts, name, None), nn.Parameter)]
-        if missing:
-            raise ConfigError(f"parallel.ep={ep} splits experts stored as {' and '.join(EXPERT_WEIGHTS)} [E, ...]; "
-                              f"{type(layer.experts).__name__} has no {missing[0]}: set parallel.ep=1 (docs/moe.md)")
+        held = sorted(name for name, _ in layer.experts.named_parameters())
+        if held != sorted(EXPERT_WEIGHTS):
+            raise ConfigError(f"parallel.ep={ep} splits experts whose weights are {' and '.join(EXPERT_WEIGHTS)} "
+                              f"[E, ...]; {type(layer.experts).__name__} holds {', '.join(held)}: set parallel.ep=1 "
+                              f"(docs/moe.md)")
     return layers
 
 

@@ -61,7 +61,7 @@ OTHER_ARCHITECTURES = {  # transformers' other MoE decoders: the same experts la
 SEED = 5
 MODE = "seq-mean-token-sum-norm"  # the agg mode with both global counts and the loss scale factor
 LR = 1e-2
-GRAD_CLIP = 0.05  # below the measured norm (about 0.1), so the clip scales every gradient
+GRAD_CLIP = 0.05  # far below the measured norm (1.73), so the clip scales every gradient by the global norm
 
 
 def update(ep: int, info, mesh, batch, activation_checkpointing: bool = False) -> dict:
