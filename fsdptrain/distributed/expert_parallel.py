@@ -222,16 +222,18 @@ def _all_to_all(rows: Tensor, output_splits: list[int], input_splits: list[int],
 
 
 @contextlib.contextmanager
-def experts_gathered(model: nn.Module) -> Iterator[None]:
+def experts_gathered(model: nn.Module, *, reshard_after_forward: bool) -> Iterator[None]:
     """Every experts module of an expert-parallel ``model`` holds all E experts for the block (collective: each
-    experts unit is unsharded, then all-gathered over its EP group), so its forward runs without dispatch, exactly as
-    ``ep=1``'s; the unsharded units are resharded on exit. No-op for other models. For no-grad forwards only."""
+    experts unit is unsharded and held so, then all-gathered over its EP group), so its forwards run without dispatch
+    and without a collective, exactly as ``ep=1``'s; on exit the units are resharded and get back
+    ``reshard_after_forward`` (the configured setting). No-op for other models. For no-grad forwards only."""
     units = [layer.experts for layer in moe_layers(model) if hasattr(layer.experts, "_ep_mesh")]
     if not units:
         yield
         return
     for experts in units:
         assert isinstance(experts, FSDPModule)
+        experts.set_reshard_after_forward(False, recurse=False)
         experts.unshard()
         with torch.no_grad():
             experts.__dict__["_ep_gathered"] = tuple(_gathered(getattr(experts, name)) for name in EXPERT_WEIGHTS)
@@ -241,6 +243,7 @@ def experts_gathered(model: nn.Module) -> Iterator[None]:
         for experts in units:
             experts.__dict__.pop("_ep_gathered", None)
             experts.reshard()
+            experts.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
 def _gathered(weight: Tensor) -> Tensor:

@@ -43,9 +43,9 @@ def generation(model, cfg, device: torch.device, *, always_gather: bool = False)
         else:
             gather = should_gather(model, mode=cfg.rollout.gather_weights, **settings)
         # experts whole under expert parallelism, whatever gather says: each rank decodes its own number of tokens
-        with generation_attention(model), gathered_weights(
-                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
-                experts_gathered(model), torch.compiler.set_stance("force_eager"):
+        resharding = cfg.parallel.reshard_after_forward
+        with generation_attention(model), gathered_weights(model, enabled=gather, reshard_after_forward=resharding), \
+                experts_gathered(model, reshard_after_forward=resharding), torch.compiler.set_stance("force_eager"):
             yield
 
 

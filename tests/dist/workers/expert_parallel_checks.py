@@ -74,7 +74,7 @@ def update(ep: int, info, mesh, batch, activation_checkpointing: bool = False) -
     assert is_expert_parallel(model) == (ep > 1)
     ids = torch.randint(0, VOCAB, (2, 5 + 3 * info.rank), generator=torch.Generator().manual_seed(info.rank))
     logits = forward_logits(model, ids)
-    with experts_gathered(model):
+    with experts_gathered(model, reshard_after_forward=True):
         gathered = forward_logits(model, ids)
     set_attention(model, "sdpa_segments")
     norms = global_normalizers(mini, dp_size=world.dp_size(mesh), loss_scale_factor=LOSS_SCALE_FACTOR)
