@@ -247,6 +247,7 @@ def _check_cross_fields(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.eval_k: pass@{too_big[0]} needs at least {too_big[0]} samples per prompt, but "
                           f"trainer.eval_n={eval_n}: each k must be in [1, eval_n]")
     _check_context_parallel(cfg)
+    _check_expert_parallel(cfg)
     _check_placement(cfg)
     if cfg.data.source != "sft" and cfg.rollout.prompts_per_step % cfg.trainer.mini_batches_per_step != 0:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide "
@@ -307,6 +308,27 @@ def _check_context_parallel(cfg: DictConfig) -> None:
     for present, setting, fix in refused:
         if present:
             raise ConfigError(f"{cp} does not compose with {setting}: {fix} or parallel.cp=1 (docs/scaling.md)")
+
+
+def _check_expert_parallel(cfg: DictConfig) -> None:
+    """parallel.ep > 1 with a layout or feature it does not compose with: one line naming the combination
+    (fsdptrain/distributed/expert_parallel.py; the model itself is checked where it is built)."""
+    if cfg.parallel.ep == 1:
+        return
+    ep = f"parallel.ep={cfg.parallel.ep}"
+    refused = (
+        (cfg.parallel.dp_replicate > 1, f"parallel.dp_replicate={cfg.parallel.dp_replicate} (HSDP)",
+         "set parallel.dp_replicate=1"),
+        (cfg.parallel.cp > 1, f"parallel.cp={cfg.parallel.cp}", "set parallel.cp=1"),
+        (cfg.model.lora.r > 0, f"model.lora.r={cfg.model.lora.r} (LoRA)", "set model.lora.r=0"),
+        (cfg.data.source != "sft" and cfg.rollout.placement == "separate", "rollout.placement=separate",
+         "set rollout.placement=colocated"),
+        (cfg.parallel.compile, "parallel.compile=true", "set parallel.compile=false"),
+        (cfg.parallel.cpu_offload, "parallel.cpu_offload=true", "set parallel.cpu_offload=false"),
+    )
+    for present, setting, fix in refused:
+        if present:
+            raise ConfigError(f"{ep} does not compose with {setting}: {fix} or parallel.ep=1 (docs/moe.md)")
 
 
 def _check_loss_settings(alg: DictConfig) -> None:
@@ -437,5 +459,9 @@ def validate_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be at least the number of ranks "
                               f"({world_size}): every rank needs a prompt")
     shard = cfg.parallel.dp_shard
-    return validate_mesh_shape(world_size, cfg.parallel.dp_replicate, None if shard == "auto" else int(shard),
-                               cfg.parallel.cp)
+    replicate, shard = validate_mesh_shape(world_size, cfg.parallel.dp_replicate,
+                                           None if shard == "auto" else int(shard), cfg.parallel.cp)
+    if shard % cfg.parallel.ep:
+        raise ConfigError(f"parallel.ep={cfg.parallel.ep} must divide the {shard} data-parallel ranks: launch a "
+                          f"multiple of {cfg.parallel.ep} ranks or choose an ep that divides {shard} (docs/moe.md)")
+    return replicate, shard

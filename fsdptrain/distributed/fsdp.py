@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from fsdptrain.distributed import world
+from fsdptrain.distributed.expert_parallel import apply_expert_parallel
 from fsdptrain.model.loading import (
     build_full_model,
     clean_name,
@@ -169,14 +170,16 @@ def parallelize(
     cpu_offload: bool,
     compile: bool = False,
     compile_backend: str = "inductor",
+    ep: int = 1,
 ) -> nn.Module:
-    """Apply activation checkpointing and FSDP2 (FSDP on a 1-D mesh, HSDP on a 2-D one) to `model` in place.
+    """Apply activation checkpointing, expert parallelism (``ep`` > 1) and FSDP2 (FSDP on a 1-D mesh, HSDP on a 2-D one) to `model` in place.
 
     param_dtype: the dtype of the all-gathered parameters used in forward/backward (the sharded master weights
     stay fp32); reduce_dtype: the dtype of the gradient reduce-scatter. cpu_offload keeps sharded parameters,
     gradients and optimizer state on the CPU (pinned memory, so it needs an accelerator to be worth it). compile:
     torch.compile each decoder layer in place (torchtitan's way) with ``compile_backend``; generation runs them eagerly
-    (see `generation` in fsdptrain/generation/block.py).
+    (see `generation` in fsdptrain/generation/block.py). ``ep``: the experts of a mixture-of-experts model split over
+    that many of the mesh's ranks (fsdptrain/distributed/expert_parallel.py).
     """
     # Checkpointing before fully_shard: the wrapper must sit inside the layer's FSDP unit.
     if activation_checkpointing:
@@ -186,6 +189,11 @@ def parallelize(
         apply_compile(model, backend=compile_backend)
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    # Experts before the layers: a layer's fully_shard takes every parameter not already in a unit of its own.
+    if ep > 1:
+        apply_expert_parallel(model, ep_mesh=world.build_expert_mesh(ep=ep, device_type=mesh.device_type),
+                              dp_size=world.dp_size(mesh), mp_policy=mp_policy, offload_policy=offload_policy,
+                              reshard_after_forward=reshard_after_forward)
     apply_fsdp(
         model,
         mesh=mesh,
@@ -251,6 +259,7 @@ def build_sharded_model(
     backbone_from_config: Mapping[str, Any] | PretrainedConfig | None = None,
     backbone_seed: int | None = None,
     lora: LoraSettings | None = None,
+    ep: int = 1,
 ) -> PreTrainedModel:
     """A model of `kind` ("policy", "value", "reference") with FSDP2 applied over `mesh`, weights from rank 0.
 
@@ -258,7 +267,7 @@ def build_sharded_model(
     source is given (a path, or a config with `backbone_seed`), its base model's weights replace this model's base
     model (a value model starting from the policy). `lora`: LoRA adapters injected before sharding (rank 0 draws
     them with the weights; FSDP2 shards frozen and trainable parameters in the same units and reduce-scatters the
-    gradients of the trainable ones only). All ranks then follow the order in the module docstring. Collective: every rank of the default group must call it with the same arguments.
+    gradients of the trainable ones only). `ep` > 1: expert parallelism (`parallelize`). All ranks then follow the order in the module docstring. Collective: every rank of the default group must call it with the same arguments.
     """
     on_cuda = mesh.device_type == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
@@ -293,6 +302,7 @@ def build_sharded_model(
         cpu_offload=cpu_offload,
         compile=compile,
         compile_backend=compile_backend,
+        ep=ep,
     )
     # Under CPU offload the sharded parameters live on the CPU; FSDP copies them to the device for compute.
     model.to_empty(device="cpu" if cpu_offload else device)

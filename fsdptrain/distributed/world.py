@@ -29,6 +29,8 @@ from fsdptrain.distributed.torchrun import under_torchrun
 
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
+EP = "ep"
+EP_REPLICA = "dp_shard_mod_ep"
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ def init_distributed(*, device_type: str, timeout_s: float = 600.0, generator_ra
 def destroy_distributed() -> None:
     """Destroy the default process group if there is one. Call it on the success path before `exit_process`."""
     set_bridge(None)
+    _EXPERT_MESHES.clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -155,6 +158,28 @@ def build_mesh(*, dp_replicate: int, dp_shard: int | None, device_type: str, cp:
     if dp_replicate == 1:
         return init_device_mesh(device_type, (dp_shard * cp,), mesh_dim_names=(DP_SHARD,))
     return init_device_mesh(device_type, (dp_replicate, dp_shard * cp), mesh_dim_names=(DP_REPLICATE, DP_SHARD))
+
+
+def build_expert_mesh(*, ep: int, device_type: str) -> DeviceMesh:
+    """The experts' mesh of expert parallelism (``parallel.ep``, fsdptrain/distributed/expert_parallel.py): the
+    data-parallel ranks split as ``(dp / ep, ep)``, dims ("dp_shard_mod_ep", "ep"). An EP group is ``ep`` consecutive
+    ranks (rank ``r`` holds the experts of EP index ``r % ep``); the ranks of a "dp_shard_mod_ep" group hold the same
+    experts and FSDP2 shards them over it. EP ranks are data-parallel ranks, as in torchtitan: it composes with plain
+    FSDP (``dp_replicate=1``, ``cp=1``) only, refused otherwise in the config (fsdptrain/config/validate.py)."""
+    size = torch.distributed.get_world_size()
+    if ep < 1 or size % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the {size} data-parallel ranks")
+    key = (device_type, size, ep)
+    if key not in _EXPERT_MESHES:  # one per process: every model's experts on the same mesh object, as FSDP2 asks
+        mesh = init_device_mesh(device_type, (size // ep, ep), mesh_dim_names=(EP_REPLICA, EP))
+        # one flattened group over both dims, so a reduction over the whole mesh (a gradient norm, a full weight) is
+        # one collective, not one per dim (DTensor finds it; torchtitan flattens its meshes the same way)
+        mesh._flatten(f"{EP_REPLICA}_{EP}")
+        _EXPERT_MESHES[key] = mesh
+    return _EXPERT_MESHES[key]
+
+
+_EXPERT_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
 
 
 def dp_size(mesh: DeviceMesh) -> int:

@@ -10,6 +10,7 @@ import torch
 
 from fsdptrain.config import ConfigError, multi_turn
 from fsdptrain.distributed import world
+from fsdptrain.distributed.expert_parallel import experts_gathered
 from fsdptrain.generation.gather import (
     free_memory_bytes,
     fsdp_units,
@@ -25,7 +26,8 @@ from fsdptrain.run.perf import phase
 @contextlib.contextmanager
 def generation(model, cfg, device: torch.device, *, always_gather: bool = False) -> Iterator[None]:
     """The block generates with ``model``: the ``generate`` phase, sdpa attention, the policy's weights gathered once
-    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), and compiled
+    for the whole block when ``rollout.gather_weights`` says so (collective: every rank enters it), the experts of an
+    expert-parallel policy gathered whole always (fsdptrain/distributed/expert_parallel.py), and compiled
     layers run eagerly (``parallel.compile`` is for the training forwards; a KV cache would recompile every token).
 
     ``always_gather``: the block's ranks run their own numbers of forwards (the continuous engine; multi-turn), so on
@@ -40,9 +42,10 @@ def generation(model, cfg, device: torch.device, *, always_gather: bool = False)
             gather = gather_for_own_forwards(model, cfg, **settings)
         else:
             gather = should_gather(model, mode=cfg.rollout.gather_weights, **settings)
-        with generation_attention(model), gathered_weights(
-                model, enabled=gather, reshard_after_forward=cfg.parallel.reshard_after_forward), \
-                torch.compiler.set_stance("force_eager"):
+        # experts whole under expert parallelism, whatever gather says: each rank decodes its own number of tokens
+        resharding = cfg.parallel.reshard_after_forward
+        with generation_attention(model), gathered_weights(model, enabled=gather, reshard_after_forward=resharding), \
+                experts_gathered(model, reshard_after_forward=resharding), torch.compiler.set_stance("force_eager"):
             yield
 
 

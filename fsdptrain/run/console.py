@@ -22,8 +22,10 @@ def print_start_report(cfg, *, world_size: int, device, mesh_shape: tuple, backe
                        dp_size: int, loss_scale_factor: float, max_len: int, source_line: Optional[str]) -> None:
     """Model sizes, the backend, the source's line, and the gradient scale of the configured mode with its
     normalisation in words."""
-    log(f"fsdptrain: {world_size} rank(s) on {device.type}, mesh {mesh_shape}, packed attention: {backend}, shared "
-        f"prompts: {share_prompts}")
+    experts = (f", experts over ep={cfg.parallel.ep} (mesh (dp_shard_mod_ep, ep) = ({world_size // cfg.parallel.ep}, "
+               f"{cfg.parallel.ep}))" if cfg.parallel.ep > 1 else "")
+    log(f"fsdptrain: {world_size} rank(s) on {device.type}, mesh {mesh_shape}{experts}, packed attention: {backend}, "
+        f"shared prompts: {share_prompts}")
     if source_line is not None:
         log(source_line)
     log("policy: " + describe_model_memory(policy, num_shards=dp_size))

@@ -99,7 +99,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None) 
     partial one only (summing over replicas too would count each element dp_replicate times). Replicas hold
     identical gradients after FSDP2's all-reduce, so the result is the same on every rank; a gradient corrupted on
     one replica after that reduce would give replica groups different norms, which is why `NonFiniteGuard` still
-    decides world-wide. Returns a plain 0-dim fp32 tensor.
+    decides world-wide. Gradients on several meshes (the experts' of expert parallelism,
+    fsdptrain/distributed/expert_parallel.py) are normed one mesh at a time and combined as sqrt(sum of squares).
+    Returns a plain 0-dim fp32 tensor.
     Scaling as torch's: g *= max_norm / (norm + 1e-6) when that is < 1.
     max_norm None or <= 0: no clipping, the norm is still computed. A non-finite norm leaves gradients untouched
     (the step will be skipped, see `NonFiniteGuard`).
@@ -107,10 +109,11 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None) 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
-    total_norm = total_norm.float()
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    norms = [_global_norm(group) for group in by_mesh.values()]
+    total_norm = (norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))).float()
     norm = float(total_norm)
     if max_norm is not None and max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
@@ -118,6 +121,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None) 
             for grad in grads:
                 grad.mul_(coef)
     return total_norm
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of gradients that share one mesh (or none), reduced over its shards."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class NonFiniteGradientError(RuntimeError):

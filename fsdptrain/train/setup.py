@@ -121,9 +121,11 @@ def parallel_settings(cfg: DictConfig, mesh) -> dict:
 
 def build_policy_model(cfg: DictConfig, tokenizer, mesh, device: torch.device) -> tuple[torch.nn.Module, str]:
     """The policy both recipes train (``fsdptrain train`` and ``fsdptrain sft``): sharded over ``mesh`` (LoRA
-    adapters with ``model.lora``), on the packed attention backend. Returns ``(policy, backend)``."""
+    adapters with ``model.lora``; its experts split over ``parallel.ep`` ranks), on the packed attention backend.
+    Returns ``(policy, backend)``."""
     policy = build_policy(**model_source(cfg, tokenizer), **parallel_settings(cfg, mesh), seed=cfg.trainer.seed,
-                          activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg))
+                          activation_checkpointing=cfg.parallel.activation_checkpointing, lora=lora_settings(cfg),
+                          ep=cfg.parallel.ep)
     if cfg.model.moe.routing_replay and not moe_layers(policy):
         raise ConfigError(f"model.moe.routing_replay=true needs a mixture-of-experts policy; {type(policy).__name__} "
                           "has no router (docs/moe.md): set model.moe.routing_replay=false")
