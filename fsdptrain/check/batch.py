@@ -261,6 +261,15 @@ def _fixture(prompt_ids: list[int]) -> tuple[list[int], list[int], SeqTargets]:
     return list(prompt_ids), [], targets
 
 
+def _append(batch: MiniBatch, prompt: list[int], response: list[int], target: SeqTargets) -> None:
+    """One more sequence at the end of ``batch`` (with no recorded routes, where its others carry theirs)."""
+    batch.prompts.append(prompt)
+    batch.responses.append(response)
+    batch.targets.append(target)
+    if batch.routes:
+        batch.routes.append(None)
+
+
 def _all_gather(obj) -> list:
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return [obj]
@@ -374,14 +383,10 @@ def make_batch(trainer: Trainer, *, masked_fixture: bool = True, negative_values
         full_behaviour.append(torch.zeros(0, dtype=torch.float32))
         policy_masks.append([])
         full_old.append(torch.zeros(0, dtype=torch.float32))
-        full.prompts.append(prompt)
-        full.responses.append(response)
-        full.targets.append(target)
+        _append(full, prompt, response, target)
         if info.rank == info.world_size - 1:
             local_index.append(full.num_seqs - 1)
-            local.prompts.append(prompt)
-            local.responses.append(response)
-            local.targets.append(target)
+            _append(local, prompt, response, target)
     all_facts = [f for part in _all_gather(sampled.facts(rollouts)) for f in part]
     # Planted behaviour log-probs leave the old ones the trainer's own under a correction, so the ratio is still 1
     # (on-policy); without one (rejection alone) they become the old log-probs and the batch is off-policy.

@@ -91,8 +91,11 @@ EV_NAME = "critic/vf_explained_var"
 def parts_of(session: CheckSession, mode: str) -> list[Part]:
     """The policy and, when the algorithm has one, the critic, with the loss settings for ``mode``."""
     tr = session.trainer
-    out = [Part("actor/", tr.models.policy, replace(tr.policy_settings, agg_mode=mode), packed_policy_loss,
-                per_sequence_policy_loss, padded_policy_loss, moe_coef=tr.models.policy_part.moe_coef)]
+    # generation_gap off: the gap between generation and training (rollout/logprob_diff/*, moe/topk_differ/*) is
+    # measured on the one forward the update makes, against the generation's record, not a quantity a layout shapes
+    out = [Part("actor/", tr.models.policy, replace(tr.policy_settings, agg_mode=mode, generation_gap=False),
+                packed_policy_loss, per_sequence_policy_loss, padded_policy_loss,
+                moe_coef=tr.models.policy_part.moe_coef)]
     if tr.models.critic is not None:
         out.append(Part("critic/", tr.models.critic, replace(tr.value_settings, agg_mode=mode), packed_value_loss,
                         per_sequence_value_loss, padded_value_loss))
