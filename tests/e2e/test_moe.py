@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import run_cli
 from tests.e2e.test_multi_turn import assert_close_rows, assert_resumed_and_two_ranks_match, rows
@@ -84,3 +85,23 @@ def test_an_moe_model_without_a_value_class_refuses_a_critic_in_one_line(tmp_pat
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "olmoe, for which transformers has no value-model (token-classification) class" in lines[0]
     assert not Path(tmp_path / "runs").exists()
+
+
+def test_lora_on_an_moe_policy_trains_the_attention_adapters_and_leaves_routers_and_experts_as_they_were(tmp_path):
+    """docs/moe.md "What is supported": `all-linear` reaches the attention projections only; the merged export
+    differs from the base there and nowhere in the routers or the stacked experts."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    done = run_cli("train", *GRPO, f"model.path={folder}", "model.lora.r=4", "trainer.lr=0.05", "trainer.steps=1",
+                   "trainer.run_name=lora", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    adapter = load_file(tmp_path / "runs" / "lora" / "export" / "policy_adapter" / "adapter_model.safetensors")
+    assert adapter and all(any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in adapter)
+    base = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "lora" / "export" / "policy").state_dict()
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+                           for k in changed)
+    assert not any(".mlp." in k for k in changed)  # routers (mlp.gate) and experts untouched
