@@ -17,7 +17,6 @@ def check_routing_replay(cfg: DictConfig) -> None:
     refused = (
         (cfg.data.source in ("jsonl", "sft"), f"data.source={cfg.data.source}",
          "its sequences were not generated here, so they carry no routes"),
-        (r.placement == "separate", "rollout.placement=separate", "the generator ranks do not send routes"),
         (r.agent is not None, "rollout.agent", "the agent endpoint's rollouts carry no routes"),
         (r.engine == "generate" and (bool(r.tools) or r.environment is not None),
          "rollout.engine=generate with tools", "it re-prefills each turn's whole context, whose routes may differ "

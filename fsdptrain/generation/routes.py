@@ -23,8 +23,9 @@ from fsdptrain.model.moe import moe_layers, route_dtype, routing
 
 def records_routes(cfg, model, mode: str) -> bool:
     """Whether a decoder records routes: a mixture-of-experts policy sampling training rollouts
-    (``mode == "train"``) in the trainer's own processes (the separate placement carries none: docs/moe.md)."""
-    return mode == "train" and bool(moe_layers(model)) and cfg.rollout.placement != "separate"
+    (``mode == "train"``), in the trainer's processes or on a generator rank (``rollout.placement=separate``: the
+    routes travel with the samples it sends, docs/routing-replay.md)."""
+    return mode == "train" and bool(moe_layers(model))
 
 
 class RouteTape:

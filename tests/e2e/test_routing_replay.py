@@ -55,6 +55,16 @@ def test_the_old_logprob_pass_replays_on_two_ranks(cli, tmp_path, near_ties):
     assert row["actor/on_policy_max_ratio_dev"] < 1e-6  # the update forward replays what the pass replayed
 
 
+def test_a_generator_rank_sends_the_routes_it_sampled_and_the_trainer_replays_them(cli, tmp_path, near_ties):
+    """``rollout.placement=separate`` (one trainer rank, one generator rank, k=0): the generator records the routes
+    of its own forwards and they travel with the samples; the trainer's forward replays them within float32
+    rounding of the generator's log-probs."""
+    row, _ = _first_row(cli, tmp_path, "separate", f"model.path={near_ties}", "model.moe.routing_replay=true",
+                        "rollout.placement=separate", "--nproc", "2")
+    assert row["moe/topk_differ/tokens"] > 0.05  # the trainer's routers alone would route elsewhere
+    assert row["rollout/logprob_diff/max"] < 1e-6
+
+
 def test_a_dense_policy_with_replay_is_one_line_and_exit_2(cli, tmp_path):
     proc = cli("train", "model.moe.routing_replay=true", "trainer.steps=1", f"trainer.run_dir={tmp_path / 'd'}")
     assert proc.returncode == 2

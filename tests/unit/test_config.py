@@ -226,3 +226,23 @@ def test_presets_hold_only_what_differs_from_the_defaults(group, name):
     for key, value in _preset_values(PACKAGE_CONF_DIR / group / f"{name}.yaml").items():
         section, field = key.split(".")
         assert value != getattr(getattr(defaults, section), field), f"{group}/{name}.yaml restates {key}={value}"
+
+
+@pytest.mark.parametrize(("overrides", "setting"), [
+    (["data=jsonl", "data.path=x.jsonl", "rollout.max_new_tokens=8"], "data.source=jsonl"),
+    (["rollout.agent=agent.py:run"], "rollout.agent"),
+    (["rollout.engine=generate", "rollout.tools=[tools.py:add]"], "rollout.engine=generate with tools"),
+    (["trainer.share_prompts=true"], "trainer.share_prompts=true"),
+    (["drafter.enabled=true"], "drafter.enabled=true"),
+])
+def test_routing_replay_refuses_what_carries_or_replays_no_routes_in_one_line(overrides, setting):
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config(["model.moe.routing_replay=true", *overrides])
+    message = str(excinfo.value)
+    assert message.startswith(f"model.moe.routing_replay=true is not supported with {setting} (")
+    assert "\n" not in message
+
+
+def test_routing_replay_composes_with_the_separate_placement():
+    cfg = compose_config(["model.moe.routing_replay=true", "rollout.placement=separate", "rollout.max_staleness=1"])
+    assert cfg.model.moe.routing_replay and cfg.rollout.placement == "separate"
