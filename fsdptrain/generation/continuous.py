@@ -598,5 +598,5 @@ class ContinuousDecoder:
         engine = ContinuousEngine(self.model, eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id,
                                   temperature=sampling.temperature, top_p=sampling.top_p,
                                   max_live_rows=rollout.max_live_rows, max_live_tokens=rollout.max_live_tokens,
-                                  record_routes=records_routes(self.cfg, self.model, sampling.mode))
+                                  record_routes=records_routes(self.model, sampling.mode))
         return engine.run(list(requests), on_finish)

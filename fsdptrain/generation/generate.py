@@ -216,7 +216,7 @@ class GenerateDecoder:
     def _generate(self, batch: list[Request], sampling: Sampling, recorder) -> list[Generated]:
         contexts = [list(r.kept or []) + list(r.new_ids) for r in batch]
         train = sampling.mode == "train"
-        tape = RouteTape(self.model) if records_routes(self.cfg, self.model, sampling.mode) else None
+        tape = RouteTape(self.model) if records_routes(self.model, sampling.mode) else None
         with _forward_routes(tape) as forwards:
             input_ids, _, out, logprobs = _generate_padded(
                 self.model, self.tokenizer, contexts, max_new_tokens=max(r.max_new_tokens for r in batch),

@@ -21,7 +21,7 @@ from torch import Tensor
 from fsdptrain.model.moe import moe_layers, route_dtype, routing
 
 
-def records_routes(cfg, model, mode: str) -> bool:
+def records_routes(model, mode: str) -> bool:
     """Whether a decoder records routes: a mixture-of-experts policy sampling training rollouts
     (``mode == "train"``), in the trainer's processes or on a generator rank (``rollout.placement=separate``: the
     routes travel with the samples it sends, docs/routing-replay.md)."""
