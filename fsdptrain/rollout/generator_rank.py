@@ -105,6 +105,8 @@ def _serve(cfg: DictConfig, bridge: Bridge, stop: _StopFlag) -> int:
     served = placement.served_by(placement.generator_index)
     try:
         start = _recv(bridge, 0)
+        if "stop" in start:  # the trainers ended before the first step (a refused resume, an error, a stop)
+            return 0
         for step in range(first_generated_step(start["start"], k), start["num_steps"]):
             began = time.perf_counter()
             while receiver.version is None or receiver.version < generating_version(step, k):

@@ -150,12 +150,13 @@ def test_stale_old_logprobs_raise_the_on_policy_guard(cli, tmp_path):
     (patch_dir / "sitecustomize.py").write_text(textwrap.dedent("""\
         import fsdptrain.train.experience as experience
 
-        _original = experience.policy_logprobs
+        _original = experience.routed_policy_logprobs  # the old log-prob pass (its routes: MoE policies)
 
         def _stale(*args, **kwargs):
-            return [lp - 0.1 for lp in _original(*args, **kwargs)]
+            old, metrics = _original(*args, **kwargs)
+            return [lp - 0.1 for lp in old], metrics
 
-        experience.policy_logprobs = _stale
+        experience.routed_policy_logprobs = _stale
         """))
     env = {"PYTHONPATH": os.pathsep.join([str(patch_dir), os.environ.get("PYTHONPATH", "")])}
     # the guard watches the recomputed old log-probs; `auto` skips that pass on a strictly on-policy step
