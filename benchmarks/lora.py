@@ -122,13 +122,12 @@ def generation(args, *, prompts: int = 32, new_tokens: int = 16) -> dict:
             "speedup_with_merge": separate_s / (merged_s + merge_s), "same_tokens": bool(torch.equal(separate, merged))}
 
 
-def update(args, *, seqs: int = 16, length: int = 64) -> dict:
-    from fsdptrain.model.attention_switch import set_attention
+def random_policy_batch(seqs: int, length: int):
+    """A mini-batch of ``seqs`` random sequences of ``length`` tokens (a quarter prompt) with PPO targets, and
+    token-mean policy-loss settings: what the update benchmarks train on (benchmarks/moe.py too)."""
     from fsdptrain.rl.fused_loss import SeqTargets
     from fsdptrain.rl.pg_terms import PolicyLossSettings
-    from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
-    from fsdptrain.train.pack_losses import packed_policy_loss
-    from fsdptrain.train.step import MiniBatch, update_on_minibatch
+    from fsdptrain.train.step import MiniBatch
 
     gen = torch.Generator().manual_seed(0)
     prompt_len = length // 4
@@ -136,10 +135,19 @@ def update(args, *, seqs: int = 16, length: int = 64) -> dict:
     responses = [torch.randint(3, 512, (length - prompt_len,), generator=gen).tolist() for _ in range(seqs)]
     targets = [SeqTargets(old_logprobs=torch.full((len(r),), -6.0), advantages=torch.randn(len(r), generator=gen))
                for r in responses]
-    batch = MiniBatch(prompts, responses, targets)
     settings = PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
                                   seq_level_ratio=False, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
                                   temperature=1.0, chunk_size=1024)
+    return MiniBatch(prompts, responses, targets), settings
+
+
+def update(args, *, seqs: int = 16, length: int = 64) -> dict:
+    from fsdptrain.model.attention_switch import set_attention
+    from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
+    from fsdptrain.train.pack_losses import packed_policy_loss
+    from fsdptrain.train.step import update_on_minibatch
+
+    batch, settings = random_policy_batch(seqs, length)
     sides = {}
     for name in ("full", "lora"):
         model = _model(args, lora=name == "lora")

@@ -67,30 +67,19 @@ def model_of(args, side: str):
 
 
 def run_side(args) -> dict:
+    from benchmarks.lora import random_policy_batch
     from fsdptrain.model.attention_switch import set_attention
     from fsdptrain.model.loading import without_router_loss
-    from fsdptrain.rl.fused_loss import SeqTargets
-    from fsdptrain.rl.pg_terms import PolicyLossSettings
     from fsdptrain.train.optim import NonFiniteGuard, build_optimizer
     from fsdptrain.train.pack_losses import packed_policy_loss
-    from fsdptrain.train.step import MiniBatch, update_on_minibatch
+    from fsdptrain.train.step import update_on_minibatch
 
     torch.set_num_threads(1)
     model = model_of(args, args.side)
     without_router_loss(model)
     set_attention(model, "sdpa_segments")
     optimizer = build_optimizer(model, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0, eps=1e-8)
-    gen = torch.Generator().manual_seed(0)
-    prompt_len = args.length // 4
-    prompts = [torch.randint(3, 512, (prompt_len,), generator=gen).tolist() for _ in range(args.seqs)]
-    responses = [torch.randint(3, 512, (args.length - prompt_len,), generator=gen).tolist()
-                 for _ in range(args.seqs)]
-    targets = [SeqTargets(old_logprobs=torch.full((len(r),), -6.0), advantages=torch.randn(len(r), generator=gen))
-               for r in responses]
-    batch = MiniBatch(prompts, responses, targets)
-    settings = PolicyLossSettings(agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
-                                  seq_level_ratio=False, kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-                                  temperature=1.0, chunk_size=1024)
+    batch, settings = random_policy_batch(args.seqs, args.length)
     moe_coef = {"dense": None, "moe, aux off": 0.0, "moe, aux on": 0.001}[args.side]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     best = float("inf")
