@@ -58,7 +58,7 @@ from fsdptrain.rl.rollout_correction import (
     rollout_correction_weights,
     rollout_rejection,
 )
-from fsdptrain.train.pack_losses import pack_routing, policy_token_outputs, route_mismatch_metrics
+from fsdptrain.train.pack_losses import policy_token_outputs, route_mismatch_metrics, routed_token_outputs
 
 
 @torch.no_grad()
@@ -106,9 +106,8 @@ def routed_policy_logprobs(model, rollouts, *, replay: bool, temperature: float,
     collected: list[Metrics] = []
 
     def forward(m, packed):
-        with pack_routing(m, packed, replay=replay, record=True) as routes:
-            logprobs_T = policy_token_outputs(m, packed, temperature=temperature, chunk_size=chunk_size,
-                                              compute_entropy=False)[0]
+        logprobs_T, _, routes = routed_token_outputs(m, packed, temperature=temperature, chunk_size=chunk_size,
+                                                     compute_entropy=False, record=True, replay=replay)
         collected.append(route_mismatch_metrics(routes, packed))
         return logprobs_T
 

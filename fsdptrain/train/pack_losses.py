@@ -105,10 +105,20 @@ def policy_token_outputs(model, packed: PackedBatch, *, temperature: float, chun
                          compute_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One forward of the policy over the packed row (`policy_forward`), then `token_logprobs_entropy` of its hidden
     states."""
+    logprobs_T, entropy_T, _ = routed_token_outputs(model, packed, temperature=temperature, chunk_size=chunk_size,
+                                                    compute_entropy=compute_entropy, record=False, replay=False)
+    return logprobs_T, entropy_T
+
+
+def routed_token_outputs(model, packed: PackedBatch, *, temperature: float, chunk_size: int, compute_entropy: bool,
+                         record: bool, replay: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], Routes]:
+    """`policy_token_outputs` whose forward records its routes (``record``) or replays the recorded ones
+    (``replay``, `policy_forward`), with those `Routes`: the old log-prob pass of an MoE policy."""
     head = model.get_output_embeddings()
-    hidden_TH, _ = policy_forward(model, packed, record=False)
-    return token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed,
-                                  temperature=temperature, chunk_size=chunk_size, compute_entropy=compute_entropy)
+    hidden_TH, routes = policy_forward(model, packed, record=record, replay=replay)
+    logprobs_T, entropy_T = token_logprobs_entropy(hidden_TH, head.weight, head.bias, packed, temperature=temperature,
+                                                   chunk_size=chunk_size, compute_entropy=compute_entropy)
+    return logprobs_T, entropy_T, routes
 
 
 @dataclass(frozen=True)
